@@ -1,0 +1,52 @@
+"""Installs megapar. The CUDA kernels in csrc/ are compiled ahead of time only when a
+CUDA-enabled torch and nvcc are both present; otherwise the install succeeds, says so, and
+megapar uses the PyTorch reference implementations (or JIT-builds the kernels on first use
+when asked for them explicitly on a CUDA machine)."""
+import os
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+# Explicit architecture list (Volta..Hopper); override with TORCH_CUDA_ARCH_LIST.
+DEFAULT_ARCH_LIST = "7.0;8.0;8.6;9.0"
+KERNEL_SOURCES = ["csrc/megapar_kernels.cpp", "csrc/softmax.cu", "csrc/layernorm.cu"]
+
+
+def _cuda_extensions():
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        print("megapar: torch not importable at build time; fused kernels will use the PyTorch reference")
+        return [], {}
+    if os.environ.get("MEGAPAR_NO_CUDA_EXT") == "1":
+        print("megapar: MEGAPAR_NO_CUDA_EXT=1; skipping the CUDA extension")
+        return [], {}
+    have_nvcc = CUDA_HOME is not None and shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is not None
+    if torch.version.cuda is None or not have_nvcc:
+        print("megapar: no CUDA-enabled torch or no nvcc; not building csrc/ "
+              "(kernels fall back to the PyTorch reference; --attention-backend fused needs a GPU build)")
+        return [], {}
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+    ext = CUDAExtension(
+        name="megapar_kernels",
+        sources=KERNEL_SOURCES,
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
+    )
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = _cuda_extensions()
+
+setup(
+    name="megapar",
+    version="0.1.0",
+    description="Megatron-style 3D-parallel GPT-2 pretraining in readable PyTorch",
+    packages=find_packages(include=["megapar", "megapar.*"]),
+    python_requires=">=3.10",
+    install_requires=[l.strip() for l in open("requirements.txt") if l.strip() and not l.startswith("#")],
+    extras_require={"apex": ["apex"], "hf": ["transformers", "safetensors"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,38 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # `from distributed import run_distributed`
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_checks.sh on a lent GPU)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """../shared/data (real GPT-2 BPE files and corpora); tests skip when it is absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real test data not found at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def gpt2_files(shared_data) -> tuple[str, str]:
+    """(vocab_file, merge_file) for GPT-2 BPE."""
+    d = shared_data / "gpt2"
+    return str(d / "encoder.json"), str(d / "vocab.bpe")
