@@ -1,0 +1,217 @@
+"""GPT pretraining datasets over `.bin/.idx` data: splits, epochs, shuffling, blending, caching.
+
+    train, valid, test = build_train_valid_test_datasets(
+        ["0.7", "owt_text_document", "0.3", "wiki_text_document"], "949,50,1",
+        seq_length=1024, seed=1234, train_valid_test_num_samples=(800_000, 8_000, 800))
+    train[consumed_samples + k]   # np.int64 array of seq_length + 1 tokens
+
+`--split 949,50,1` splits each dataset's documents into contiguous ranges. A dataset is a
+deterministic map index -> sample that holds at least the requested number of samples; indexing
+past len() wraps around, so training never runs out of data, and resuming at consumed_samples
+gives exactly the next samples. Indices are cached as .npy next to the data (or in cache_dir),
+named by a hash of every input that changes them; with torch.distributed initialised, global
+rank 0 builds them while the other ranks wait at a barrier.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .indexed_dataset import IndexedDataset
+from .sample_index import build_blending_indices, build_indices
+
+INDEX_VERSION = 1  # bump when the index algorithm changes
+
+
+def _log(msg: str) -> None:
+    print(f" > {msg}", flush=True)
+
+
+def parse_split(split: str, size: int) -> list[int]:
+    """'949,50,1' (or '949/50/1') -> 4 document boundaries [0, a, b, size] (Megatron's rounding)."""
+    parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
+    if not parts or any(p < 0 for p in parts) or sum(parts) <= 0 or len(parts) > 3:
+        raise ValueError(f"--split {split!r} must be up to 3 non-negative numbers with a positive sum, e.g. 949,50,1")
+    parts = (parts + [0.0, 0.0])[:3]
+    total = sum(parts)
+    bounds = [0]
+    for p in parts:
+        bounds.append(bounds[-1] + int(round(p / total * float(size))))
+    diff = bounds[-1] - size
+    return [bounds[0]] + [b - diff for b in bounds[1:]]
+
+
+def parse_data_path(data_path: Sequence[str] | str) -> tuple[list[str], Optional[list[float]]]:
+    """[PREFIX] | [W1, P1, W2, P2, ...] | [P1, P2, ...] -> (prefixes, weights or None)."""
+    items = data_path.split() if isinstance(data_path, str) else list(data_path)
+    if not items:
+        raise ValueError("--data-path is empty; pass PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
+
+    def is_num(s: str) -> bool:
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+    if len(items) % 2 == 0 and all(is_num(w) for w in items[0::2]):
+        return items[1::2], [float(w) for w in items[0::2]]
+    if any(is_num(s) for s in items):
+        raise ValueError(f"--data-path {items} mixes weights and prefixes; use W1 PREFIX1 W2 PREFIX2 ...")
+    return items, None
+
+
+# ---- cache -----------------------------------------------------------------------------------
+def _dist_rank() -> tuple[bool, int]:
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return True, dist.get_rank()
+    except ImportError:
+        pass
+    return False, 0
+
+
+def _cache_dir(prefix: str, cache_dir: Optional[str]) -> str:
+    d = cache_dir or os.path.dirname(os.path.abspath(prefix))
+    os.makedirs(d, exist_ok=True)
+    if not os.access(d, os.W_OK):
+        alt = os.path.join(tempfile.gettempdir(), "megapar_index_cache")
+        _log(f"{d} is not writable; caching dataset indices in {alt} (pass cache_dir to choose)")
+        os.makedirs(alt, exist_ok=True)
+        return alt
+    return d
+
+
+def _save_atomic(path: str, arr: np.ndarray) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        np.save(f, arr)
+    os.replace(tmp, path)
+
+
+def _cached_indices(indexed: IndexedDataset, name: str, lo: int, hi: int, num_samples: int,
+                    seq_length: int, seed: int, cache_dir: Optional[str]) -> tuple[np.ndarray, ...]:
+    """Load (doc_idx, sample_idx, shuffle_idx) from the cache, building them first if needed
+    (by global rank 0 only when torch.distributed is initialised)."""
+    sizes = indexed.sequence_lengths
+    h = hashlib.sha256(json.dumps([INDEX_VERSION, lo, hi, int(num_samples), seq_length, seed]).encode())
+    h.update(np.ascontiguousarray(sizes[lo:hi]).tobytes())
+    key = h.hexdigest()[:16]
+    base = os.path.join(_cache_dir(indexed.prefix, cache_dir), f"{os.path.basename(indexed.prefix)}_{name}_{key}")
+    paths = [f"{base}_{kind}_idx.npy" for kind in ("doc", "sample", "shuffle")]
+
+    def build() -> None:
+        _log(f"building {name} indices for {indexed.prefix} (documents [{lo}, {hi}), {num_samples} samples, "
+             f"seq_length {seq_length}, seed {seed})")
+        arrays = build_indices(np.arange(lo, hi, dtype=np.int64), sizes, seq_length, num_samples, seed)
+        for p, a in zip(paths, arrays):
+            _save_atomic(p, a)
+
+    is_dist, rank = _dist_rank()
+    if rank == 0 and not all(os.path.isfile(p) for p in paths):
+        build()
+    if is_dist:
+        import torch.distributed as dist
+        dist.barrier()
+        if not all(os.path.isfile(p) for p in paths):  # cache not on a shared filesystem
+            build()
+    return tuple(np.load(p, mmap_mode="r") for p in paths)
+
+
+# ---- datasets --------------------------------------------------------------------------------
+class GPTDataset:
+    """Samples of seq_length + 1 tokens from documents [lo, hi) of one indexed dataset."""
+
+    def __init__(self, indexed: IndexedDataset, name: str, lo: int, hi: int, num_samples: int,
+                 seq_length: int, seed: int, cache_dir: Optional[str] = None):
+        self.indexed, self.name, self.seq_length = indexed, name, seq_length
+        self.doc_idx, self.sample_idx, self.shuffle_idx = _cached_indices(
+            indexed, name, lo, hi, num_samples, seq_length, seed, cache_dir)
+
+    def __len__(self) -> int:
+        return int(self.shuffle_idx.shape[0])
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        j = int(self.shuffle_idx[int(idx) % len(self)])
+        d0, o0 = (int(x) for x in self.sample_idx[j])
+        d1, o1 = (int(x) for x in self.sample_idx[j + 1])
+        get, docs = self.indexed.get, self.doc_idx
+        if d0 == d1:
+            parts = [get(int(docs[d0]), o0, o1 - o0 + 1)]
+        else:
+            parts = [get(int(docs[d0]), o0)] + [get(int(docs[d])) for d in range(d0 + 1, d1)]
+            parts.append(get(int(docs[d1]), 0, o1 + 1))
+        return np.concatenate(parts).astype(np.int64)
+
+
+class BlendedDataset:
+    """Datasets mixed by weights: sample i comes from dataset_index[i] (prefix-exact proportions)."""
+
+    def __init__(self, datasets: list, weights: Sequence[float], num_samples: int):
+        self.datasets = datasets
+        self.dataset_index, self.dataset_sample_index = build_blending_indices(np.asarray(weights), num_samples)
+
+    def __len__(self) -> int:
+        return int(self.dataset_index.shape[0])
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        i = int(idx) % len(self)
+        return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
+
+
+def _epoch_samples(indexed: IndexedDataset, lo: int, hi: int, seq_length: int) -> int:
+    return max(int((int(indexed.sequence_lengths[lo:hi].sum(dtype=np.int64)) - 1) // seq_length), 0)
+
+
+def _build_split(sets: list[IndexedDataset], weights: Optional[list[float]], bounds: list[tuple[int, int]],
+                 name: str, num_samples: int, seq_length: int, seed: int, cache_dir: Optional[str]):
+    """One split over one or more datasets (None if the split is empty everywhere)."""
+    live = [i for i, (lo, hi) in enumerate(bounds) if hi > lo and _epoch_samples(sets[i], lo, hi, seq_length) > 0]
+    if not live:
+        return None
+    if len(sets) == 1:
+        (lo, hi), = bounds
+        return GPTDataset(sets[0], name, lo, hi, num_samples, seq_length, seed, cache_dir)
+    if weights is None:  # blend by size
+        w = np.array([float(sets[i].sequence_lengths[slice(*bounds[i])].sum(dtype=np.int64)) for i in live])
+    else:
+        w = np.array([weights[i] for i in live])
+    n = num_samples if num_samples > 0 else sum(_epoch_samples(sets[i], *bounds[i], seq_length) for i in live)
+    blend = BlendedDataset([], w, n)
+    counts = np.bincount(blend.dataset_index, minlength=len(live))
+    blend.datasets = [GPTDataset(sets[i], name, *bounds[i], int(max(counts[j], 1)), seq_length, seed, cache_dir)
+                      for j, i in enumerate(live)]
+    return blend
+
+
+def build_train_valid_test_datasets(data_path: Sequence[str] | str, split: str, seq_length: int, seed: int,
+                                    train_valid_test_num_samples: tuple[int, int, int],
+                                    cache_dir: Optional[str] = None):
+    """(train, valid, test) datasets (None for an empty split); see the module docstring."""
+    prefixes, weights = parse_data_path(data_path)
+    sets = [IndexedDataset(p) for p in prefixes]
+    splits = [parse_split(split, len(ds)) for ds in sets]
+    out = []
+    for s, name in enumerate(("train", "valid", "test")):
+        bounds = [(b[s], b[s + 1]) for b in splits]
+        out.append(_build_split(sets, weights, bounds, name, int(train_valid_test_num_samples[s]),
+                                seq_length, seed, cache_dir))
+    for name, ds in zip(("train", "valid", "test"), out):
+        _log(f"{name}: {len(ds) if ds is not None else 0} samples")
+    return tuple(out)
+
+
+def samples_from(dataset, consumed_samples: int, count: int) -> np.ndarray:
+    """[count, seq_length + 1] int64: the samples the run sees after `consumed_samples` (resume)."""
+    return np.stack([dataset[consumed_samples + k] for k in range(count)])
+
+
+if __name__ == "__main__":  # quick look: python -m megapar.data.gpt_dataset PREFIX
+    tr, _, _ = build_train_valid_test_datasets(sys.argv[1:], "949,50,1", 128, 1234, (100, 10, 10))
+    print(len(tr), tr[0][:16])
