@@ -1,0 +1,11 @@
+"""OpenWebText data-prep pipeline (issue 4): Reddit dumps -> clean, deduplicated JSON lines.
+
+One module per step, each a small CLI (``python -m data_prep.openwebtext.<step> --help``):
+
+    extract_urls -> dedup_urls -> blacklist_urls -> download -> merge -> cleanup
+    -> find_duplicates -> group_duplicates -> remove_duplicates -> shuffle
+
+``scripts/prepare_openwebtext.sh`` runs them in order and ends with ``tools/preprocess_data.py``.
+Each step's docstring states its behaviour and every upstream-quirk decision
+(spec: ../shared/OPENWEBTEXT.md).
+"""
