@@ -94,14 +94,14 @@ def _parse(line: bytes, keys: list[str]) -> list[str]:
     return texts
 
 
-def encode_batch(first_lineno: int, lines: list[bytes]) -> dict:
-    """Parse + tokenize a batch of lines. Returns per key (flat tokens, per-doc lengths), the
+def encode_batch(first_lineno: int, blob: bytes) -> dict:
+    """Parse + tokenize a batch of lines (one bytes blob). Returns per key (flat tokens, per-doc lengths), the
     bytes read, and the skipped bad lines as (lineno, reason)."""
     cfg, tok, dtype = _STATE["cfg"], _STATE["tok"], _STATE["dtype"]
     out_tokens = {k: [] for k in cfg.json_keys}
     out_lens = {k: [] for k in cfg.json_keys}
     bad = []
-    for j, line in enumerate(lines):
+    for j, line in enumerate(blob.split(b"\n")):
         if not line.strip():
             continue
         try:
@@ -120,7 +120,7 @@ def encode_batch(first_lineno: int, lines: list[bytes]) -> dict:
             out_lens[k].append(len(ids))
     res = {k: (np.array(out_tokens[k], dtype=dtype), np.array(out_lens[k], dtype=np.int32))
            for k in cfg.json_keys}
-    return {"docs": res, "bytes": sum(len(x) for x in lines), "bad": bad}
+    return {"docs": res, "bytes": len(blob), "bad": bad}
 
 
 # ---- main side -----------------------------------------------------------------------------
@@ -131,18 +131,17 @@ def _open_input(path: str):
     return raw, (gzip.open(raw, "rb") if path.endswith(".gz") else raw)
 
 
-def _batches(f) -> Iterator[tuple[int, list[bytes]]]:
-    """Yield (first line number, lines) batches of about BATCH_BYTES."""
-    lineno, batch, size = 1, [], 0
-    for line in f:
-        batch.append(line)
-        size += len(line)
-        if size >= BATCH_BYTES:
-            yield lineno, batch
-            lineno += len(batch)
-            batch, size = [], 0
-    if batch:
-        yield lineno, batch
+def _batches(f) -> Iterator[tuple[int, bytes]]:
+    """Yield (first line number, blob of whole lines) of about BATCH_BYTES each."""
+    lineno = 1
+    while True:
+        blob = f.read(BATCH_BYTES)
+        if not blob:
+            return
+        if not blob.endswith(b"\n"):
+            blob += f.readline()
+        yield lineno, blob
+        lineno += blob.count(b"\n")
 
 
 def _results(cfg: PreprocessConfig, batches) -> Iterator[dict]:
@@ -154,7 +153,8 @@ def _results(cfg: PreprocessConfig, batches) -> Iterator[dict]:
         for b in batches:
             yield encode_batch(*b)
         return
-    ctx = mp.get_context("spawn")
+    # fork starts workers fast; spawn when torch (threads) is loaded in this process
+    ctx = mp.get_context("spawn" if "torch" in sys.modules else "fork")
     with cf.ProcessPoolExecutor(cfg.workers, mp_context=ctx, initializer=_init_worker, initargs=(cfg,)) as ex:
         pending: collections.deque = collections.deque()
         try:

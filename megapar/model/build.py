@@ -1,0 +1,31 @@
+"""Build this rank's GPT-2 stage from the config and topology, with Megatron's log lines."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..arguments import ModelConfig, padded_vocab_size
+from ..topology import Topology
+from .gpt2 import GPT2Model, Stage
+
+
+def set_vocab(cfg: ModelConfig, vocab_size: int, tp: int, log: Callable[[str], None] = print) -> None:
+    """Fill cfg.vocab_size / cfg.padded_vocab_size and print Megatron's padding line."""
+    cfg.vocab_size = vocab_size
+    cfg.padded_vocab_size = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, tp)
+    log(f"> padded vocab (size: {vocab_size}) with {cfg.padded_vocab_size - vocab_size} dummy tokens "
+        f"(new size: {cfg.padded_vocab_size})")
+
+
+def build_model(cfg: ModelConfig, topo: Topology, rank: int, seed: int, device: torch.device,
+                dtype: torch.dtype) -> GPT2Model:
+    """This rank's stage on `device` in `dtype`. cfg.vocab_size must be set (set_vocab).
+    Data-parallel rank 0 of each (tensor, pipeline) position prints its parameter count."""
+    c = topo.coord(rank)
+    stage = Stage.of(cfg.num_layers, topo.pp, c.pp)
+    model = GPT2Model(cfg, stage, seed, topo.groups.tp, device=device, dtype=dtype)
+    if c.dp == 0:
+        n = sum(p.numel() for p in model.parameters())
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank ({c.tp}, {c.pp}): {n}", flush=True)
+    return model

@@ -1,0 +1,161 @@
+"""GPT-2 from tensor-parallel layers, sliced into pipeline stages.
+
+A stage builds layers [layer_start, layer_end) of the full model. The first stage owns the
+embeddings, the last the final LayerNorm, the (tied) output layer and the loss. With pp > 1 the
+last stage keeps its own copy of the word embeddings (`word_embeddings_for_head`), initialised
+from the same seed as the first stage's, kept identical by all-reducing their gradients.
+
+State-dict keys follow Megatron's legacy layout (SPECS.md), with layer indices local to the stage:
+  language_model.embedding.{word_embeddings,position_embeddings}.weight
+  language_model.encoder.layers.{i}.{input_layernorm,self_attention.query_key_value,...}.{weight,bias}
+  language_model.encoder.final_layernorm.{weight,bias}
+  word_embeddings_for_head.weight
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..arguments import ModelConfig
+from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..tensor_parallel.layers import Init, VocabParallelEmbedding, full_normal, parallel_lm_logits
+from ..tensor_parallel.random import checkpoint
+from .kv_cache import KVCache
+from .transformer import TransformerLayer, make_layernorm
+
+WORD_EMB = "language_model.embedding.word_embeddings.weight"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Which part of the model this rank builds."""
+    layer_start: int
+    layer_end: int
+    is_first: bool
+    is_last: bool
+
+    @staticmethod
+    def of(num_layers: int, pp: int, pp_rank: int) -> "Stage":
+        per = num_layers // pp
+        return Stage(pp_rank * per, (pp_rank + 1) * per, pp_rank == 0, pp_rank == pp - 1)
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, seed: int, tp_group, device, dtype):
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(
+            cfg.padded_vocab_size, cfg.hidden_size, Init(seed, WORD_EMB, cfg.init_method_std), tp_group,
+            device=device, dtype=dtype)
+        pos = full_normal((cfg.max_position_embeddings, cfg.hidden_size),
+                          Init(seed, "language_model.embedding.position_embeddings.weight", cfg.init_method_std))
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                                device=device, dtype=dtype)
+        with torch.no_grad():
+            self.position_embeddings.weight.copy_(pos)
+        self.dropout = cfg.hidden_dropout
+
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(ids) + self.position_embeddings(position_ids)          # [b, s, h]
+        x = x.transpose(0, 1).contiguous()                                              # [s, b, h]
+        return F.dropout(x, p=self.dropout, training=self.training)
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, stage: Stage, seed: int, tp_group, device, dtype):
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(cfg, g, seed, tp_group, device, dtype)
+                                    for g in range(stage.layer_start, stage.layer_end))
+        if stage.is_last:
+            self.final_layernorm = make_layernorm(cfg, device, dtype)
+        self.full_recompute = cfg.recompute_granularity == "full"
+        self.recompute_method, self.recompute_num_layers = cfg.recompute_method, cfg.recompute_num_layers
+
+    def _run_layers(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        for layer in self.layers[start:end]:
+            x = layer(x)
+        return x
+
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        n = len(self.layers)
+        if kv_cache is not None or not (self.full_recompute and self.training):
+            for i, layer in enumerate(self.layers):
+                x = layer(x, None if kv_cache is None else kv_cache.layers[i])
+        elif self.recompute_method == "uniform":   # checkpoint chunks of recompute_num_layers layers
+            for start in range(0, n, self.recompute_num_layers):
+                x = checkpoint(self._run_layers, x, start, min(start + self.recompute_num_layers, n))
+        else:                                     # block: checkpoint only the first recompute_num_layers
+            for i in range(n):
+                x = checkpoint(self._run_layers, x, i, i + 1) if i < self.recompute_num_layers \
+                    else self.layers[i](x)
+        return self.final_layernorm(x) if hasattr(self, "final_layernorm") else x
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, stage: Stage, seed: int, tp_group, device, dtype):
+        super().__init__()
+        if stage.is_first:
+            self.embedding = Embedding(cfg, seed, tp_group, device, dtype)
+        self.encoder = Encoder(cfg, stage, seed, tp_group, device, dtype)
+
+
+class HeadEmbedding(nn.Module):
+    """The last stage's copy of the word embeddings (pp > 1)."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, tp_group, device, dtype):
+        super().__init__()
+        emb = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size,
+                                     Init(seed, WORD_EMB, cfg.init_method_std), tp_group, device=device, dtype=dtype)
+        self.weight = emb.weight
+
+
+class GPT2Model(nn.Module):
+    """One pipeline stage of GPT-2 on one tensor-parallel rank.
+
+    forward(input_ids [b, s], position_ids [b, s], labels [b, s] | None):
+      first stage reads input_ids; later stages read the tensor given to `set_input_tensor`.
+      last stage returns per-token loss [b, s] (fp32) with labels, else vocab-parallel logits
+      [b, s, V_padded/tp]; other stages return hidden states [s, b, h].
+    """
+
+    def __init__(self, cfg: ModelConfig, stage: Stage, seed: int, tp_group=None, device=None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if cfg.padded_vocab_size is None or cfg.vocab_size is None:
+            raise ValueError("ModelConfig.vocab_size and padded_vocab_size must be set (see build_model)")
+        self.cfg, self.stage, self.tp_group = cfg, stage, tp_group
+        self.language_model = LanguageModel(cfg, stage, seed, tp_group, device, dtype)
+        if stage.is_last and not stage.is_first:
+            self.word_embeddings_for_head = HeadEmbedding(cfg, seed, tp_group, device, dtype)
+        self.input_tensor: Optional[torch.Tensor] = None
+
+    def set_input_tensor(self, t: Optional[torch.Tensor]) -> None:
+        """Activation received from the previous pipeline stage ([s, b, h])."""
+        self.input_tensor = t
+
+    def output_embedding_weight(self) -> torch.Tensor:
+        if self.stage.is_first:
+            return self.language_model.embedding.word_embeddings.weight
+        return self.word_embeddings_for_head.weight
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        if self.stage.is_first:
+            if position_ids is None:
+                offset = 0 if kv_cache is None else kv_cache.length
+                position_ids = torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device)
+                position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
+            x = self.language_model.embedding(input_ids, position_ids)                    # [s, b, h]
+        else:
+            x = self.input_tensor
+        x = self.language_model.encoder(x, kv_cache)
+        if not self.stage.is_last:
+            return x
+        logits = parallel_lm_logits(x, self.output_embedding_weight(), self.tp_group)     # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()                                     # [b, s, V/tp]
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.cfg.vocab_size, self.tp_group)
+        return loss.transpose(0, 1).contiguous()                                           # [b, s]

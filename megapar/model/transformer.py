@@ -1,0 +1,118 @@
+"""The GPT-2 transformer layer built from tensor-parallel pieces (activations are [s, b, h])."""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..arguments import ModelConfig
+from ..tensor_parallel.layers import ColumnParallelLinear, Init, RowParallelLinear, tp_rank_size
+from ..tensor_parallel.random import checkpoint, get_rng_tracker
+from .kv_cache import LayerKVCache
+
+
+def make_layernorm(cfg: ModelConfig, device, dtype) -> nn.Module:
+    """torch.nn.LayerNorm (reference) or the fused csrc kernel, by --layernorm-impl."""
+    if cfg.layernorm_impl == "fused":
+        from ..kernels.layernorm import LayerNorm
+        return LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, impl="fused").to(device=device, dtype=dtype)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
+
+
+def core_attention(q, k, v, backend: str, dropout_p: float, causal: bool = True) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hn), causal) v with dropout.   q,k,v: [b, np, s, hn] -> [b, np, sq, hn].
+
+    Dropout runs on the tracker's model-parallel RNG stream (each TP rank owns other heads)."""
+    with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+        if backend == "flash":
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        scores = torch.matmul(q, k.transpose(-1, -2))                                  # [b, np, sq, sk]
+        if backend == "fused":
+            from ..kernels.softmax import scaled_masked_softmax
+            probs = scaled_masked_softmax(scores, scale, mask=None, causal=causal, impl="fused")
+        else:
+            probs = _reference_softmax(scores, scale, causal)
+        if dropout_p > 0:
+            probs = F.dropout(probs, p=dropout_p)
+        return torch.matmul(probs, v)
+
+
+def _reference_softmax(scores: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    sq, sk = scores.shape[-2:]
+    x = scores.float() * scale
+    if causal:  # query i sees keys <= i + (sk - sq) (the offset matters with a KV cache)
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(sk - sq + 1)
+        x = x.masked_fill(mask, float("-inf"))
+    return torch.softmax(x, dim=-1).to(scores.dtype)
+
+
+class ParallelAttention(nn.Module):
+    """Self-attention with heads split across TP ranks. QKV rows are laid out per head,
+    [np, 3, hn] (Megatron checkpoint_version >= 2), so a TP shard holds whole heads."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str, seed: int, tp_group, device, dtype):
+        super().__init__()
+        h, out_std = cfg.hidden_size, cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        _, tp = tp_rank_size(tp_group)
+        self.heads_local, self.hn = cfg.num_attention_heads // tp, cfg.kv_channels
+        self.backend, self.dropout = cfg.attention_backend, cfg.attention_dropout
+        self.selective_recompute = cfg.recompute_granularity == "selective" and self.backend != "flash"
+        self.query_key_value = ColumnParallelLinear(
+            h, 3 * h, Init(seed, f"{prefix}.query_key_value.weight", cfg.init_method_std), tp_group,
+            device=device, dtype=dtype)
+        self.dense = RowParallelLinear(h, h, Init(seed, f"{prefix}.dense.weight", out_std), tp_group,
+                                       device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
+        s, b, _ = x.shape
+        qkv = self.query_key_value(x).view(s, b, self.heads_local, 3, self.hn)        # [s, b, np, 3, hn]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))                   # [b, np, s, hn]
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)                                               # [b, np, sk, hn]
+        p = self.dropout if self.training else 0.0
+        if self.selective_recompute and self.training:
+            ctx = checkpoint(core_attention, q, k, v, self.backend, p)
+        else:
+            backend = "torch" if kv_cache is not None and q.shape[2] != k.shape[2] else self.backend
+            ctx = core_attention(q, k, v, backend, p)                                 # [b, np, s, hn]
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.hn)        # [s, b, h/tp]
+        return self.dense(ctx)
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, seed: int, tp_group, device, dtype):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        self.dense_h_to_4h = ColumnParallelLinear(
+            h, f, Init(seed, f"{prefix}.dense_h_to_4h.weight", cfg.init_method_std), tp_group,
+            device=device, dtype=dtype)
+        self.dense_4h_to_h = RowParallelLinear(f, h, Init(seed, f"{prefix}.dense_4h_to_h.weight", out_std),
+                                               tp_group, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))  # GPT-2 tanh GELU
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LayerNorm block: x + drop(attn(ln(x))); x + drop(mlp(ln(x)))."""
+
+    def __init__(self, cfg: ModelConfig, global_index: int, seed: int, tp_group, device, dtype):
+        super().__init__()
+        prefix = f"language_model.encoder.layers.{global_index}"
+        self.input_layernorm = make_layernorm(cfg, device, dtype)
+        self.self_attention = ParallelAttention(cfg, f"{prefix}.self_attention", seed, tp_group, device, dtype)
+        self.post_attention_layernorm = make_layernorm(cfg, device, dtype)
+        self.mlp = ParallelMLP(cfg, f"{prefix}.mlp", seed, tp_group, device, dtype)
+        self.hidden_dropout = cfg.hidden_dropout
+
+    def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
+        p = self.hidden_dropout if self.training else 0.0
+        x = x + F.dropout(self.self_attention(self.input_layernorm(x), kv_cache), p=p, training=self.training)
+        return x + F.dropout(self.mlp(self.post_attention_layernorm(x)), p=p, training=self.training)

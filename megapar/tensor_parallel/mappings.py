@@ -1,0 +1,112 @@
+"""Conjugate autograd collectives for the tensor-parallel region.
+
+Each function takes its process group explicitly. Pairs are conjugate: the forward of one is
+the backward of the other.
+
+    copy_to_tp      forward: identity;              backward: all-reduce
+    reduce_from_tp  forward: all-reduce;            backward: identity
+    scatter_to_tp   forward: keep my last-dim slice; backward: all-gather (last dim)
+    gather_from_tp  forward: all-gather (last dim);  backward: keep my last-dim slice
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]
+
+
+def _world(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if _world(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    n = _world(group)
+    if n == 1:
+        return x
+    if x.shape[-1] % n:
+        raise ValueError(f"last dim {x.shape[-1]} not divisible by tensor-parallel size {n}")
+    return x.chunk(n, dim=-1)[dist.get_rank(group)].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    n = _world(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: identity; backward: all-reduce the gradient over `group`."""
+    return x if _world(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: all-reduce (sum) over `group`; backward: identity."""
+    return x if _world(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: keep this rank's slice of the last dim; backward: all-gather the last dim."""
+    return x if _world(group) == 1 else _ScatterToTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """forward: all-gather along the last dim; backward: keep this rank's slice."""
+    return x if _world(group) == 1 else _GatherFromTP.apply(x, group)

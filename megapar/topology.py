@@ -1,0 +1,116 @@
+"""Topology: the only place that does rank arithmetic and creates process groups.
+
+Rank order is tensor-parallel fastest, then data-parallel, then pipeline (Megatron's
+tp-dp-pp), so TP groups stay inside a node:
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+With 16 ranks, tp=2, pp=4 (dp=2): TP groups [0,1],[2,3],...; DP groups [0,2],[1,3],[4,6],...;
+PP groups [0,4,8,12],[1,5,9,13],...; the embedding group of each pipeline is its first and
+last stage. Everything except `create_groups` is pure arithmetic and needs no processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Coord:
+    tp: int
+    dp: int
+    pp: int
+
+
+@dataclass
+class Groups:
+    """The torch.distributed groups of one rank (None before `create_groups`)."""
+    tp: Optional[dist.ProcessGroup] = None
+    dp: Optional[dist.ProcessGroup] = None
+    pp: Optional[dist.ProcessGroup] = None
+    mp: Optional[dist.ProcessGroup] = None          # tp x pp: one full model replica
+    embedding: Optional[dist.ProcessGroup] = None   # first + last stage (when they differ)
+
+
+@dataclass
+class Topology:
+    tp: int
+    pp: int
+    dp: int
+    groups: Groups = field(default_factory=Groups, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Topology: {name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    # ---- coordinates -------------------------------------------------------------------
+    def coord(self, rank: int) -> Coord:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+        return Coord(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
+
+    def rank(self, tp: int, dp: int, pp: int) -> int:
+        return tp + self.tp * (dp + self.dp * pp)
+
+    # ---- group member lists (each a list of rank lists covering the world) ------------
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+
+    def mp_groups(self) -> list[list[int]]:
+        """Model-parallel groups: all tp x pp ranks holding one replica (one dp index)."""
+        return [[self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last stage of each pipeline (one rank when pp == 1)."""
+        return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The member list of `rank`'s group of `kind` (tp, dp, pp, mp, embedding)."""
+        for members in getattr(self, f"{kind}_groups")():
+            if rank in members:
+                return members
+        raise AssertionError(f"rank {rank} in no {kind} group")
+
+    # ---- pipeline neighbours ---------------------------------------------------------
+    def is_first_stage(self, rank: int) -> bool:
+        return self.coord(rank).pp == 0
+
+    def is_last_stage(self, rank: int) -> bool:
+        return self.coord(rank).pp == self.pp - 1
+
+    def next_rank(self, rank: int) -> Optional[int]:
+        c = self.coord(rank)
+        return None if c.pp == self.pp - 1 else self.rank(c.tp, c.dp, c.pp + 1)
+
+    def prev_rank(self, rank: int) -> Optional[int]:
+        c = self.coord(rank)
+        return None if c.pp == 0 else self.rank(c.tp, c.dp, c.pp - 1)
+
+    # ---- process groups ----------------------------------------------------------------
+    def create_groups(self, rank: int) -> Groups:
+        """Create every torch.distributed group (collectively: all ranks must call this).
+
+        Each new_group call is made by every rank in the same order, as torch requires."""
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(f"world size {dist.get_world_size()} != tp*pp*dp = {self.world_size}")
+        mine = Groups()
+        for kind in ("tp", "dp", "pp", "mp", "embedding"):
+            for members in getattr(self, f"{kind}_groups")():
+                group = dist.new_group(members)
+                if rank in members:
+                    setattr(mine, kind, group)
+        self.groups = mine
+        return mine

@@ -1,0 +1,46 @@
+import pytest
+import torch.distributed as dist
+
+from megapar.arguments import ConfigError, padded_vocab_size, parse_config
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32"]
+
+
+def test_aliases_and_derived_sizes():
+    cfg = parse_config(BASE + ["--tensor-parallel", "2", "--pipeline-parallel", "2", "--micro-batch-size", "2",
+                               "--global-batch-size", "16"], world_size=8)
+    assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.parallel.pipeline_model_parallel_size == 2
+    assert cfg.parallel.data_parallel_size == 2 and cfg.num_microbatches == 4
+    assert cfg.model.ffn_hidden_size == 256 and cfg.model.max_position_embeddings == 32
+
+
+def test_old_checkpoint_activations_flag():
+    cfg = parse_config(BASE + ["--checkpoint-activations"], world_size=1)
+    m = cfg.model
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "uniform", 1)
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (["--tensor-parallel", "3"], 4, "world size 4 is not divisible by --tensor-model-parallel-size 3"),
+    (["--tensor-parallel", "16"], 16, "--num-attention-heads 8 is not divisible by --tensor-model-parallel-size 16"),
+    (["--hidden-size", "60"], 1, "--hidden-size 60 is not divisible by --num-attention-heads 8"),
+    (["--pipeline-parallel", "3"], 3, "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
+    (["--micro-batch-size", "3", "--global-batch-size", "8"], 2, "--global-batch-size 8 is not divisible"),
+    (["--max-position-embeddings", "16"], 1, "--seq-length 32 is larger than --max-position-embeddings 16"),
+    (["--fp16", "--bf16"], 1, "--fp16 and --bf16 were both given"),
+    (["--tokenizer-type", "BertWordPiece"], 1, "unknown --tokenizer-type 'BertWordPiece'"),
+    (["--train-iters", "5", "--train-samples", "10"], 1, "--train-iters and --train-samples"),
+    (["--recompute-method", "block"], 1, "--recompute-method needs --recompute-granularity full"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "9"], 1, "--recompute-num-layers 9"),
+    (["--sequence-parallel"], 1, "--sequence-parallel is not implemented"),
+])
+def test_invalid_combinations_fail_before_any_process_group(extra, world, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        parse_config(BASE + extra, world_size=world)
+    assert not dist.is_initialized()
+
+
+def test_padded_vocab_matches_megatron():
+    assert padded_vocab_size(50257, 128, 1) == 50304
+    assert padded_vocab_size(50257, 128, 2) == 50432
+    assert padded_vocab_size(50257, 128, 4) == 50688

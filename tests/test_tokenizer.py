@@ -1,0 +1,84 @@
+"""Tokenizers: GPT-2 BPE from local files equals tiktoken's gpt2 ranks on real corpora."""
+import base64
+import json
+
+import pytest
+
+from megapar.data.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def gpt2(gpt2_files):
+    return build_tokenizer("GPT2BPETokenizer", *gpt2_files)
+
+
+@pytest.fixture(scope="module")
+def reference_encoding(shared_data, gpt2):
+    """tiktoken's gpt2 encoding from the pinned gpt2.tiktoken ranks file (offline)."""
+    import tiktoken
+    ranks = {}
+    with open(shared_data / "gpt2" / "gpt2.tiktoken") as f:
+        for line in f:
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok)] = int(rank)
+    return tiktoken.Encoding("gpt2-ref", pat_str=gpt2.enc._pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256})
+
+
+def test_types_exported():
+    assert TOKENIZER_TYPES == ("GPT2BPETokenizer", "SentencePieceTokenizer", "TikTokenizer")
+
+
+def test_gpt2_basics(gpt2):
+    assert gpt2.tokenize("Hello world") == [15496, 995]
+    assert gpt2.vocab_size == 50257 and gpt2.eod == 50256
+    assert gpt2.detokenize([15496, 995]) == "Hello world"
+
+
+def test_literal_endoftext_is_ordinary_text(gpt2):
+    assert gpt2.tokenize("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
+
+
+def test_ids_equal_tiktoken_gpt2_on_real_corpora(shared_data, gpt2, reference_encoding):
+    corpora = shared_data / "corpora"
+    texts = []
+    for name in ("webtext.test.jsonl", "webtext.valid.jsonl"):
+        with open(corpora / "webtext_gpt2_trunc63" / name) as f:
+            texts += [json.loads(line)["text"] for line in f]
+    texts += [p.read_text() for p in sorted((corpora / "webtext_gpt2_sample").glob("*.txt"))]
+    texts.append((corpora / "tinyshakespeare" / "input.txt").read_text())
+    texts.append((corpora / "gutenberg_emma" / "austen-emma.txt").read_text())
+    for t in texts:
+        ids = gpt2.tokenize(t)
+        assert ids == reference_encoding.encode_ordinary(t)
+    assert all(gpt2.detokenize(gpt2.tokenize(t)) == t for t in texts[:500])
+    assert all(len(gpt2.tokenize(t)) == 63 for t in texts[:100])  # the corpus' own invariant
+
+
+def test_missing_vocab_file_names_file_and_flag(tmp_path, gpt2_files):
+    missing = str(tmp_path / "nope.json")
+    with pytest.raises(TokenizerError, match=r"--vocab-file.*nope\.json"):
+        build_tokenizer("GPT2BPETokenizer", missing, gpt2_files[1])
+    with pytest.raises(TokenizerError, match="--merge-file"):
+        build_tokenizer("GPT2BPETokenizer", gpt2_files[0], None)
+
+
+def test_unknown_type_and_bad_tiktoken_name():
+    with pytest.raises(TokenizerError, match="unknown --tokenizer-type"):
+        build_tokenizer("BertWordPiece")
+    with pytest.raises(TokenizerError, match="--vocab-file"):
+        build_tokenizer("TikTokenizer", tiktoken_name="no_such_encoding_xyz")
+
+
+def test_sentencepiece_train_and_roundtrip(tmp_path):
+    from megapar.data.train_tokenizer import train_sentencepiece
+    text = tmp_path / "t.txt"
+    lines = [f"The quick brown fox {i} jumps over the lazy dog number {i * 7}." for i in range(300)]
+    text.write_text("\n".join(lines) + "\n")
+    model = train_sentencepiece([str(text)], str(tmp_path / "spm"), vocab_size=400)
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
+    assert tok.vocab_size == 400 and tok.eod == 1
+    s = "Hello  world,\n  ünïcödé 😀 tabs\there"
+    assert tok.detokenize(tok.tokenize(s)) == s
+    with pytest.raises(TokenizerError, match="--tokenizer-model"):
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "missing.model"))
