@@ -61,13 +61,14 @@ class FakeWeb:
         self.server.daemon_threads = True
         self.proxy = f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def text(self, i: int) -> str:
+    def text(self, i: int) -> tuple[int, str]:
+        """(source page number, text) of page ``i``; an exact copy has its source's title too."""
         kind = i % 20
         if kind == 6:
             return self.text(i - 1)
         if kind == 7:
-            return near_copy(self.text(i - 2))
-        return self.chunks[i % len(self.chunks)]
+            return i - 2, near_copy(self.text(i - 2)[1])
+        return i, self.chunks[i % len(self.chunks)]
 
     def respond(self, url: str) -> tuple[int, dict, bytes]:
         """(status, headers, body) for one request URL."""
@@ -79,7 +80,7 @@ class FakeWeb:
         else:
             return 404, {"Content-Type": "text/html"}, b"<html><body>Not found</body></html>"
         kind = i % 20
-        page = lambda: page_html(f"Story {i}", self.text(i))  # noqa: E731
+        page = lambda: page_html(f"Story {self.text(i)[0]}", self.text(i)[1])  # noqa: E731
         if parts.hostname != "moved.example":
             if kind == 0:
                 return 404, {"Content-Type": "text/html"}, b"<html><body>Not found</body></html>"

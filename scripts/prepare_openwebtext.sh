@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# OpenWebText: Pushshift dumps -> URLs -> pages -> clean, deduplicated JSON lines -> .bin/.idx.
+#
+#   bash scripts/prepare_openwebtext.sh --dumps DIR --output DIR --vocab-file encoder.json --merge-file vocab.bpe \
+#        [--workers N] [--concurrency N] [--timeout S] [--retries N] [--backoff S] [--max-bytes B] [--max-urls N]
+#        [--proxy URL] [--min-karma 3] [--seed 1234] [--no-progress]
+#
+# Resumable: each step writes its output atomically and is skipped when that output exists; the download
+# step skips URLs that already have a result. Re-running after an interruption finishes the job and gives
+# the same files as an uninterrupted run. Per-step kept/removed counts: OUTPUT/summaries/*.json.
+# Each step is a CLI in data_prep/openwebtext/ (python -m data_prep.openwebtext.<step> --help).
+set -euo pipefail
+
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+die() { echo "error: $*" >&2; exit 2; }
+
+DUMPS= OUT= VOCAB= MERGE= WORKERS=$(nproc 2>/dev/null || echo 2) CONC=16 TIMEOUT=10 RETRIES=2 BACKOFF=1
+MAXBYTES=5242880 MAXURLS=-1 PROXY= KARMA=3 SEED=1234 PROGRESS=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dumps) DUMPS=$2; shift 2 ;;          --output) OUT=$2; shift 2 ;;
+    --vocab-file) VOCAB=$2; shift 2 ;;     --merge-file) MERGE=$2; shift 2 ;;
+    --workers) WORKERS=$2; shift 2 ;;      --concurrency) CONC=$2; shift 2 ;;
+    --timeout) TIMEOUT=$2; shift 2 ;;      --retries) RETRIES=$2; shift 2 ;;
+    --backoff) BACKOFF=$2; shift 2 ;;      --max-bytes) MAXBYTES=$2; shift 2 ;;
+    --max-urls) MAXURLS=$2; shift 2 ;;     --proxy) PROXY=$2; shift 2 ;;
+    --min-karma) KARMA=$2; shift 2 ;;      --seed) SEED=$2; shift 2 ;;
+    --no-progress) PROGRESS=--no-progress; shift ;;
+    -h|--help) usage 0 ;;
+    *) echo "error: unknown argument $1" >&2; usage ;;
+  esac
+done
+[ -n "$DUMPS" ] && [ -n "$OUT" ] || die "--dumps and --output are required (see --help)"
+[ -d "$DUMPS" ] || die "--dumps $DUMPS is not a folder; point it at your Pushshift RS_* dumps"
+[ -f "$VOCAB" ] && [ -f "$MERGE" ] || die "--vocab-file/--merge-file must be the local GPT-2 encoder.json and vocab.bpe"
+
+DUMPS=$(realpath "$DUMPS"); OUT=$(realpath -m "$OUT"); VOCAB=$(realpath "$VOCAB"); MERGE=$(realpath "$MERGE")
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+S="$OUT/summaries"
+mkdir -p "$S"
+step() {  # step NAME OUTPUT MODULE ARGS...: run unless OUTPUT exists
+  local name=$1 output=$2 module=$3; shift 3
+  if [ -e "$output" ]; then echo "[$name] done already ($output), skipping" >&2; return; fi
+  echo "[$name] running" >&2
+  "$PY" -m "data_prep.openwebtext.$module" "$@" $PROGRESS --summary "$S/$name.json"
+}
+
+# 1. Always runs: finished dumps are skipped inside the step.
+"$PY" -m data_prep.openwebtext.extract_urls --psdir "$DUMPS" --outdir "$OUT/urls" --min-karma "$KARMA" \
+  $PROGRESS --summary "$S/extract_urls.json"
+step dedup_urls "$OUT/urls_deduped" dedup_urls --input-dir "$OUT/urls" --output-dir "$OUT/urls_deduped"
+step blacklist_urls "$OUT/clean_urls.txt" blacklist_urls "$OUT/urls_deduped" --output "$OUT/clean_urls.txt"
+# 4. Always runs until complete: finished URLs are skipped inside the step; merged.jsonl marks completion.
+if [ ! -e "$OUT/merged.jsonl" ]; then
+  "$PY" -m data_prep.openwebtext.download --url-file "$OUT/clean_urls.txt" --output-dir "$OUT/download" \
+    --concurrency "$CONC" --timeout "$TIMEOUT" --retries "$RETRIES" --backoff "$BACKOFF" --max-bytes "$MAXBYTES" \
+    --max-urls "$MAXURLS" ${PROXY:+--proxy "$PROXY"} $PROGRESS --summary "$S/download.json"
+fi
+step merge "$OUT/merged.jsonl" merge "$OUT/download" --output "$OUT/merged.jsonl"
+step cleanup "$OUT/cleaned.jsonl" cleanup "$OUT/merged.jsonl" "$OUT/cleaned.jsonl" \
+  --vocab-file "$VOCAB" --merge-file "$MERGE" --workers "$WORKERS"
+step find_duplicates "$OUT/near_duplicates.jsonl" find_duplicates "$OUT/cleaned.jsonl" \
+  --output "$OUT/near_duplicates.jsonl" --seed "$SEED" --workers "$WORKERS"
+step group_duplicates "$OUT/duplicate_groups.jsonl" group_duplicates "$OUT/near_duplicates.jsonl" \
+  "$OUT/duplicate_groups.jsonl"
+step remove_duplicates "$OUT/deduplicated.jsonl" remove_duplicates "$OUT/duplicate_groups.jsonl" \
+  "$OUT/cleaned.jsonl" "$OUT/deduplicated.jsonl"
+step shuffle "$OUT/openwebtext.jsonl" shuffle "$OUT/deduplicated.jsonl" "$OUT/openwebtext.jsonl" --seed "$SEED"
+
+PREFIX="$OUT/openwebtext"
+if [ -e "${PREFIX}_text_document.idx" ]; then
+  echo "[preprocess_data] done already, skipping" >&2
+else
+  echo "[preprocess_data] running" >&2
+  "$PY" tools/preprocess_data.py --input "$OUT/openwebtext.jsonl" --output-prefix "$PREFIX" --json-keys text \
+    --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB" --merge-file "$MERGE" --append-eod --workers "$WORKERS"
+fi
+"$PY" -m megapar.data.validate "${PREFIX}_text_document"
+echo "done: ${PREFIX}_text_document.{bin,idx}" >&2
