@@ -172,7 +172,7 @@ class IndexedDatasetBuilder:
         """Write the .idx and atomically move .bin and .idx into place (.idx last)."""
         self._bin.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
-        if len(self._doc_idx) == 1 or self._doc_idx[-1] != self._n:
+        if self._doc_idx[-1] != self._n:
             self._doc_idx.append(self._n)  # close a trailing unfinished document
         tmp_idx = idx_path + f".tmp{os.getpid()}"
         with open(tmp_idx, "wb") as f:

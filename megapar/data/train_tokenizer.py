@@ -26,7 +26,7 @@ def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: in
         character_coverage=1.0, byte_fallback=True, unk_id=0, eos_id=1, bos_id=-1, pad_id=-1,
         normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
         allow_whitespace_only_pieces=True, input_sentence_size=0, shuffle_input_sentence=False,
-        max_sentence_length=1 << 16, num_threads=num_threads, minloglevel=2 if quiet else 0)
+        hard_vocab_limit=False, max_sentence_length=1 << 16, num_threads=num_threads, minloglevel=2 if quiet else 0)
     for ext in (".vocab", ".model"):  # .model last: it is what readers look for
         os.replace(tmp_prefix + ext, model_prefix + ext)
     return model_prefix + ".model"
