@@ -1,0 +1,135 @@
+"""preprocess_data: byte equality with Megatron's outputs, edge documents, errors, atomicity."""
+import gzip
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megapar.data.indexed_dataset import IndexedDataset, validate
+from megapar.data.preprocess import PreprocessConfig, PreprocessError, preprocess
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = str(ROOT / "tools" / "preprocess_data.py")
+
+
+def reference_sha256(shared_data) -> dict:
+    """{(file stem, ext): sha256} parsed from the corpus' SOURCE.md."""
+    text = (shared_data / "corpora" / "webtext_gpt2_trunc63" / "SOURCE.md").read_text()
+    out = {}
+    for m in re.finditer(r"\| (webtext\.\w+)\.jsonl \| `([0-9a-f]{64})` .*?\| `([0-9a-f]{64})`", text):
+        out[(m.group(1), ".bin")], out[(m.group(1), ".idx")] = m.group(2), m.group(3)
+    assert len(out) == 4
+    return out
+
+
+def run(tmp_path, gpt2_files, lines_or_path, workers=1, **kw):
+    inp = lines_or_path
+    if isinstance(lines_or_path, list):
+        inp = tmp_path / "in.jsonl"
+        inp.write_text("".join(lines_or_path))
+    cfg = PreprocessConfig(input=str(inp), output_prefix=str(tmp_path / "out"), vocab_file=gpt2_files[0],
+                           merge_file=gpt2_files[1], append_eod=True, workers=workers, quiet=True, **kw)
+    return preprocess(cfg), str(tmp_path / "out_text_document")
+
+
+@pytest.mark.parametrize("stem,workers", [("webtext.test", 1), ("webtext.valid", 2)])
+def test_byte_identical_to_megatron(tmp_path, shared_data, gpt2_files, stem, workers):
+    ref = reference_sha256(shared_data)
+    src = shared_data / "corpora" / "webtext_gpt2_trunc63" / f"{stem}.jsonl"
+    _, prefix = run(tmp_path, gpt2_files, src, workers=workers)
+    for ext in (".bin", ".idx"):
+        assert hashlib.sha256(Path(prefix + ext).read_bytes()).hexdigest() == ref[(stem, ext)]
+    assert validate(prefix)["num_sequences"] == (4723 if stem == "webtext.test" else 4724)
+
+
+def test_cli_gzip_and_workers_give_identical_bytes(tmp_path, shared_data, gpt2_files):
+    src = shared_data / "corpora" / "webtext_gpt2_trunc63" / "webtext.test.jsonl"
+    gz = tmp_path / "test.jsonl.gz"
+    data = src.read_bytes()[:300_000]
+    gz.write_bytes(gzip.compress(data[:data.rindex(b"\n") + 1]))
+    outs = []
+    for w in (1, 3):
+        prefix = tmp_path / f"w{w}"
+        r = subprocess.run([sys.executable, TOOL, "--input", str(gz), "--output-prefix", str(prefix),
+                            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", gpt2_files[0],
+                            "--merge-file", gpt2_files[1], "--append-eod", "--workers", str(w),
+                            "--log-interval", "100"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "MB/s" in r.stderr and "ETA" in r.stderr
+        outs.append([Path(f"{prefix}_text_document{e}").read_bytes() for e in (".bin", ".idx")])
+    assert outs[0] == outs[1]
+
+
+def test_empty_whitespace_and_literal_eod_documents(tmp_path, gpt2_files):
+    docs = ["a", "", "   ", "b<|endoftext|>", "\n"]
+    lines = [json.dumps({"text": d}) + "\n" for d in docs] + ["\n", "  \n"]  # blank lines are skipped
+    res, prefix = run(tmp_path, gpt2_files, lines)
+    ds = IndexedDataset(prefix)
+    assert ds.document_indices.tolist() == [0, 1, 1, 2, 3, 4]  # "" adds a boundary, no sequence
+    assert [x.tolist() for x in ds] == [[64, 50256], [220, 220, 220, 50256], [65, 27, 91, 437, 1659, 5239, 91, 29, 50256],
+                                       [198, 50256]]
+    assert res["text"]["num_docs"] == 5
+
+
+def test_multiple_json_keys(tmp_path, gpt2_files):
+    lines = [json.dumps({"text": "Hello world", "title": "Hi"}) + "\n"]
+    res, _ = run(tmp_path, gpt2_files, lines, json_keys=["text", "title"])
+    assert IndexedDataset(str(tmp_path / "out_title_document"))[0].tolist() == [17250, 50256]
+    assert res["text"]["num_tokens"] == 3
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_malformed_line_stops_with_line_number_and_no_outputs(tmp_path, gpt2_files, workers):
+    lines = [json.dumps({"text": "fine"}) + "\n"] * 5 + ['{"text": "broken\n'] + [json.dumps({"text": "x"}) + "\n"]
+    with pytest.raises(PreprocessError, match=r"in\.jsonl:6: malformed line"):
+        run(tmp_path, gpt2_files, lines, workers=workers)
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]  # no partial or temporary outputs
+
+
+def test_missing_key_and_lone_surrogate_are_errors(tmp_path, gpt2_files):
+    with pytest.raises(PreprocessError, match=r":2: .*missing key 'text'"):
+        run(tmp_path, gpt2_files, ['{"text": "a"}\n', '{"body": "b"}\n'])
+    with pytest.raises(PreprocessError, match=r":1: malformed"):
+        run(tmp_path, gpt2_files, ['{"text": "a\\ud800b"}\n'])
+
+
+def test_skip_bad_lines_counts(tmp_path, gpt2_files):
+    lines = ['{"text": "a"}\n', "not json\n", '{"text": 5}\n', '{"text": "b"}\n']
+    res, prefix = run(tmp_path, gpt2_files, lines, skip_bad_lines=True)
+    assert res["bad_lines"] == 2
+    assert [x.tolist() for x in IndexedDataset(prefix)] == [[64, 50256], [65, 50256]]
+
+
+def test_cli_worker_error_fails_fast(tmp_path, gpt2_files):
+    inp = tmp_path / "bad.jsonl"
+    inp.write_text(json.dumps({"text": "ok " * 50}) + "\n" + "{oops\n")
+    r = subprocess.run([sys.executable, TOOL, "--input", str(inp), "--output-prefix", str(tmp_path / "o"),
+                        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", gpt2_files[0],
+                        "--merge-file", gpt2_files[1], "--workers", "2"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "bad.jsonl:2: malformed line" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
+    r = subprocess.run([sys.executable, TOOL, "--input", str(inp), "--output-prefix", str(tmp_path / "o"),
+                        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "missing.json"),
+                        "--merge-file", gpt2_files[1]], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "--vocab-file" in r.stderr and "missing.json" in r.stderr
+
+
+def test_sentencepiece_tokenizer_uses_uint16(tmp_path):
+    from megapar.data.train_tokenizer import train_sentencepiece
+    txt = tmp_path / "t.txt"
+    txt.write_text("\n".join(f"line {i} of some english text about dogs and cats" for i in range(200)) + "\n")
+    model = train_sentencepiece([str(txt)], str(tmp_path / "spm"), vocab_size=300)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": "dogs and cats"}) + "\n")
+    cfg = PreprocessConfig(input=str(tmp_path / "in.jsonl"), output_prefix=str(tmp_path / "sp"),
+                           tokenizer_type="SentencePieceTokenizer", tokenizer_model=model, append_eod=True,
+                           quiet=True)
+    preprocess(cfg)
+    ds = IndexedDataset(str(tmp_path / "sp_text_document"))
+    assert ds.dtype == np.uint16 and ds[0][-1] == 1
