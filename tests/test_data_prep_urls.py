@@ -1,0 +1,79 @@
+"""URL stages of the OpenWebText pipeline on the real Pushshift dumps (extract, cross-month dedup, blacklist)."""
+import bz2
+import json
+import lzma
+
+import pytest
+
+from data_prep.openwebtext import blacklist_urls, dedup_urls, extract_urls
+from data_prep.openwebtext.url_rules import megatron_bad_reason
+
+
+@pytest.fixture(scope="module")
+def dumps(shared_data):
+    return shared_data / "openwebtext_urls" / "pushshift_dumps"
+
+
+def test_extract_counts_on_real_dumps(dumps, tmp_path):
+    summary = extract_urls.main(["--psdir", str(dumps), "--outdir", str(tmp_path), "--no-progress"])
+    # 1,182 submissions; 840 have score >= 3 (SOURCE.md); jcpeterson's list drops 7 by domain, 7 by extension.
+    assert summary["counts"] == {"submissions": 1182, "kept": 826, "removed:low_karma": 342,
+                                 "removed:domain": 7, "removed:extension": 7, "dumps_done": 2}
+    june = (tmp_path / "RS_v2_2005-06.xz.goodlinks.txt").read_text().splitlines()
+    assert len(june) == 81 and all(u.startswith("http://") for u in june)
+    again = extract_urls.main(["--psdir", str(dumps), "--outdir", str(tmp_path), "--no-progress"])
+    assert again["counts"] == {"dumps_skipped_done": 2}  # resume: finished dumps are skipped
+
+
+def test_extract_reads_bz2_and_zst_like_xz(dumps, tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    raw = lzma.decompress((dumps / "RS_v2_2005-06.xz").read_bytes())
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "RS_2005-06.bz2").write_bytes(bz2.compress(raw))
+    (src / "RS_2005-07.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    extract_urls.main(["--psdir", str(src), "--outdir", str(tmp_path / "out"), "--no-progress"])
+    a = (tmp_path / "out" / "RS_2005-06.bz2.goodlinks.txt").read_text()
+    b = (tmp_path / "out" / "RS_2005-07.zst.goodlinks.txt").read_text()
+    assert a == b and len(a.splitlines()) == 81
+
+
+def test_dedup_normalisation_and_month_order(tmp_path):
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    (src / "RS_2011-02.bz2.goodlinks.txt").write_text(
+        "http://a.com/x?b=2&a=1\nhttp://A.com/y\nhttp://new.com/z?q=1&amp;r=2\n")
+    (src / "RS_2011-01.bz2.goodlinks.txt").write_text("http://a.com/x?a=1&b=2\nhttp://a.com/y")  # no final \n
+    summary = dedup_urls.main(["--input-dir", str(src), "--output-dir", str(out), "--no-progress"])
+    assert summary["counts"] == {"urls": 5, "kept": 3, "removed:duplicate": 2}
+    assert (out / "RS_2011-01.bz2.deduped.txt").read_text() == "http://a.com/x?a=1&b=2\nhttp://a.com/y\n"
+    assert (out / "RS_2011-02.bz2.deduped.txt").read_text() == "http://new.com/z?q=1&r=2\n"  # unescaped
+
+
+def test_blacklist_reference_counts(shared_data, tmp_path):
+    urls = shared_data / "openwebtext_urls" / "RS_v2_2005-06_07.urls.txt"
+    out = tmp_path / "clean.txt"
+    summary = blacklist_urls.main([str(urls), "--output", str(out), "--no-progress"])
+    assert summary["counts"] == {"urls": 1182, "kept": 1162, "removed:domain": 10, "removed:extension": 10}
+    assert out.read_text().splitlines() == [u for u in urls.read_text().splitlines()
+                                            if megatron_bad_reason(u) is None]
+
+
+@pytest.mark.parametrize("url,reason", [
+    ("http://maps.google.co.uk/x", "domain"), ("http://i.redd.it/abc", "domain"),
+    ("http://example.com/a.7z", "extension"), ("http://example.com/logo.ai", "extension"),
+    ("http://example.com/doc.pdf#page=2", "extension"), ("https://x.ai/", None),
+    ("http:/a", "short"), ("http://localhost/page", "malformed"), ("http://my_host.com/", "malformed"),
+    ("http://example.com/story.html?id=1", None),
+])
+def test_blacklist_rules(url, reason):
+    assert megatron_bad_reason(url) == reason
+
+
+def test_blacklist_duplicates_and_missing_input(tmp_path):
+    (tmp_path / "a.txt").write_text("http://example.com/1\nhttp://example.com/1\n\n")
+    summary = blacklist_urls.main([str(tmp_path), "--output", str(tmp_path / "o.out"), "--no-progress"])
+    assert summary["counts"] == {"urls": 3, "kept": 1, "removed:duplicate": 1, "removed:short": 1}
+    with pytest.raises(SystemExit):
+        blacklist_urls.main([str(tmp_path / "nope"), "--output", str(tmp_path / "x")])
+    assert not json.dumps(summary).count("malformed")
