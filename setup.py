@@ -32,7 +32,9 @@ def _cuda_extensions():
     ext = CUDAExtension(
         name="megapar_kernels",
         sources=KERNEL_SOURCES,
-        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
+        include_dirs=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"],
+                            "nvcc": ["-O3", "--use_fast_math", "-lineinfo", "-std=c++17"]},
     )
     return [ext], {"build_ext": BuildExtension}
 
