@@ -102,7 +102,7 @@ def _jit_build() -> ModuleType:
     tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.building-", dir=final.parent))
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
     try:
-        load(name=JIT_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3"],
+        mod = load(name=JIT_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3"],
              extra_cuda_cflags=NVCC_FLAGS, extra_include_paths=[str(CSRC)], build_directory=str(tmp),
              verbose=os.environ.get("MEGAPAR_KERNEL_VERBOSE") == "1", is_python_module=True)
         try:
@@ -112,7 +112,7 @@ def _jit_build() -> ModuleType:
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(f"megapar: JIT build of the fused CUDA kernels failed: {e}") from e
-    return _import_from(sorted(final.glob(f"{JIT_NAME}*.so"))[0])
+    return mod
 
 
 def load_fused_kernels() -> ModuleType:
