@@ -35,9 +35,13 @@ def _log(msg: str) -> None:
 
 def parse_split(split: str, size: int) -> list[int]:
     """'949,50,1' (or '949/50/1') -> 4 document boundaries [0, a, b, size] (Megatron's rounding)."""
-    parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
+    msg = f"--split {split!r} must be up to 3 non-negative numbers with a positive sum, e.g. 949,50,1"
+    try:
+        parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(msg) from None
     if not parts or any(p < 0 for p in parts) or sum(parts) <= 0 or len(parts) > 3:
-        raise ValueError(f"--split {split!r} must be up to 3 non-negative numbers with a positive sum, e.g. 949,50,1")
+        raise ValueError(msg)
     parts = (parts + [0.0, 0.0])[:3]
     total = sum(parts)
     bounds = [0]
