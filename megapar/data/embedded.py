@@ -93,7 +93,8 @@ def _locked(out_dir: str):
 
 def _corpus(out_dir: str, max_bytes: int) -> tuple[str, str]:
     """Write (once) docs.jsonl and the matching plain-text file; return their paths."""
-    jsonl, txt = os.path.join(out_dir, "stdlib_docs.jsonl"), os.path.join(out_dir, "stdlib_docs.txt")
+    base = os.path.join(out_dir, f"stdlib_docs_{max_bytes}")
+    jsonl, txt = base + ".jsonl", base + ".txt"
     if not (os.path.isfile(jsonl) and os.path.isfile(txt)):
         _log(f"collecting docstrings from the Python {sys.version.split()[0]} standard library")
         docs = collect_stdlib_docs(max_bytes)
@@ -142,7 +143,7 @@ def prepare_embedded_dataset(out_dir: str, vocab_file: Optional[str] = None, mer
         cfg = PreprocessConfig(input=jsonl, output_prefix=os.path.join(out_dir, f"stdlib_{kind}_{tag}"),
                                append_eod=True, workers=1, quiet=True, **tok_args)
         res = preprocess(cfg)
-        info = {"data_prefix": res["text"]["bin"][:-len(".bin")], **tok_args,
+        info = {"data_prefix": res["text"]["bin"][:-len(".bin")], **tok_args, "corpus": jsonl,
                 "vocab_size": build_tokenizer(**tok_args).vocab_size,
                 "num_docs": res["text"]["num_docs"], "num_tokens": res["text"]["num_tokens"]}
         _write_atomic(manifest, [json.dumps(info, indent=1) + "\n"])
