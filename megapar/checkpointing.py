@@ -1,0 +1,251 @@
+"""Checkpoints in Megatron's legacy layout (SPECS.md), written atomically.
+
+    DIR/latest_checkpointed_iteration.txt                  written last, by rank 0
+    DIR/iter_0000600/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
+    DIR/iter_0000600/mp_rank_.../distrib_optim.pt          ZeRO-1 optimizer state (full over dp)
+
+Every rank writes into `iter_XXXXXXX.partial/`; after a barrier rank 0 renames it into place
+and then writes the tracker, so a crash mid-save never damages an earlier checkpoint.
+Optimizer state is keyed by parameter name ({"state": {name: {master_param, exp_avg,
+exp_avg_sq}}, "step", "grad_scaler", "param_groups"}) so any layout can be resharded.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .tensor_parallel.random import get_rng_tracker
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+CHECKPOINT_VERSION = 3.0
+# Arguments that must match between a checkpoint and the run that loads it.
+SHAPE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+              "vocab_size")
+
+
+class CheckpointError(RuntimeError):
+    """A missing, truncated, corrupt or incompatible checkpoint; the message names the file."""
+
+
+# ---- names and small atomic helpers ------------------------------------------------------
+def iter_dir(root: str, iteration: int | str) -> str:
+    name = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    return os.path.join(root, name)
+
+
+def shard_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_file(path: str) -> dict:
+    """torch.load with one clear error for a missing, truncated or corrupt file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete "
+                              f"(was it saved with a different parallel layout?)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # zip/pickle errors have many types
+        raise CheckpointError(f"checkpoint file {path} is truncated or corrupt ({type(e).__name__}: {e}); "
+                              f"load an earlier iteration or re-save it") from None
+
+
+def read_tracker(root: str) -> Optional[int | str]:
+    """The iteration named by DIR/latest_checkpointed_iteration.txt, or None if absent."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        return "release"
+    if not text.isdigit():
+        raise CheckpointError(f"{path} should hold an iteration number or 'release', found {text[:40]!r}")
+    return int(text)
+
+
+# ---- model state nesting (SPECS.md) ---------------------------------------------------------
+def nest_model_state(flat: dict[str, torch.Tensor]) -> dict:
+    """Flat GPT2Model keys -> Megatron's nested `model` dict."""
+    lm: dict = {}
+    out: dict = {"language_model": lm}
+    for key, t in flat.items():
+        if key.startswith("language_model.embedding."):
+            name, leaf = key[len("language_model.embedding."):].rsplit(".", 1)
+            lm.setdefault("embedding", {}).setdefault(name, {})[leaf] = t
+        elif key.startswith("language_model.encoder."):
+            lm.setdefault("encoder", {})[key[len("language_model.encoder."):]] = t
+        elif key.startswith("word_embeddings_for_head."):
+            out.setdefault("word_embeddings_for_head", {})[key.split(".", 1)[1]] = t
+        else:
+            raise KeyError(f"unexpected model key {key}")
+    return out
+
+
+def flatten_model_state(nested: dict) -> dict[str, torch.Tensor]:
+    flat = {}
+    lm = nested.get("language_model", {})
+    for name, leaves in lm.get("embedding", {}).items():
+        for leaf, t in leaves.items():
+            flat[f"language_model.embedding.{name}.{leaf}"] = t
+    for key, t in lm.get("encoder", {}).items():
+        flat[f"language_model.encoder.{key}"] = t
+    for leaf, t in nested.get("word_embeddings_for_head", {}).items():
+        flat[f"word_embeddings_for_head.{leaf}"] = t
+    return flat
+
+
+# ---- RNG ------------------------------------------------------------------------------------
+def get_rng_state() -> dict:
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "rng_tracker_states": get_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    get_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+# ---- save -------------------------------------------------------------------------------------
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
+                    topo, rank: int, save_optim: bool = True, save_rng: bool = True) -> None:
+    """Collective: every rank calls it. `args` is stored as the checkpoint's `args`
+    (it must carry consumed_train_samples, vocab_size and padded_vocab_size)."""
+    c = topo.coord(rank)
+    final, staging = iter_dir(root, iteration), iter_dir(root, iteration) + ".partial"
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    _barrier()
+    shard = os.path.join(staging, shard_dir_name(c.tp, c.pp, topo.pp))
+    distributed = getattr(optimizer, "is_distributed", False)
+    optim_state = optimizer.state_for_save() if save_optim and optimizer is not None else None  # collective (ZeRO)
+    if c.dp == 0:
+        os.makedirs(shard, exist_ok=True)
+        state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                 "model": nest_model_state({k: v.detach().cpu() for k, v in model.state_dict().items()})}
+        if optim_state is not None:
+            state["optimizer"] = {"distributed": True, "grad_scaler": optim_state["grad_scaler"]} \
+                if distributed else optim_state
+            if distributed:
+                atomic_torch_save(optim_state, os.path.join(shard, DISTRIB_OPTIM_FILE))
+        if scheduler is not None:
+            state["opt_param_scheduler"] = scheduler.state_dict()
+        if save_rng:
+            state["rng_state"] = [get_rng_state()]
+        atomic_torch_save(state, os.path.join(shard, MODEL_FILE))
+    _barrier()
+    if rank == 0:
+        _publish(root, final, staging, iteration)
+    _barrier()
+
+
+def _publish(root: str, final: str, staging: str, iteration: int) -> None:
+    """Move the finished staging dir into place, then write the tracker (last)."""
+    old = None
+    if os.path.exists(final):
+        old = f"{final}.old.{int(time.time())}"
+        os.replace(final, old)
+    os.replace(staging, final)
+    atomic_write_text(os.path.join(root, TRACKER), str(iteration))
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- load -------------------------------------------------------------------------------------
+def check_args(saved: argparse.Namespace, current: argparse.Namespace, path: str) -> None:
+    """Explain every incompatibility between the checkpoint's arguments and this run's."""
+    s_tp, s_pp = saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size
+    c_tp, c_pp = current.tensor_model_parallel_size, current.pipeline_model_parallel_size
+    if (s_tp, s_pp) != (c_tp, c_pp):
+        raise CheckpointError(
+            f"checkpoint {path} was saved with tensor-parallel {s_tp} x pipeline-parallel {s_pp}, but this run "
+            f"uses {c_tp} x {c_pp}; reshard it first: python tools/checkpoint_util.py --load-dir <ckpt> "
+            f"--save-dir <new> --target-tensor-parallel-size {c_tp} --target-pipeline-parallel-size {c_pp}")
+    diffs = [f"--{a.replace('_', '-')} {getattr(saved, a, None)} (checkpoint) vs {getattr(current, a, None)} (run)"
+             for a in SHAPE_ARGS if getattr(saved, a, None) != getattr(current, a, None)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} does not match this model: " + "; ".join(diffs) +
+                              "; use the checkpoint's model flags (or a matching tokenizer)")
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Namespace, topo, rank: int,
+                    load_optim: bool = True, load_rng: bool = True, finetune: bool = False) -> tuple[int, int]:
+    """Load this rank's shard. Returns (iteration, consumed_train_samples); (0, 0) when `root`
+    holds no checkpoint yet (a warning is printed, training starts from scratch)."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        if rank == 0:
+            print(f"WARNING: no {TRACKER} in {root}; not loading a checkpoint, starting from scratch", flush=True)
+        return 0, 0
+    c = topo.coord(rank)
+    shard = os.path.join(iter_dir(root, iteration), shard_dir_name(c.tp, c.pp, topo.pp))
+    path = os.path.join(shard, MODEL_FILE)
+    if not os.path.isfile(path):
+        _explain_missing_shard(root, iteration, path, topo)
+    state = load_file(path)
+    check_args(state["args"], args, path)
+    model.load_state_dict(flatten_model_state(state["model"]))
+    restore_optim = load_optim and not finetune and optimizer is not None
+    if restore_optim and "optimizer" not in state:
+        raise CheckpointError(f"checkpoint {path} has no optimizer state (saved with --no-save-optim); "
+                              f"load it with --no-load-optim or --finetune")
+    if restore_optim:
+        saved = state["optimizer"]
+        if saved.get("distributed"):
+            saved = load_file(os.path.join(shard, DISTRIB_OPTIM_FILE))
+        optimizer.load_saved_state(saved)
+        if scheduler is not None and "opt_param_scheduler" in state:
+            scheduler.load_state_dict(state["opt_param_scheduler"])
+    if load_rng and not finetune and "rng_state" in state:
+        set_rng_state(state["rng_state"][0])
+    if finetune:
+        return 0, 0
+    it = 0 if iteration == "release" else int(state["iteration"])
+    if rank == 0:
+        print(f"  successfully loaded checkpoint from {root} at iteration {it}", flush=True)
+    return it, int(getattr(state["args"], "consumed_train_samples", 0))
+
+
+def _explain_missing_shard(root: str, iteration, path: str, topo) -> None:
+    present = sorted(os.listdir(iter_dir(root, iteration))) if os.path.isdir(iter_dir(root, iteration)) else []
+    raise CheckpointError(f"checkpoint file {path} is missing (found shards: {', '.join(present) or 'none'}); "
+                          f"the checkpoint was probably saved with a different tensor/pipeline layout than "
+                          f"tp={topo.tp}, pp={topo.pp} -- reshard it with tools/checkpoint_util.py")

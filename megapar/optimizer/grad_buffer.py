@@ -1,0 +1,160 @@
+"""One flat fp32 buffer holding every parameter's gradient, reduced over data parallelism.
+
+Each parameter gets `param.main_grad`, a view into the buffer. A hook after each backward
+accumulation adds `param.grad` into `main_grad` (fp32 accumulation across microbatches, whatever
+the parameter dtype) and frees `param.grad`.
+
+The buffer is cut into buckets (parameters in reverse registration order, roughly the order
+backward produces them). Each bucket is padded to a multiple of dp, so it splits into dp equal
+shards; data-parallel rank d owns shard d of every bucket (the ZeRO-1 layout; with a single
+bucket the buffer is simply cut into dp equal ranges). Reduction per bucket is either
+  * all_reduce      (plain data parallelism: every rank gets the full averaged gradient), or
+  * reduce_scatter  (ZeRO-1: each rank gets the averaged gradient of the shard it owns).
+With `overlap=True` a bucket's collective starts asynchronously as soon as its last gradient
+arrives during the final microbatch's backward; `finish()` waits for all of them.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclass
+class Bucket:
+    start: int                                 # [start, end) in the flat buffer (end padded to dp)
+    end: int
+    params: list[nn.Parameter]
+    pending: set = field(default_factory=set)  # ids of params whose grads have not arrived yet
+    handle: Optional[object] = None
+
+    def shard(self, dp_rank: int, dp: int) -> tuple[int, int]:
+        """The [start, end) range of the buffer this dp rank owns within this bucket."""
+        size = (self.end - self.start) // dp
+        return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
+
+
+class GradBuffer:
+    def __init__(self, params: Iterable[nn.Parameter], dp_group: Optional[dist.ProcessGroup],
+                 mode: str = "all_reduce", bucket_numel: Optional[int] = None, overlap: bool = False,
+                 late_params: Iterable[nn.Parameter] = ()):
+        """late_params go into a final bucket that is only reduced in `finish()`, after its
+        `before_late` callback (used to sum the tied embedding over the embedding group first)."""
+        if mode not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"unknown grad-buffer mode {mode}")
+        self.dp_group, self.mode, self.overlap = dp_group, mode, overlap
+        self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
+        self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
+        late = list(late_params)
+        late_ids = {id(p) for p in late}
+        params = [p for p in params if p.requires_grad and id(p) not in late_ids][::-1]
+        device = (params or late)[0].device
+        self.buckets = self._plan_buckets(params, bucket_numel) + ([self._bucket_for(late, 0)] if late else [])
+        self._fix_offsets()
+        total = self.buckets[-1].end if self.buckets else 0
+        self.data = torch.zeros(total, dtype=torch.float32, device=device)
+        self.param_range: dict[int, tuple[int, int]] = {}
+        offset_of = self._offsets
+        for b in self.buckets:
+            for p in b.params:
+                start = offset_of[id(p)]
+                self.param_range[id(p)] = (start, start + p.numel())
+                p.main_grad = self.data[start:start + p.numel()].view_as(p)
+                p.register_post_accumulate_grad_hook(self._hook(b))
+        self.sync_enabled = True
+        self.late_bucket = self.buckets[-1] if late else None
+
+    # ---- layout ------------------------------------------------------------------------
+    def _bucket_for(self, params: list[nn.Parameter], start: int) -> Bucket:
+        return Bucket(start, start, params)
+
+    def _plan_buckets(self, params: list[nn.Parameter], bucket_numel: Optional[int]) -> list[Bucket]:
+        buckets, current, size = [], [], 0
+        for p in params:
+            current.append(p)
+            size += p.numel()
+            if bucket_numel is not None and size >= bucket_numel:
+                buckets.append(Bucket(0, 0, current))
+                current, size = [], 0
+        if current:
+            buckets.append(Bucket(0, 0, current))
+        return buckets
+
+    def _fix_offsets(self) -> None:
+        """Lay buckets end to end, each padded to a multiple of dp."""
+        self._offsets, pos = {}, 0
+        for b in self.buckets:
+            b.start = pos
+            for p in b.params:
+                self._offsets[id(p)] = pos
+                pos += p.numel()
+            pos += (-(pos - b.start)) % self.dp
+            b.end = pos
+
+    # ---- accumulation and reduction -------------------------------------------------------
+    def _hook(self, bucket: Bucket) -> Callable[[nn.Parameter], None]:
+        def hook(p: nn.Parameter) -> None:
+            p.main_grad.add_(p.grad)
+            p.grad = None
+            if self.sync_enabled and self.overlap and bucket is not self.late_bucket:
+                bucket.pending.discard(id(p))
+                if not bucket.pending:
+                    self._launch(bucket, async_op=True)
+        return hook
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate only (no communication) inside this block: all but the last microbatch."""
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = True
+
+    def start_step(self) -> None:
+        """Reset for a new global batch: zero the gradients, arm the bucket triggers."""
+        self.data.zero_()
+        for b in self.buckets:
+            b.pending, b.handle = {id(p) for p in b.params}, None
+
+    def _launch(self, bucket: Bucket, async_op: bool) -> None:
+        if self.dp == 1 or bucket.handle is not None:
+            bucket.handle = bucket.handle or "done"
+            return
+        view = self.data[bucket.start:bucket.end]
+        view.div_(self.dp)
+        if self.mode == "all_reduce":
+            bucket.handle = dist.all_reduce(view, group=self.dp_group, async_op=async_op)
+        else:
+            lo, hi = bucket.shard(self.dp_rank, self.dp)
+            bucket.handle = dist.reduce_scatter_tensor(self.data[lo:hi], view, group=self.dp_group,
+                                                       async_op=async_op)
+        bucket.handle = bucket.handle or "done"
+
+    def finish(self, before_late: Optional[Callable[[], None]] = None) -> None:
+        """Complete every bucket's reduction (launching those not yet started) and wait."""
+        for b in self.buckets:
+            if b is self.late_bucket and before_late is not None:
+                before_late()
+            if b.handle is None:
+                self._launch(b, async_op=self.overlap)
+        for b in self.buckets:
+            if b.handle not in (None, "done"):
+                b.handle.wait()
+            b.handle = "done"
+
+    # ---- views for optimizers -------------------------------------------------------------
+    def owned_slices(self, p: nn.Parameter) -> list[tuple[int, int]]:
+        """Parts [lo, hi) of p's flat range (relative to p) that this dp rank owns (ZeRO-1)."""
+        start, end = self.param_range[id(p)]
+        out = []
+        for b in self.buckets:
+            lo, hi = b.shard(self.dp_rank, self.dp)
+            lo, hi = max(lo, start), min(hi, end)
+            if lo < hi:
+                out.append((lo - start, hi - start))
+        return out

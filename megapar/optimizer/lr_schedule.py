@@ -1,0 +1,48 @@
+"""Learning-rate schedule: linear warmup, then linear/cosine decay to --min-lr (Megatron's
+OptimizerParamScheduler, counted in iterations)."""
+from __future__ import annotations
+
+import math
+
+
+class OptimizerParamScheduler:
+    def __init__(self, optimizer, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
+                 decay_style: str = "cosine", weight_decay: float = 0.0):
+        if decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"unknown --lr-decay-style {decay_style!r}")
+        if not 0 <= min_lr <= max_lr:
+            raise ValueError(f"need 0 <= --min-lr ({min_lr}) <= --lr ({max_lr})")
+        self.optimizer, self.max_lr, self.min_lr = optimizer, max_lr, min_lr
+        self.warmup_steps, self.decay_steps = warmup_steps, max(decay_steps, warmup_steps)
+        self.decay_style, self.weight_decay = decay_style, weight_decay
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self) -> float:
+        n = self.num_steps
+        if self.warmup_steps > 0 and n <= self.warmup_steps:
+            return self.max_lr * n / self.warmup_steps
+        if self.decay_style == "constant":
+            return self.max_lr
+        if n > self.decay_steps:
+            return self.min_lr
+        ratio = (n - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps)
+        coeff = 1.0 - ratio if self.decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int = 1) -> float:
+        self.num_steps += increment
+        lr = self.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def state_dict(self) -> dict:
+        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.warmup_steps,
+                "lr_decay_steps": self.decay_steps, "lr_decay_style": self.decay_style,
+                "num_steps": self.num_steps, "start_wd": self.weight_decay, "end_wd": self.weight_decay,
+                "wd_incr_style": "constant"}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state["num_steps"])
+        self.step(0)

@@ -1,0 +1,152 @@
+"""AdamW with fp32 master weights and fp32 gradients from the GradBuffer.
+
+    step():  [fp16] unscale grads, detect inf/nan on any rank -> skip everywhere
+             clip by the global norm (TP/PP/DP aware, replicated params counted once)
+             AdamW on fp32 masters -> copy into the model's bf16/fp16/fp32 params
+
+No weight decay on biases and LayerNorm parameters (every 1-D parameter). Optimizer state is
+saved keyed by parameter name, so checkpoints can be resharded to any layout.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..model.sharding import tp_partition_dim
+from .grad_buffer import GradBuffer
+
+
+def no_weight_decay(name: str, p: nn.Parameter) -> bool:
+    return p.ndim < 2
+
+
+def counts_for_norm(name: str, tp_rank: int) -> bool:
+    """Count each distinct gradient once in the global norm: TP-replicated tensors only on TP
+    rank 0; the last stage's copy of the word embeddings never (the first stage counts it)."""
+    if name.startswith("word_embeddings_for_head"):
+        return False
+    return tp_partition_dim(name) is not None or tp_rank == 0
+
+
+def make_adamw(groups: list[dict], cfg, device: torch.device) -> torch.optim.AdamW:
+    kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    if device.type == "cuda":
+        kw["fused"] = True
+    else:
+        kw["foreach"] = True
+    return torch.optim.AdamW(groups, **kw)
+
+
+def global_norm(squares: list[torch.Tensor], group: Optional[dist.ProcessGroup], device) -> float:
+    """sqrt of the sum over `group` of the local sums of squares."""
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    if squares:
+        total += torch.stack([s.float() for s in squares]).sum()
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    return total.sqrt().item()
+
+
+class MixedPrecisionOptimizer:
+    """Full (non-sharded) optimizer: every data-parallel rank holds all masters and moments."""
+
+    def __init__(self, model: nn.Module, grad_buffer: GradBuffer, cfg, scaler, tp_rank: int,
+                 norm_group: Optional[dist.ProcessGroup], inf_group: Optional[dist.ProcessGroup]):
+        """norm_group: ranks whose gradients together form one full model (tp x pp);
+        inf_group: every rank (an overflow anywhere skips the step everywhere)."""
+        self.cfg, self.buffer, self.scaler = cfg, grad_buffer, scaler
+        self.norm_group, self.inf_group = norm_group, inf_group
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.device = self.named[0][1].device
+        self.masters = {n: (p if p.dtype == torch.float32 else p.detach().float().clone()) for n, p in self.named}
+        self.norm_names = {n for n, _ in self.named if counts_for_norm(n, tp_rank)}
+        groups = [{"params": [self.masters[n] for n, p in self.named if not no_weight_decay(n, p)],
+                   "weight_decay": cfg.weight_decay},
+                  {"params": [self.masters[n] for n, p in self.named if no_weight_decay(n, p)],
+                   "weight_decay": 0.0}]
+        self.adam = make_adamw(groups, cfg, self.device)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.adam.param_groups
+
+    # ---- step ------------------------------------------------------------------------
+    def _grads(self) -> dict[str, torch.Tensor]:
+        return {n: p.main_grad for n, p in self.named}
+
+    def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        """Multiply grads by 1/scale; True if any rank saw inf/nan (all ranks then skip)."""
+        found = torch.zeros(1, device=self.device)
+        inv = torch.full((1,), 1.0 / self.scaler.scale, device=self.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        if dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.inf_group)
+        return bool(found.item())
+
+    def step(self) -> tuple[bool, float]:
+        """Returns (applied, grad_norm). applied is False when fp16 overflow skipped the step."""
+        grads = self._grads()
+        if self.cfg.fp16:
+            found_inf = self._unscale_and_check(list(grads.values()))
+            self.scaler.update(found_inf)
+            if found_inf:
+                return False, float("nan")
+        norm = global_norm([torch.sum(g.float() ** 2) for n, g in grads.items() if n in self.norm_names],
+                           self.norm_group, self.device)
+        self._clip(list(grads.values()), norm)
+        self._adam_step(grads)
+        return True, norm
+
+    def _clip(self, grads: list[torch.Tensor], norm: float) -> None:
+        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+            coef = self.cfg.clip_grad / (norm + 1e-6)
+            for g in grads:
+                g.mul_(coef)
+
+    def _adam_step(self, grads: dict[str, torch.Tensor]) -> None:
+        for n, p in self.named:
+            self.masters[n].grad = grads[n]
+        self.adam.step()
+        with torch.no_grad():
+            for n, p in self.named:
+                self.masters[n].grad = None
+                if self.masters[n] is not p:
+                    p.copy_(self.masters[n])
+
+    # ---- checkpoint state (keyed by parameter name) ------------------------------------
+    def state_for_save(self) -> dict:
+        state = {}
+        for n, _ in self.named:
+            m = self.masters[n]
+            s = self.adam.state.get(m, {})
+            state[n] = {"master_param": m.detach().float().cpu().clone(),
+                        "exp_avg": s["exp_avg"].cpu().clone() if "exp_avg" in s else torch.zeros_like(m, device="cpu"),
+                        "exp_avg_sq": s["exp_avg_sq"].cpu().clone() if "exp_avg_sq" in s else torch.zeros_like(m, device="cpu")}
+        return {"state": state, "step": self._step_count(), "grad_scaler": self.scaler.state_dict(),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.adam.param_groups]}
+
+    def _step_count(self) -> int:
+        for s in self.adam.state.values():
+            return int(s["step"])
+        return 0
+
+    def load_saved_state(self, saved: dict, load_moments: bool = True) -> None:
+        missing = [n for n, _ in self.named if n not in saved["state"]]
+        if missing:
+            raise ValueError(f"optimizer state in checkpoint lacks parameters {missing[:3]}...")
+        with torch.no_grad():
+            for n, p in self.named:
+                src = saved["state"][n]
+                self.masters[n].copy_(src["master_param"])
+                if self.masters[n] is not p:
+                    p.copy_(self.masters[n])
+                if load_moments:
+                    self.adam.state[self.masters[n]] = {
+                        "step": torch.tensor(float(saved["step"]),
+                                             device=self.device if self.adam.defaults.get("fused") else "cpu"),
+                        "exp_avg": src["exp_avg"].to(self.device, torch.float32).clone(),
+                        "exp_avg_sq": src["exp_avg_sq"].to(self.device, torch.float32).clone()}
+        self.scaler.load_state_dict(saved["grad_scaler"])
