@@ -68,6 +68,8 @@ _STATE: dict = {}
 
 
 def _init_worker(cfg: PreprocessConfig) -> None:
+    if _STATE.get("cfg") is cfg:  # inherited through fork: nothing to build
+        return
     tok = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model,
                           cfg.tiktoken_name)
     _STATE.update(cfg=cfg, tok=tok, dtype=best_dtype(tok.vocab_size))
@@ -204,8 +206,7 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     raw, f = _open_input(cfg.input)
-    if cfg.workers <= 1:
-        _STATE.update(cfg=cfg, tok=tok, dtype=dtype)
+    _STATE.update(cfg=cfg, tok=tok, dtype=dtype)  # used in-process and by forked workers
     builders = {k: IndexedDatasetBuilder(cfg.output_paths(k)[0], dtype) for k in cfg.json_keys}
     stats = {k: {"num_docs": 0, "num_tokens": 0} for k in cfg.json_keys}
     bad_lines: list = []
