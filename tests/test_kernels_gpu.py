@@ -23,7 +23,7 @@ def test_softmax_parity(dtype, shape, mode):
     x64 = x.double().requires_grad_()
     ref = scaled_masked_softmax_reference(x64, 0.3, mask, mode == "causal")
     ref.backward(dy.double())
-    xl = x.to(dtype).requires_grad_()
+    xl = x.to(dtype).clone().requires_grad_()
     out = scaled_masked_softmax(xl, 0.3, mask, mode == "causal", impl="fused")
     out.backward(dy.to(dtype))
     assert out.dtype == dtype
@@ -38,7 +38,7 @@ def test_layernorm_parity(dtype, rows, h, fused_add):
     w, b = torch.randn(h, device="cuda") + 1, torch.randn(h, device="cuda")
 
     def run(impl, dt):
-        leaves = [t.to(dt).requires_grad_() for t in (x, r, w, b)]
+        leaves = [t.detach().to(dt).clone().requires_grad_() for t in (x, r, w, b)]
         if fused_add:
             y, s = fused_add_layer_norm(leaves[0], leaves[1], leaves[2], leaves[3], 1e-5, impl=impl)
             torch.autograd.backward([y, s], [dy.to(dt), dy.to(dt)])

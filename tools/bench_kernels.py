@@ -73,12 +73,12 @@ def parity_softmax(dtype: torch.dtype, b: int, np_: int, sq: int, sk: int, mode:
     x64 = scores.double().requires_grad_()
     ref = scaled_masked_softmax_reference(x64, scale, mask, causal)
     ref.backward(dy.double())
-    xl = scores.to(dtype).requires_grad_()
+    xl = scores.to(dtype).clone().requires_grad_()  # clone: fp32 .to() would alias the leaves
     poison()
     out = scaled_masked_softmax(xl, scale, mask, causal, impl="fused")
     poison()
     out.backward(dy.to(dtype))
-    xt = scores.to(dtype).requires_grad_()
+    xt = scores.to(dtype).clone().requires_grad_()
     outt = scaled_masked_softmax_reference(xt, scale, mask, causal)
     outt.backward(dy.to(dtype))
     errs = {"fwd": rel(out, ref), "bwd": rel(xl.grad, x64.grad)}
@@ -101,7 +101,7 @@ def parity_layernorm(dtype: torch.dtype, rows: int, h: int, fused_add: bool) -> 
     eps = 1e-5
 
     def run(xx, rr, ww, bb, impl):
-        leaves = [t.requires_grad_() for t in (xx, rr, ww, bb)]
+        leaves = [t.detach().clone().requires_grad_() for t in (xx, rr, ww, bb)]
         if fused_add:
             y, s = fused_add_layer_norm(leaves[0], leaves[1], leaves[2], leaves[3], eps, impl=impl)
             torch.autograd.backward([y, s], [dy.to(y.dtype), ds.to(y.dtype)])
