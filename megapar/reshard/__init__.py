@@ -1,0 +1,54 @@
+"""Checkpoint resharding: any (tp, pp, dp) -> canonical full tensors -> any other layout.
+
+    load_model_state_for(load_dir, tp, pp, tp_rank, pp_rank) -> (args, flat model state dict)
+    ShardedCheckpoint(root)       a checkpoint of any layout, read as canonical tensors one at a time
+    (see convert.py / canonical.py for writing)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Optional
+
+import torch
+
+from .layout import split, stage_keys, target_padded_vocab
+from .source import ShardedCheckpoint
+
+
+def target_args(args: argparse.Namespace, vocab_size: Optional[int], tp: int, pp: int,
+                dp: Optional[int] = None, distributed_optimizer: Optional[bool] = None) -> argparse.Namespace:
+    """A copy of a checkpoint's args with the parallel sizes and padded vocabulary of the target."""
+    out = copy.deepcopy(args)
+    out.tensor_model_parallel_size, out.pipeline_model_parallel_size = tp, pp
+    if vocab_size is not None:
+        out.padded_vocab_size = target_padded_vocab(args, vocab_size, tp)
+    if dp is not None:
+        out.data_parallel_size = dp
+        if hasattr(out, "world_size"):
+            out.world_size = tp * pp * dp
+    if distributed_optimizer is not None:
+        out.use_distributed_optimizer = distributed_optimizer
+    return out
+
+
+def load_model_state_for(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int,
+                         iteration: Optional[int | str] = None) -> tuple[argparse.Namespace, dict[str, torch.Tensor]]:
+    """Load a checkpoint of any layout as the model state of shard (tp_rank, pp_rank) of a
+    (tp, pp) model, in memory. Returns (args with tensor/pipeline sizes and padded_vocab_size
+    updated for the target, flat GPT2Model state dict with stage-local layer indices) --
+    ready for `GPT2Model.load_state_dict`. Vocab rows beyond the true vocab size are zeros.
+    Raises CheckpointError naming the file for missing / truncated / inconsistent shards."""
+    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
+        raise ValueError(f"shard ({tp_rank}, {pp_rank}) outside target layout tp={tp}, pp={pp}")
+    src = ShardedCheckpoint(load_dir, iteration)
+    args = target_args(src.args, src.vocab_size, tp, pp)
+    padded = args.padded_vocab_size if src.vocab_size is not None else src.args.padded_vocab_size
+    state = {}
+    for local, name in stage_keys(src.names, src.args.num_layers, pp, pp_rank):  # one full tensor at a time
+        state[local] = split(src.full(name), name, tp, tp_rank, padded)
+    src.release()
+    return args, state
+
+
+__all__ = ["ShardedCheckpoint", "load_model_state_for", "target_args"]

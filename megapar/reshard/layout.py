@@ -1,0 +1,107 @@
+"""Names and split/merge rules between the canonical (unsharded) form and a (tp, pp) shard.
+
+Canonical names are the flat GPT2Model state-dict keys of the tp=1, pp=1 model: global layer
+indices and no `word_embeddings_for_head` (with pp > 1 the last stage's head copy is identical
+to the first stage's word embeddings; the canonical form keeps one copy and writers re-create
+the head copy when the target pp > 1). Vocab-parallel tensors hold only the true `vocab_size`
+rows in canonical form; sharding re-pads them with zero rows to the target's padded size.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+
+from ..arguments import padded_vocab_size
+from ..model.sharding import is_vocab_parallel, tp_partition_dim
+
+WORD = "language_model.embedding.word_embeddings.weight"
+HEAD = "word_embeddings_for_head.weight"
+_LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
+OPTIM_KINDS = ("master_param", "exp_avg", "exp_avg_sq")
+
+
+def layers_per_stage(num_layers: int, pp: int) -> int:
+    if num_layers % pp:
+        raise ValueError(f"--num-layers {num_layers} is not divisible by pipeline-parallel size {pp}; "
+                         f"pick a target pipeline size that divides it")
+    return num_layers // pp
+
+
+def to_global(local_key: str, pp_rank: int, per_stage: int) -> str:
+    """Stage-local key -> canonical key (head copy maps to the word embeddings)."""
+    if local_key == HEAD:
+        return WORD
+    m = _LAYER.match(local_key)
+    if m is None:
+        return local_key
+    return f"language_model.encoder.layers.{int(m.group(1)) + pp_rank * per_stage}.{m.group(2)}"
+
+
+def stage_of(name: str, num_layers: int, pp: int) -> tuple[int, str]:
+    """Canonical key -> (pp_rank holding it, stage-local key). Non-layer keys: embeddings on
+    stage 0, final LayerNorm on the last stage."""
+    per = layers_per_stage(num_layers, pp)
+    m = _LAYER.match(name)
+    if m is not None:
+        g = int(m.group(1))
+        return g // per, f"language_model.encoder.layers.{g % per}.{m.group(2)}"
+    if name.startswith("language_model.encoder."):
+        return pp - 1, name
+    return 0, name
+
+
+def stage_keys(names: list[str], num_layers: int, pp: int, pp_rank: int) -> list[tuple[str, str]]:
+    """[(stage-local key, canonical key)] of stage `pp_rank`, in GPT2Model state-dict order."""
+    out = [(local, n) for n in names for s, local in [stage_of(n, num_layers, pp)] if s == pp_rank]
+    if pp > 1 and pp_rank == pp - 1:
+        out.append((HEAD, WORD))
+    return out
+
+
+def merge(parts: list[torch.Tensor], name: str, vocab_size: Optional[int]) -> torch.Tensor:
+    """TP shards (rank order) -> the full tensor; vocab-parallel tensors trimmed to vocab_size rows."""
+    dim = tp_partition_dim(name)
+    full = parts[0] if dim is None or len(parts) == 1 else torch.cat(parts, dim=dim)
+    if is_vocab_parallel(name) and vocab_size is not None:
+        full = full[:vocab_size]
+    return full.contiguous()
+
+
+def split(full: torch.Tensor, name: str, tp: int, tp_rank: int, padded_vocab: Optional[int]) -> torch.Tensor:
+    """The full tensor -> TP rank `tp_rank`'s shard (a fresh contiguous tensor). Vocab-parallel
+    tensors are first zero-padded to `padded_vocab` rows. QKV rows are per head [np, 3, hn], so a
+    contiguous row split keeps whole heads on each rank."""
+    if is_vocab_parallel(name) and padded_vocab is not None and full.shape[0] != padded_vocab:
+        if full.shape[0] > padded_vocab:
+            raise ValueError(f"{name}: {full.shape[0]} rows do not fit the padded vocabulary {padded_vocab}")
+        pad = full.new_zeros((padded_vocab - full.shape[0],) + tuple(full.shape[1:]))
+        full = torch.cat([full, pad], dim=0)
+    dim = tp_partition_dim(name)
+    if dim is None or tp == 1:
+        return full.clone().contiguous()
+    if full.shape[dim] % tp:
+        raise ValueError(f"{name}: dimension {dim} of size {full.shape[dim]} is not divisible by "
+                         f"tensor-parallel size {tp}")
+    return full.chunk(tp, dim=dim)[tp_rank].clone().contiguous()
+
+
+def expected_full_shape(name: str, args) -> Optional[tuple[int, ...]]:
+    """The full (merged, padded) shape implied by the checkpoint's args, or None if unknown."""
+    h = args.hidden_size
+    f = getattr(args, "ffn_hidden_size", None) or 4 * h
+    table = {"query_key_value.weight": (3 * h, h), "query_key_value.bias": (3 * h,),
+             "self_attention.dense.weight": (h, h), "dense_h_to_4h.weight": (f, h), "dense_h_to_4h.bias": (f,),
+             "dense_4h_to_h.weight": (h, f), "layernorm.weight": (h,), "layernorm.bias": (h,),
+             "position_embeddings.weight": (args.max_position_embeddings, h)}
+    if is_vocab_parallel(name):
+        return (args.padded_vocab_size, h)
+    for suffix, shape in table.items():
+        if name.endswith(suffix):
+            return shape
+    return None
+
+
+def target_padded_vocab(args, vocab_size: int, tp: int) -> int:
+    return padded_vocab_size(vocab_size, getattr(args, "make_vocab_size_divisible_by", 128), tp)

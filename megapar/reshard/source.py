@@ -1,0 +1,226 @@
+"""Read a megapar checkpoint saved at any (tp, pp, dp) as canonical full tensors, one at a time.
+
+Shard files are opened with torch.load(mmap=True): only the tensors asked for are paged in, and
+each file is re-opened after `budget_bytes` were read from it, so resident memory stays bounded
+by a few tensors rather than the model. Every problem (missing tracker / iteration / shard,
+truncated or corrupt file, shards that disagree) raises CheckpointError naming the file.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Optional
+
+import torch
+
+from ..checkpointing import (DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_state, iter_dir,
+                             read_tracker, shard_dir_name)
+from .layout import HEAD, OPTIM_KINDS, expected_full_shape, merge, stage_of, to_global
+
+_SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+# args that every shard of one checkpoint must agree on
+_SAME_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+              "padded_vocab_size", "vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+
+
+def load_mmap(path: str) -> dict:
+    """torch.load(mmap=True) with one clear error for a missing, truncated or corrupt file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # zip/pickle errors have many types
+        raise CheckpointError(f"checkpoint file {path} is truncated or corrupt ({type(e).__name__}: {e}); "
+                              f"load an earlier iteration or re-save it") from None
+
+
+class _ShardFile:
+    """One lazily (re)opened shard file; `get` returns owned copies of its tensors."""
+
+    def __init__(self, path: str, budget_bytes: int):
+        self.path, self.budget = path, budget_bytes
+        self._state: Optional[dict] = None
+        self._read = 0
+
+    def state(self) -> dict:
+        if self._state is None:
+            self._state = load_mmap(self.path)
+            self._read = 0
+        return self._state
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        self._read += out.numel() * out.element_size()
+        if self._read > self.budget:  # drop the mapping so paged-in data leaves resident memory
+            self.release()
+        return out
+
+    def release(self) -> None:
+        self._state = None
+
+
+class ShardedCheckpoint:
+    """Canonical view of a checkpoint at any layout.
+
+    names: canonical keys in model order; full(name, kind) with kind "param" or one of
+    master_param / exp_avg / exp_avg_sq returns the full (vocab-trimmed) tensor."""
+
+    def __init__(self, root: str, iteration: Optional[int | str] = None, budget_bytes: int = 256 << 20):
+        self.root = root
+        if iteration is None:
+            if not os.path.isdir(root):
+                raise CheckpointError(f"checkpoint directory {root} does not exist")
+            iteration = read_tracker(root)
+            if iteration is None:
+                raise CheckpointError(f"{os.path.join(root, 'latest_checkpointed_iteration.txt')} is missing; "
+                                      f"{root} holds no finished checkpoint (pass --iteration to pick one)")
+        self.iteration = iteration
+        self.dir = iter_dir(root, iteration)
+        if not os.path.isdir(self.dir):
+            raise CheckpointError(f"checkpoint directory {self.dir} (named by the tracker) does not exist")
+        self.tp, self.pp = self._detect_layout()
+        self.budget = budget_bytes
+        self.shards = {(t, p): _ShardFile(self._path(t, p, MODEL_FILE), budget_bytes)
+                       for t in range(self.tp) for p in range(self.pp)}
+        self.headers = {k: self._header(k) for k in self.shards}
+        self._check_consistent()
+        first = self.headers[(0, 0)]
+        self.args: argparse.Namespace = first["args"]
+        self.vocab_size = getattr(self.args, "vocab_size", None)
+        self.has_optim = first["has_optim"]
+        self.distributed = first["distributed"]
+        self.optim_files = {k: _ShardFile(self._path(*k, DISTRIB_OPTIM_FILE), budget_bytes)
+                            for k in self.shards} if self.distributed else {}
+        self.names = self._canonical_names()
+
+    # ---- discovery and validation ---------------------------------------------------------
+    def _path(self, tp_rank: int, pp_rank: int, fname: str) -> str:
+        return os.path.join(self.dir, shard_dir_name(tp_rank, pp_rank, self.pp), fname)
+
+    def _detect_layout(self) -> tuple[int, int]:
+        found = [m for m in map(_SHARD_DIR.match, sorted(os.listdir(self.dir))) if m]
+        if not found:
+            raise CheckpointError(f"{self.dir} holds no mp_rank_* shard directories")
+        # the saved args say the layout; the directory listing must match it
+        probe = os.path.join(self.dir, found[0].group(0), MODEL_FILE)
+        args = load_mmap(probe).get("args")
+        if args is None:
+            raise CheckpointError(f"checkpoint file {probe} has no 'args'; it is not a megapar/Megatron checkpoint")
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        missing = [shard_dir_name(t, p, pp) for t in range(tp) for p in range(pp)
+                   if not os.path.isdir(os.path.join(self.dir, shard_dir_name(t, p, pp)))]
+        if missing:
+            raise CheckpointError(f"checkpoint {self.dir} was saved with tensor-parallel {tp} x pipeline-parallel "
+                                  f"{pp} but shard directories {', '.join(missing)} are missing")
+        return tp, pp
+
+    def _header(self, key: tuple[int, int]) -> dict:
+        sf = self.shards[key]
+        st = sf.state()
+        for field in ("args", "iteration", "model"):
+            if field not in st:
+                raise CheckpointError(f"checkpoint file {sf.path} has no '{field}' entry; the file is not a "
+                                      f"complete megapar checkpoint shard")
+        optim = st.get("optimizer")
+        distributed = bool(optim and optim.get("distributed"))
+        if distributed and not os.path.isfile(os.path.join(os.path.dirname(sf.path), DISTRIB_OPTIM_FILE)):
+            raise CheckpointError(f"checkpoint file {os.path.join(os.path.dirname(sf.path), DISTRIB_OPTIM_FILE)} "
+                                  f"is missing: {sf.path} says its optimizer state is distributed (ZeRO-1)")
+        keys = {k: tuple(v.shape) for k, v in flatten_model_state(st["model"]).items()}
+        return {"args": st["args"], "iteration": st["iteration"], "keys": keys, "has_optim": optim is not None,
+                "distributed": distributed, "scheduler": st.get("opt_param_scheduler"),
+                "rng_state": st.get("rng_state"), "checkpoint_version": st.get("checkpoint_version"),
+                "optim_meta": None if optim is None or distributed else _optim_meta(optim)}
+
+    def _check_consistent(self) -> None:
+        ref, ref_path = self.headers[(0, 0)], self.shards[(0, 0)].path
+        for key, h in self.headers.items():
+            path = self.shards[key].path
+            for a in _SAME_ARGS:
+                if getattr(h["args"], a, None) != getattr(ref["args"], a, None):
+                    raise CheckpointError(f"checkpoint file {path} disagrees with {ref_path} on {a}: "
+                                          f"{getattr(h['args'], a, None)} vs {getattr(ref['args'], a, None)}; "
+                                          f"the shards come from different runs")
+            if h["iteration"] != ref["iteration"]:
+                raise CheckpointError(f"checkpoint file {path} is at iteration {h['iteration']} but {ref_path} "
+                                      f"is at {ref['iteration']}; the shards come from different saves")
+            if (h["has_optim"], h["distributed"]) != (ref["has_optim"], ref["distributed"]):
+                raise CheckpointError(f"checkpoint file {path} and {ref_path} disagree on whether (and how) "
+                                      f"optimizer state was saved")
+            same_stage = self.headers[(0, key[1])]
+            if set(h["keys"]) != set(same_stage["keys"]):
+                diff = sorted(set(h["keys"]) ^ set(same_stage["keys"]))
+                raise CheckpointError(f"checkpoint file {path} has different model keys than tensor-parallel rank 0 "
+                                      f"of its stage ({', '.join(diff[:3])})")
+
+    def _canonical_names(self) -> list[str]:
+        per = self.args.num_layers // self.pp
+        names: list[str] = []
+        for p in range(self.pp):
+            for local in self.headers[(0, p)]["keys"]:
+                if local == HEAD:
+                    continue
+                names.append(to_global(local, p, per))
+        if len(set(names)) != len(names):
+            raise CheckpointError(f"checkpoint {self.dir}: stages hold overlapping parameters; "
+                                  f"is args.num_layers ({self.args.num_layers}) right?")
+        return names
+
+    # ---- metadata ---------------------------------------------------------------------------
+    def optim_meta(self) -> Optional[dict]:
+        """{step, grad_scaler, param_groups} (layout independent), or None without optimizer state."""
+        if not self.has_optim:
+            return None
+        if not self.distributed:
+            return self.headers[(0, 0)]["optim_meta"]
+        meta = _optim_meta(self.optim_files[(0, 0)].state())
+        self.optim_files[(0, 0)].release()
+        return meta
+
+    def header(self, tp_rank: int = 0, pp_rank: int = 0) -> dict:
+        return self.headers[(tp_rank, pp_rank)]
+
+    # ---- tensors -------------------------------------------------------------------------------
+    def full(self, name: str, kind: str = "param") -> torch.Tensor:
+        """The full canonical tensor `name` (kind: param | master_param | exp_avg | exp_avg_sq)."""
+        p, local = stage_of(name, self.args.num_layers, self.pp)
+        parts = [self._part(t, p, local, kind) for t in range(self.tp)]
+        shapes = {tuple(x.shape) for x in parts}
+        if len(shapes) != 1:
+            raise CheckpointError(f"checkpoint {self.dir}: tensor-parallel shards of {local} ({kind}) on stage {p} "
+                                  f"have different shapes {sorted(shapes)}; the shards are inconsistent")
+        full = merge(parts, name, None)
+        want = expected_full_shape(name, self.args)
+        if want is not None and tuple(full.shape) != want:
+            raise CheckpointError(f"checkpoint {self._path(0, p, MODEL_FILE)}: {local} ({kind}) merges to "
+                                  f"shape {tuple(full.shape)} but the checkpoint's args imply {want}")
+        return merge([full], name, self.vocab_size)
+
+    def _part(self, t: int, p: int, local: str, kind: str) -> torch.Tensor:
+        if kind == "param":
+            sf = self.shards[(t, p)]
+            flat = flatten_model_state(sf.state()["model"])
+            if local not in flat:
+                raise CheckpointError(f"checkpoint file {sf.path} lacks model tensor {local}")
+            return sf.take(flat[local])
+        if kind not in OPTIM_KINDS:
+            raise ValueError(f"unknown tensor kind {kind!r}")
+        if not self.has_optim:
+            raise CheckpointError(f"checkpoint {self.dir} has no optimizer state (saved with --no-save-optim); "
+                                  f"convert it with --no-optim")
+        sf = self.optim_files[(t, p)] if self.distributed else self.shards[(t, p)]
+        st = sf.state() if self.distributed else sf.state()["optimizer"]
+        entry = st.get("state", {}).get(local)
+        if entry is None or kind not in entry:
+            raise CheckpointError(f"checkpoint file {sf.path} lacks optimizer state {kind} of {local}")
+        return sf.take(entry[kind])
+
+    def release(self) -> None:
+        for sf in list(self.shards.values()) + list(self.optim_files.values()):
+            sf.release()
+
+
+def _optim_meta(optim: dict) -> dict:
+    return {"step": optim.get("step", 0), "grad_scaler": optim.get("grad_scaler"),
+            "param_groups": optim.get("param_groups")}

@@ -1,0 +1,86 @@
+"""Write real megapar checkpoints at any (tp, pp, dp) for the resharding tests.
+
+`save_tiny_checkpoint(root, tp, pp, dp, zero)` spawns tp*pp*dp gloo processes; each builds its
+GPT2Model stage, an optimizer (ZeRO-1 with zero=True) that takes `steps` AdamW steps on
+deterministic layout-independent gradients (a full-shape tensor per global parameter name,
+sliced like the parameter), an LR scheduler, and calls megapar.checkpointing.save_checkpoint --
+so the files are exactly what training writes.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from distributed import run_distributed
+from gpt_helpers import tiny_model_config
+from megapar.checkpointing import save_checkpoint
+from megapar.model import GPT2Model, Stage
+from megapar.model.sharding import tp_partition_dim
+from megapar.optimizer.distrib_optimizer import DistributedOptimizer
+from megapar.optimizer.grad_buffer import GradBuffer
+from megapar.optimizer.grad_scaler import DynamicGradScaler
+from megapar.optimizer.lr_schedule import OptimizerParamScheduler
+from megapar.optimizer.optimizer import MixedPrecisionOptimizer
+from megapar.reshard.layout import to_global
+from megapar.tensor_parallel.random import seed_everything
+from megapar.topology import Topology
+
+VOCAB = 100
+SEED = 7
+
+
+def _fake_grad(global_name: str, full_shape, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(global_name.encode()) + 1000 * step)
+    return torch.randn(full_shape, generator=g) * 0.01
+
+
+def _local_grad(name: str, p: torch.Tensor, pp_rank: int, per: int, tp: int, tp_rank: int, step: int):
+    dim = tp_partition_dim(name)
+    shape = list(p.shape)
+    if dim is not None:
+        shape[dim] *= tp
+    full = _fake_grad(to_global(name, pp_rank, per), shape, step)
+    if "word_embeddings" in name:
+        full[VOCAB:] = 0          # dummy vocabulary rows never get gradient (masked in the loss)
+    return full if dim is None else full.chunk(tp, dim=dim)[tp_rank]
+
+
+def _save_body(rank, world, root, tp, pp, dp, zero, steps, iteration, extra):
+    topo = Topology(tp, pp, dp)
+    topo.create_groups(rank)
+    c = topo.coord(rank)
+    flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+             "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-2"] + list(extra)
+    if zero:
+        flags.append("--use-distributed-optimizer")
+    cfg = tiny_model_config(flags, world_size=world, vocab=VOCAB, tp=tp)
+    seed_everything(SEED, c.tp, c.pp)
+    model = GPT2Model(cfg.model, Stage.of(cfg.model.num_layers, pp, c.pp), SEED, topo.groups.tp if tp > 1 else None)
+    scaler = DynamicGradScaler(initial_scale=2.0 ** 16)
+    if zero:
+        buf = GradBuffer(model.parameters(), topo.groups.dp, mode="reduce_scatter")
+        opt = DistributedOptimizer(model, buf, cfg.train, scaler, c.tp, topo.groups.dp)
+    else:
+        buf = GradBuffer(model.parameters(), topo.groups.dp)
+        opt = MixedPrecisionOptimizer(model, buf, cfg.train, scaler, c.tp, norm_group=topo.groups.mp, inf_group=None)
+    sched = OptimizerParamScheduler(opt, cfg.train.lr, 0.0, 2, 100, "cosine")
+    per = cfg.model.num_layers // pp
+    for step in range(steps):
+        for name, p in model.named_parameters():
+            p.main_grad.copy_(_local_grad(name, p, c.pp, per, tp, c.tp, step))
+        opt.step()
+        sched.step()
+    args = cfg.args
+    args.vocab_size, args.padded_vocab_size = VOCAB, cfg.model.padded_vocab_size
+    args.consumed_train_samples = 8 * iteration
+    save_checkpoint(root, iteration, model, opt, sched, args, topo, rank)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def save_tiny_checkpoint(root: str, tp: int, pp: int, dp: int = 1, zero: bool = False, steps: int = 2,
+                         iteration: int = 20, extra=()) -> list[dict]:
+    """Returns each rank's model state dict (rank order tp, dp, pp)."""
+    return run_distributed(_save_body, world_size=tp * pp * dp,
+                           args=(root, tp, pp, dp, zero, steps, iteration, tuple(extra)))
