@@ -36,6 +36,16 @@ __global__ void __launch_bounds__(W >= 4 ? 32 * W : 128)
   const int valid = active ? h : 0;
   const int64_t off = (active ? row : 0) * h;
 
+  // w and b are loaded (raw) before the reductions so that their latency overlaps them.
+  Vec<T, VEC> wr[ITERS], br[ITERS];
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c0 = (it * GROUP + t) * VEC;
+    if (VEC > 1 && c0 + VEC <= h) {
+      wr[it] = *reinterpret_cast<const Vec<T, VEC>*>(w + c0);
+      br[it] = *reinterpret_cast<const Vec<T, VEC>*>(b + c0);
+    }
+  }
   float v[ITERS][VEC];
   float s = 0.f;
 #pragma unroll
@@ -83,12 +93,9 @@ __global__ void __launch_bounds__(W >= 4 ? 32 * W : 128)
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     const int c0 = (it * GROUP + t) * VEC;
-    if (c0 + VEC <= h) {
-      float wv[VEC], bv[VEC];
-      load_vec<T, VEC>(w + c0, wv);
-      load_vec<T, VEC>(b + c0, bv);
+    if (VEC > 1 && c0 + VEC <= h) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) v[it][i] = (v[it][i] - mu) * rs * wv[i] + bv[i];
+      for (int i = 0; i < VEC; ++i) v[it][i] = (v[it][i] - mu) * rs * to_float(wr[it].v[i]) + to_float(br[it].v[i]);
       store_vec<T, VEC>(y + off + c0, v[it]);
     } else {
 #pragma unroll
@@ -131,32 +138,46 @@ __global__ void __launch_bounds__(BT)
     for (int i = 0; i < VEC; ++i) adw[it][i] = adb[it][i] = 0.f;
   }
 
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * RG; base < rows; base += static_cast<int64_t>(gridDim.x) * RG) {
+  // Rows are software-pipelined: the next row's x and dy (raw, 16-byte vectors) are in flight
+  // while this row is reduced and written.
+  using RawV = Vec<T, VEC>;
+  auto fetch = [&](int64_t row, RawV (&ax)[ITERS], RawV (&ag)[ITERS], float& mu, float& rs) {
+    const bool act = row < rows;
+    const int64_t off = (act ? row : 0) * h;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c0 = (it * GROUP + t) * VEC;
+      if (act && c0 < h) {  // VEC > 1 only when h % VEC == 0: a vector is all in or all out
+        ax[it] = *reinterpret_cast<const RawV*>(x + off + c0);
+        ag[it] = *reinterpret_cast<const RawV*>(dy + off + c0);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) ax[it].v[i] = ag[it].v[i] = from_float<T>(0.f);
+      }
+    }
+    mu = act ? mean[row] : 0.f;
+    rs = act ? rstd[row] : 0.f;
+  };
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * RG;
+  RawV cx[ITERS], cg[ITERS];
+  float mu, rs;
+  fetch(static_cast<int64_t>(blockIdx.x) * RG + rg, cx, cg, mu, rs);
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * RG; base < rows; base += stride) {
     const int64_t row = base + rg;
     const bool active = row < rows;
-    const int valid = active ? h : 0;
     const int64_t off = (active ? row : 0) * h;
-    const float mu = active ? mean[row] : 0.f;
-    const float rs = active ? rstd[row] : 0.f;
+    RawV nx[ITERS], ng[ITERS];
+    float mu_n, rs_n;
+    fetch(row + stride, nx, ng, mu_n, rs_n);
     float xh[ITERS][VEC], g[ITERS][VEC];
     float s1 = 0.f, s2 = 0.f;
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
-      const int c0 = (it * GROUP + t) * VEC;
-      if (c0 + VEC <= valid) {
-        load_vec<T, VEC>(x + off + c0, xh[it]);
-        load_vec<T, VEC>(dy + off + c0, g[it]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const bool ok = c0 + i < valid;
-          xh[it][i] = ok ? to_float(x[off + c0 + i]) : mu;  // xhat = 0 outside the row
-          g[it][i] = ok ? to_float(dy[off + c0 + i]) : 0.f;
-        }
-      }
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        xh[it][i] = (xh[it][i] - mu) * rs;
+        // columns past h have dy = 0, so they add nothing to s1, s2 (their dw/db are dropped)
+        xh[it][i] = (to_float(cx[it].v[i]) - mu) * rs;
+        g[it][i] = to_float(cg[it].v[i]);
         adw[it][i] += g[it][i] * xh[it][i];
         adb[it][i] += g[it][i];
         g[it][i] *= wv[it][i];  // now w * dy
@@ -165,31 +186,33 @@ __global__ void __launch_bounds__(BT)
       }
     }
     group_sum2<W>(s1, s2, smem[rg], t / 32, lane);
-    if (!active) continue;
-    s1 *= inv_h;
-    s2 *= inv_h;
+    if (active) {
+      s1 *= inv_h;
+      s2 *= inv_h;
 #pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-      const int c0 = (it * GROUP + t) * VEC;
-      float d[VEC];
+      for (int it = 0; it < ITERS; ++it) {
+        const int c0 = (it * GROUP + t) * VEC;
+        float d[VEC];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) d[i] = rs * (g[it][i] - s1 - xh[it][i] * s2);
-      if (c0 + VEC <= h) {
-        if (dres != nullptr) {
-          float e[VEC];
-          load_vec<T, VEC>(dres + off + c0, e);
+        for (int i = 0; i < VEC; ++i) d[i] = rs * (g[it][i] - s1 - xh[it][i] * s2);
+        if (c0 < h) {
+          if (dres != nullptr) {
+            float e[VEC];
+            load_vec<T, VEC>(dres + off + c0, e);
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) d[i] += e[i];
-        }
-        store_vec<T, VEC>(dx + off + c0, d);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const int c = c0 + i;
-          if (c < h) dx[off + c] = from_float<T>(d[i] + (dres != nullptr ? to_float(dres[off + c]) : 0.f));
+            for (int i = 0; i < VEC; ++i) d[i] += e[i];
+          }
+          store_vec<T, VEC>(dx + off + c0, d);
         }
       }
     }
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      cx[it] = nx[it];
+      cg[it] = ng[it];
+    }
+    mu = mu_n;
+    rs = rs_n;
   }
 
   // Stage one: block partials. RG > 1: row groups add into shared memory one after another.

@@ -35,8 +35,8 @@ PYTORCH_NO_CUDA_MEMORY_CACHING=1 MEGAPAR_FORCE_JIT=1 timeout 150 compute-sanitiz
 echo "sanitizer rc=$?"; grep -E "ERROR SUMMARY|parity:" "$OUT/sanitizer.log"
 
 MEGAPAR_FORCE_JIT=1 timeout 60 $PY -m pytest -q -m gpu tests/test_kernels_gpu.py 2>&1 | tail -3
-echo "== LayerNorm backward, 512-thread blocks"
-MEGAPAR_LN_BWD_THREADS=512 MEGAPAR_FORCE_JIT=1 timeout 60 $PY tools/bench_kernels.py --bench-only --ln-bwd-only \
+echo "== LayerNorm backward, 1024-thread blocks (comparison)"
+MEGAPAR_LN_BWD_THREADS=1024 MEGAPAR_FORCE_JIT=1 timeout 60 $PY tools/bench_kernels.py --bench-only --ln-bwd-only \
   --out /tmp/bt512 2>&1 | grep -E "ln_bwd .*fused"
 echo "== table"; cat "$OUT/bench_table.md"
 exit $bench_rc
