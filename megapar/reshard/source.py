@@ -16,6 +16,7 @@ import torch
 
 from ..checkpointing import (DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_state, iter_dir,
                              read_tracker, shard_dir_name)
+from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from .layout import HEAD, OPTIM_KINDS, expected_full_shape, merge, stage_of, to_global
 
 _SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
@@ -197,13 +198,36 @@ class ShardedCheckpoint:
                                   f"shape {tuple(full.shape)} but the checkpoint's args imply {want}")
         return merge([full], name, self.vocab_size)
 
-    def _part(self, t: int, p: int, local: str, kind: str) -> torch.Tensor:
+    def spec(self, name: str, kind: str = "param") -> tuple[tuple[int, ...], torch.dtype]:
+        """(full canonical shape, dtype) of a tensor, from file metadata (no data is read)."""
+        p, local = stage_of(name, self.args.num_layers, self.pp)
+        part = self._part(0, p, local, kind, copy=False)
+        shape = list(part.shape)
+        dim = tp_partition_dim(name)
+        if dim is not None:
+            shape[dim] *= self.tp
+        if is_vocab_parallel(name) and self.vocab_size is not None:
+            shape[0] = self.vocab_size
+        return tuple(shape), part.dtype
+
+    def meta(self) -> dict:
+        """Everything but the tensors: the canonical form's metadata."""
+        h = self.headers[(0, 0)]
+        return {"format": "megapar-canonical", "version": 1, "args": self.args, "iteration": self.iteration,
+                "checkpoint_version": h["checkpoint_version"], "vocab_size": self.vocab_size, "names": self.names,
+                "has_optim": self.has_optim, "distributed_optimizer": self.distributed,
+                "optim_meta": self.optim_meta(), "opt_param_scheduler": h["scheduler"],
+                "source_layout": {"tp": self.tp, "pp": self.pp, "dp": getattr(self.args, "data_parallel_size", None)},
+                "rng_states": {k: v["rng_state"] for k, v in self.headers.items() if v["rng_state"] is not None}}
+
+    def _part(self, t: int, p: int, local: str, kind: str, copy: bool = True) -> torch.Tensor:
+        take = (lambda sf, x: sf.take(x)) if copy else (lambda sf, x: x)
         if kind == "param":
             sf = self.shards[(t, p)]
             flat = flatten_model_state(sf.state()["model"])
             if local not in flat:
                 raise CheckpointError(f"checkpoint file {sf.path} lacks model tensor {local}")
-            return sf.take(flat[local])
+            return take(sf, flat[local])
         if kind not in OPTIM_KINDS:
             raise ValueError(f"unknown tensor kind {kind!r}")
         if not self.has_optim:
@@ -214,7 +238,7 @@ class ShardedCheckpoint:
         entry = st.get("state", {}).get(local)
         if entry is None or kind not in entry:
             raise CheckpointError(f"checkpoint file {sf.path} lacks optimizer state {kind} of {local}")
-        return sf.take(entry[kind])
+        return take(sf, entry[kind])
 
     def release(self) -> None:
         for sf in list(self.shards.values()) + list(self.optim_files.values()):

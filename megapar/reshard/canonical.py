@@ -1,0 +1,117 @@
+"""The canonical unsharded form on disk: a folder of full tensors plus metadata.
+
+    DIR/metadata.pt          args, iteration, true vocab_size, parameter names in model order,
+                             optimizer step / loss-scaler state / param_groups, LR scheduler,
+                             RNG states of the source shards and the source layout
+    DIR/tensors/<name>.pt    one file per parameter: {"param": full tensor, and with optimizer
+                             state "master_param", "exp_avg", "exp_avg_sq"} (fp32)
+
+Names are the tp=1/pp=1 model's keys (global layer indices, no word_embeddings_for_head);
+vocab-parallel tensors hold exactly `vocab_size` rows (no padding). Every conversion reads a
+source through this form (ShardedCheckpoint is the same view computed on the fly).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from ..checkpointing import CheckpointError, atomic_torch_save
+from .layout import OPTIM_KINDS
+from .source import load_mmap
+
+META = "metadata.pt"
+
+
+def is_canonical(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, META))
+
+
+class CanonicalFolder:
+    """Reader with the same interface as ShardedCheckpoint (names, full, spec, meta)."""
+
+    def __init__(self, path: str):
+        meta_path = os.path.join(path, META)
+        m = load_mmap(meta_path)
+        if m.get("format") != "megapar-canonical":
+            raise CheckpointError(f"{meta_path} is not a megapar canonical checkpoint (format={m.get('format')!r})")
+        self.path, self._meta = path, m
+        self.args, self.iteration, self.vocab_size = m["args"], m["iteration"], m["vocab_size"]
+        self.names, self.has_optim, self.distributed = m["names"], m["has_optim"], m["distributed_optimizer"]
+        self.specs = m["specs"]
+
+    def meta(self) -> dict:
+        return self._meta
+
+    def optim_meta(self):
+        return self._meta["optim_meta"]
+
+    def _file(self, name: str) -> str:
+        return os.path.join(self.path, "tensors", f"{name}.pt")
+
+    def full(self, name: str, kind: str = "param") -> torch.Tensor:
+        path = self._file(name)
+        entry = load_mmap(path)
+        if kind not in entry:
+            raise CheckpointError(f"canonical file {path} lacks {kind}"
+                                  + ("; convert with --no-optim" if kind in OPTIM_KINDS else ""))
+        t = entry[kind].clone()
+        want = tuple(self.specs[name][kind][0])
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"canonical file {path}: {kind} has shape {tuple(t.shape)}, metadata says {want}")
+        return t
+
+    def spec(self, name: str, kind: str = "param"):
+        if kind not in self.specs[name]:
+            raise CheckpointError(f"canonical checkpoint {self.path} has no {kind} for {name}; convert with --no-optim")
+        shape, dtype = self.specs[name][kind]
+        return tuple(shape), dtype
+
+    def release(self) -> None:
+        pass
+
+
+def write_canonical(src, out_dir: str, with_optim: bool = True, force: bool = False, log=print) -> None:
+    """Stream `src` (ShardedCheckpoint or CanonicalFolder) into a canonical folder, one
+    parameter at a time. Written into `out_dir.partial` and renamed into place at the end."""
+    prepare_output(out_dir, force)
+    staging = out_dir.rstrip("/") + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(os.path.join(staging, "tensors"))
+    kinds = ("param",) + (OPTIM_KINDS if with_optim and src.has_optim else ())
+    specs = {}
+    for name in src.names:
+        entry = {k: src.full(name, k) for k in kinds}
+        specs[name] = {k: (tuple(t.shape), t.dtype) for k, t in entry.items()}
+        atomic_torch_save(entry, os.path.join(staging, "tensors", f"{name}.pt"))
+        del entry
+    meta = dict(src.meta())
+    meta["specs"] = specs
+    if not (with_optim and src.has_optim):
+        meta.update(has_optim=False, optim_meta=None)
+    atomic_torch_save(meta, os.path.join(staging, META))
+    src.release()
+    publish_dir(staging, out_dir)
+    log(f"wrote canonical checkpoint ({len(specs)} parameters, iteration {meta['iteration']}) to {out_dir}")
+
+
+def prepare_output(out_dir: str, force: bool) -> None:
+    """Refuse an existing non-empty directory unless `force`."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"output path {out_dir} exists and is not a directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
+        raise CheckpointError(f"output directory {out_dir} exists and is not empty; choose a new directory "
+                              f"or pass --force to overwrite it")
+
+
+def publish_dir(staging: str, out_dir: str) -> None:
+    if os.path.isdir(out_dir):
+        old = out_dir.rstrip("/") + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(staging, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+        os.replace(staging, out_dir)

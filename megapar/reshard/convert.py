@@ -1,0 +1,130 @@
+"""Write a canonical source (ShardedCheckpoint or CanonicalFolder) as a checkpoint at any layout.
+
+Streaming: for every parameter, the full tensor is read once, split for each target TP rank
+and written straight into that rank's open shard file (StreamingSaver), so memory holds a
+few tensors, never the model. Output is staged in `<save_dir>.partial` and renamed into place
+when complete; the tracker file is inside it, so a crash never leaves a half checkpoint.
+
+Carried: model weights (vocab re-padded with zero rows for the target tp), optimizer state
+(masters, moments, step, loss scaler, param_groups) in model_optim_rng.pt or -- for the
+distributed (ZeRO-1) optimizer -- distrib_optim.pt (stored full over dp; the optimizer slices
+it for any dp at load time), the LR scheduler, iteration, args (consumed samples, parallel
+sizes, padded vocab). RNG states are carried only when tp and pp are unchanged (they are per
+(tp, pp) position); otherwise they are dropped and the resumed run re-seeds from --seed.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+from ..checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, atomic_write_text,
+                             iter_dir, nest_model_state, shard_dir_name)
+from . import target_args
+from .canonical import prepare_output, publish_dir
+from .layout import OPTIM_KINDS, split, stage_keys
+from .stream_save import LazyTensor, StreamingSaver
+
+
+def _shard_shape(full_shape, name: str, tp: int, padded: Optional[int]) -> tuple[int, ...]:
+    from ..model.sharding import is_vocab_parallel, tp_partition_dim
+    shape = list(full_shape)
+    if is_vocab_parallel(name) and padded is not None:
+        shape[0] = padded
+    dim = tp_partition_dim(name)
+    if dim is not None:
+        shape[dim] //= tp
+    return tuple(shape)
+
+
+def _lazy(src, name: str, kind: str, tp: int, padded) -> LazyTensor:
+    shape, dtype = src.spec(name, kind)
+    t = LazyTensor(_shard_shape(shape, name, tp, padded), dtype)
+    t.tag = (name, kind)
+    return t
+
+
+def _rng_for(src, tp: int, pp: int, tp_rank: int, pp_rank: int):
+    layout = src.meta()["source_layout"]
+    if (layout["tp"], layout["pp"]) != (tp, pp):
+        return None
+    return src.meta()["rng_states"].get((tp_rank, pp_rank))
+
+
+def _shard_objects(src, args, keys, tp, tp_rank, pp, pp_rank, with_optim, distributed, padded):
+    """The (model file, distrib_optim file or None) structures of one target shard, with
+    LazyTensor placeholders for every parameter tensor."""
+    model = nest_model_state({local: _lazy(src, name, "param", tp, padded) for local, name in keys})
+    obj = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": src.iteration, "model": model}
+    dist_obj = None
+    if with_optim:
+        m = src.optim_meta()
+        optim = {"state": {local: {k: _lazy(src, name, k, tp, padded) for k in OPTIM_KINDS} for local, name in keys},
+                 "step": m["step"], "grad_scaler": m["grad_scaler"], "param_groups": m["param_groups"]}
+        if distributed:
+            obj["optimizer"] = {"distributed": True, "grad_scaler": m["grad_scaler"]}
+            dist_obj = optim
+        else:
+            obj["optimizer"] = optim
+    sched = src.meta().get("opt_param_scheduler")
+    if sched is not None:
+        obj["opt_param_scheduler"] = sched
+    rng = _rng_for(src, tp, pp, tp_rank, pp_rank)
+    if rng is not None:
+        obj["rng_state"] = rng
+    return obj, dist_obj
+
+
+def _feed(src, savers: list[StreamingSaver], tp: int, padded) -> None:
+    """Write every placeholder of the (identically structured) savers, reading each full tensor once."""
+    for lazy in savers[0].pending():
+        name, kind = lazy.tag
+        full = src.full(name, kind)
+        for r, s in enumerate(savers):
+            s.write_next(split(full, name, tp, r, padded))
+        del full
+
+
+def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None,
+                  distributed: Optional[bool] = None, with_optim: bool = True, force: bool = False,
+                  log=print) -> None:
+    """Write `src` as a megapar checkpoint at (tp, pp) into `save_dir` (legacy layout + tracker).
+    dp only updates args (ZeRO-1 state is stored full over dp); distributed=None keeps the
+    source's optimizer storage, True/False forces distrib_optim.pt / model_optim_rng.pt."""
+    prepare_output(save_dir, force)
+    with_optim = with_optim and src.has_optim
+    distributed = src.distributed if distributed is None else distributed
+    args = target_args(src.args, src.vocab_size, tp, pp, dp, distributed if with_optim else None)
+    padded = args.padded_vocab_size if src.vocab_size is not None else src.args.padded_vocab_size
+    staging = save_dir.rstrip("/") + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    it_dir = iter_dir(staging, src.iteration)
+    for pp_rank in range(pp):
+        keys = stage_keys(src.names, args.num_layers, pp, pp_rank)
+        model_savers, optim_savers = [], []
+        try:
+            for tp_rank in range(tp):
+                shard = os.path.join(it_dir, shard_dir_name(tp_rank, pp_rank, pp))
+                os.makedirs(shard, exist_ok=True)
+                obj, dist_obj = _shard_objects(src, args, keys, tp, tp_rank, pp, pp_rank, with_optim,
+                                               distributed, padded)
+                model_savers.append(StreamingSaver(os.path.join(shard, MODEL_FILE), obj))
+                if dist_obj is not None:
+                    optim_savers.append(StreamingSaver(os.path.join(shard, DISTRIB_OPTIM_FILE), dist_obj))
+            for savers in (model_savers, optim_savers):
+                if savers:
+                    _feed(src, savers, tp, padded)
+                    for s in savers:
+                        s.close()
+        except BaseException:
+            for s in model_savers + optim_savers:
+                s.abort()
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        log(f"  wrote pipeline stage {pp_rank + 1}/{pp} ({tp} tensor-parallel shards)")
+    atomic_write_text(os.path.join(staging, TRACKER), str(src.iteration))
+    src.release()
+    publish_dir(staging, save_dir)
+    log(f"wrote checkpoint at tensor-parallel {tp} x pipeline-parallel {pp} (iteration {src.iteration}, "
+        f"optimizer: {'distributed' if distributed else 'in model file'}" + ("" if with_optim else ", none")
+        + f") to {save_dir}")
