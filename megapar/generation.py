@@ -1,0 +1,426 @@
+"""Text generation with a key/value cache on any (tp, pp) layout.
+
+    model, args = load_inference_model("checkpoints/gpt2_embedded", Topology(1, 1, 1), rank=0, device=cpu)
+    engine = InferenceEngine(model, topo, rank=0, vocab_size=args.vocab_size, eod=tok.eod)
+    out = engine.generate([tok.tokenize("Hello")], SamplingParams(tokens_to_generate=20, greedy=True))
+    tok.detokenize(out.generated(0))
+
+Batches of prompts of different lengths are right-padded (Megatron's scheme): the prompt prefix
+that all rows share in length is prefilled once, then the loop feeds one position per step to
+every row -- the row's own prompt token while it still has one, else the token just sampled. All
+rows stay aligned on the same positions, so no attention mask is needed and the KV cache is exact.
+
+Collectives: `generate` is called by every rank of the (tp x pp) model with the same arguments.
+Each step the first stage embeds, stages pass activations with torch.distributed send/recv, the
+last stage gathers the vocab-parallel logits of the last position only, masks the padded vocab
+rows (>= vocab_size) to -inf, samples, and broadcasts the new tokens to every rank.
+Only rank 0 does I/O: `run_leader` (rank 0) and `follow` (others) ship requests to all ranks.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, fields
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .arguments import ModelConfig
+from .model.gpt2 import GPT2Model, Stage
+from .model.kv_cache import KVCache
+from .tensor_parallel.mappings import gather_from_tp
+from .topology import Topology
+
+
+class GenerationError(ValueError):
+    """Bad input to generation (prompt too long, wrong tokenizer, missing checkpoint...)."""
+
+
+@dataclass
+class SamplingParams:
+    tokens_to_generate: int = 64
+    temperature: float = 1.0
+    top_k: int = 0                 # 0 = off
+    top_p: float = 0.0             # 0 = off
+    greedy: bool = False           # argmax (also when temperature == 0 or top_k == 1)
+    seed: Optional[int] = None     # None = fresh randomness
+    stop_on_eod: bool = True
+    logprobs: bool = False         # log-probabilities of every token after the first
+    use_cache: bool = True         # False recomputes the whole sequence every step (reference)
+    return_logits: bool = False    # keep the masked last-position logits of every step (tests)
+
+    def validate(self) -> None:
+        if self.tokens_to_generate < 0:
+            raise GenerationError(f"tokens_to_generate must be >= 0, got {self.tokens_to_generate}")
+        if self.temperature < 0:
+            raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise GenerationError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise GenerationError(f"top_p must be in [0, 1], got {self.top_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0 or self.top_k == 1
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Set logits of the padded vocab rows (ids >= vocab_size) to -inf (in place; returned)."""
+    if logits.shape[-1] > vocab_size:
+        logits[..., vocab_size:] = float("-inf")
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 0.0) -> torch.Tensor:
+    """Keep the top_k largest logits and/or the smallest set whose probability reaches top_p;
+    the rest become -inf. logits: [b, V] float (modified copy returned)."""
+    logits = logits.clone()
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits[logits < kth] = float("-inf")
+    if 0.0 < top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cum > top_p
+        drop[:, 1:] = drop[:, :-1].clone()   # keep the token that crosses top_p
+        drop[:, 0] = False
+        logits.scatter_(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Next token per row from masked logits [b, V] -> [b] int64."""
+    logits = logits.float()
+    if params.is_greedy:
+        return logits.argmax(dim=-1)
+    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def vocab_parallel_logprobs(local: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp_group) -> torch.Tensor:
+    """log softmax(logits)[target] from vocab-parallel logits [b, s, V/tp] (padded rows masked);
+    targets [b, s] -> [b, s] fp32. Three all-reduces over tp_group (max, sum, target logit)."""
+    x = local.float()
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+    rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    start = rank * x.shape[-1]
+    if start + x.shape[-1] > vocab_size:
+        x = x.clone()
+        x[..., max(vocab_size - start, 0):] = float("-inf")
+    mx = x.max(dim=-1).values
+    if tp > 1:
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=tp_group)
+    sumexp = (x - mx.unsqueeze(-1)).exp().sum(dim=-1)
+    local_t = targets - start
+    inside = (local_t >= 0) & (local_t < x.shape[-1])
+    tgt = x.gather(-1, local_t.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    tgt = torch.where(inside, tgt - mx, torch.zeros_like(tgt))
+    if tp > 1:
+        dist.all_reduce(sumexp, group=tp_group)
+        dist.all_reduce(tgt, group=tp_group)
+    return tgt - sumexp.log()
+
+
+# ---- the generation loop ------------------------------------------------------------------------
+@dataclass
+class GenerationOutput:
+    tokens: list[list[int]]                 # prompt + generated, without the final end-of-document
+    prompt_lengths: list[int]
+    logprobs: Optional[list[list[float]]] = None   # one per token of `tokens` after the first
+    logits: Optional[torch.Tensor] = None          # [b, steps, V] masked (return_logits, last stage)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def generated(self, i: int) -> list[int]:
+        return self.tokens[i][self.prompt_lengths[i]:]
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens produced per second by the decode steps, over the whole batch."""
+        return len(self.tokens) * self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
+
+    def timing_line(self) -> str:
+        return (f"> prefill {self.prefill_s * 1e3:.1f} ms, decode {self.decode_tokens_per_s:.1f} tokens/s "
+                f"({self.decode_steps} steps x batch {len(self.tokens)}, {self.decode_s:.2f} s)")
+
+
+class InferenceEngine:
+    """One rank's stage of a model in eval mode plus what generation needs to run it."""
+
+    def __init__(self, model: GPT2Model, topo: Topology, rank: int, vocab_size: int, eod: int):
+        self.model, self.topo, self.rank = model.eval(), topo, rank
+        self.stage: Stage = model.stage
+        self.vocab_size, self.eod = vocab_size, eod
+        self.max_positions = model.cfg.max_position_embeddings
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.src = topo.rank(0, 0, topo.pp - 1)    # samples and broadcasts (last stage, tp rank 0)
+        self.distributed = topo.tp * topo.pp > 1
+
+    # ---- one forward through the pipeline ----
+    def _forward(self, tokens: torch.Tensor, cache: Optional[KVCache]) -> Optional[torch.Tensor]:
+        """tokens [b, s] -> vocab-parallel logits [b, s, V/tp] on the last stage, None elsewhere."""
+        b, s = tokens.shape
+        if self.stage.is_first:
+            out = self.model(tokens, None, kv_cache=cache)
+        else:
+            x = torch.empty(s, b, self.model.cfg.hidden_size, device=self.device, dtype=self.dtype)
+            dist.recv(x, src=self.topo.prev_rank(self.rank))
+            self.model.set_input_tensor(x)
+            out = self.model(None, None, kv_cache=cache)
+        if not self.stage.is_last:
+            dist.send(out.contiguous(), dst=self.topo.next_rank(self.rank))
+            return None
+        return out
+
+    def _new_cache(self, batch: int, max_len: int) -> KVCache:
+        attn = self.model.language_model.encoder.layers[0].self_attention
+        return KVCache(len(self.model.language_model.encoder.layers), batch, attn.heads_local, max_len, attn.hn,
+                       self.device, self.dtype)
+
+    def check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+        """Raise GenerationError for empty prompts or prompts that do not fit the context."""
+        params.validate()
+        if not prompts:
+            raise GenerationError("no prompts given")
+        need = 1 if params.tokens_to_generate > 0 else 0
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise GenerationError(f"prompt {i} is empty; start it with the end-of-document token "
+                                      f"({self.eod}) for unconditional generation")
+            if len(p) + need > self.max_positions:
+                raise GenerationError(
+                    f"prompt {i} has {len(p)} tokens, longer than the model's context of {self.max_positions} "
+                    f"positions (--max-position-embeddings) leaves room for; shorten it to at most "
+                    f"{self.max_positions - need} tokens")
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:
+                raise GenerationError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): "
+                                      f"{bad[:5]}")
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
+        """Collective over the model's ranks (same arguments on each). See the module docstring."""
+        self.check_prompts(prompts, params)
+        b, lens = len(prompts), [len(p) for p in prompts]
+        n_gen, notes = params.tokens_to_generate, []
+        total = max(lens) + n_gen
+        if total > self.max_positions:
+            notes.append(f"generation cut to the model's context of {self.max_positions} positions")
+            total = self.max_positions
+        stop_at = [min(n + n_gen, total) for n in lens]           # exclusive end of each row
+        tokens = torch.full((b, total), self.eod, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = torch.tensor(list(p), dtype=torch.long)
+        lens_t = torch.tensor(lens, device=self.device)
+        end = [n if n >= s else None for n, s in zip(lens, stop_at)]   # final length once known
+        gen = self._generator(params)
+        last = self.stage.is_last
+        cache = self._new_cache(b, total) if params.use_cache else None
+        lp_rows: list[torch.Tensor] = []
+        step_logits: list[torch.Tensor] = []
+
+        t = min(lens)
+        sync(self.device)
+        t0 = time.perf_counter()
+        local = self._forward(tokens[:, :t], cache)                  # prefill
+        if last and params.logprobs and t > 1:
+            lp_rows.append(vocab_parallel_logprobs(local[:, :-1], tokens[:, 1:t], self.vocab_size,
+                                                   self.model.tp_group))
+        sync(self.device)
+        prefill_s, t1, steps = time.perf_counter() - t0, time.perf_counter(), 0
+        while t < total and any(e is None for e in end):
+            new = torch.zeros(b, dtype=torch.long, device=self.device)
+            if last:
+                logits = gather_from_tp(local[:, -1].contiguous(), self.model.tp_group).float()
+                logits = mask_padded_vocab(logits, self.vocab_size)
+                new = sample(logits[:, :self.vocab_size], params, gen)   # padding never drawn, nor
+                # does it change the draws: the same tokens for every padded size (any tp)
+                if params.return_logits:
+                    step_logits.append(logits.cpu())
+            if self.distributed:
+                dist.broadcast(new, src=self.src)
+            tokens[:, t] = torch.where(t < lens_t, tokens[:, t], new)
+            if last and params.logprobs:
+                lp_rows.append(torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, t:t + 1]))
+            col = tokens[:, t].tolist()
+            for i in range(b):
+                if end[i] is None and t >= lens[i] and params.stop_on_eod and col[i] == self.eod:
+                    end[i] = t
+                elif end[i] is None and t + 1 >= stop_at[i]:
+                    end[i] = t + 1
+            t, steps = t + 1, steps + 1
+            if t < total and any(e is None for e in end):
+                local = self._forward(tokens[:, t - 1:t] if cache is not None else tokens[:, :t], cache)
+        sync(self.device)
+        out = GenerationOutput(tokens=[tokens[i, :e].tolist() for i, e in enumerate(end)], prompt_lengths=lens,
+                               prefill_s=prefill_s, decode_s=time.perf_counter() - t1, decode_steps=steps,
+                               notes=notes)
+        if params.return_logits and last and step_logits:
+            out.logits = torch.stack(step_logits, dim=1)
+        if params.logprobs:
+            out.logprobs = self._collect_logprobs(lp_rows, end)
+        return out
+
+    def _generator(self, params: SamplingParams) -> Optional[torch.Generator]:
+        if params.is_greedy:
+            return None
+        g = torch.Generator(device=self.device)
+        if params.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(params.seed)
+        return g
+
+    def _collect_logprobs(self, rows: list[torch.Tensor], end: list[int]) -> list[list[float]]:
+        """Per-row log-probabilities of tokens[1:end], moved from the last stage to every rank."""
+        lp = None
+        if self.stage.is_last:
+            full = torch.cat([r.float().cpu() for r in rows], dim=1) if rows else torch.zeros(len(end), 0)
+            lp = [full[i, :max(e - 1, 0)].tolist() for i, e in enumerate(end)]
+        if self.topo.pp > 1:
+            box = [lp]
+            dist.broadcast_object_list(box, src=self.src)
+            lp = box[0]
+        return lp
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- rank 0 leads, the other ranks follow ----------------------------------------------------
+def run_leader(engine: InferenceEngine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
+    """Rank 0: check the request, send it to the other ranks, generate together."""
+    engine.check_prompts(prompts, params)   # fail before any collective
+    if engine.distributed:
+        dist.broadcast_object_list([("generate", [list(p) for p in prompts], params)], src=0)
+    return engine.generate(prompts, params)
+
+
+def stop_followers(engine: InferenceEngine) -> None:
+    if engine.distributed:
+        dist.broadcast_object_list([("stop", None, None)], src=0)
+
+
+def follow(engine: InferenceEngine) -> None:
+    """Ranks other than 0: generate whatever rank 0 asks for, until it says stop."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        cmd, prompts, params = box[0]
+        if cmd == "stop":
+            return
+        engine.generate(prompts, params)
+
+
+# ---- loading a checkpoint for inference ------------------------------------------------------
+def _saved_layout(step_dir: str) -> tuple[int, int]:
+    """(tp, pp) a checkpoint was saved with, from its mp_rank_* directory names."""
+    names = [n for n in os.listdir(step_dir) if n.startswith("mp_rank_")]
+    if not names:
+        raise GenerationError(f"{step_dir} holds no mp_rank_* shard directories; the checkpoint is incomplete")
+    tps = {int(n.split("_")[2]) for n in names}
+    pps = {int(n.split("_")[3]) for n in names if n.count("_") == 3} or {0}
+    return max(tps) + 1, max(pps) + 1
+
+
+def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int, iteration=None):
+    """(args, flat model state dict) of shard (tp_rank, pp_rank) for an inference layout tp x pp,
+    from a checkpoint saved at any layout (via megapar.reshard when the layouts differ)."""
+    from . import checkpointing as ck
+    if not os.path.isdir(load_dir):
+        raise GenerationError(f"--load {load_dir}: no such directory; pass the --save directory of a training run")
+    it = iteration if iteration is not None else ck.read_tracker(load_dir)
+    if it is None:
+        raise GenerationError(f"--load {load_dir} has no {ck.TRACKER}; it is not a (finished) checkpoint directory "
+                              f"-- pass the --save directory of a training run")
+    step_dir = ck.iter_dir(load_dir, it)
+    if not os.path.isdir(step_dir):
+        raise GenerationError(f"checkpoint directory {step_dir} (named by {ck.TRACKER}) is missing")
+    if _saved_layout(step_dir) != (tp, pp):
+        try:
+            from .reshard import load_model_state_for
+        except ImportError:
+            s_tp, s_pp = _saved_layout(step_dir)
+            raise GenerationError(
+                f"checkpoint saved at tp={s_tp}, pp={s_pp} cannot be resharded in memory to tp={tp}, pp={pp} "
+                f"(megapar.reshard is not available); run with --tensor-model-parallel-size {s_tp} "
+                f"--pipeline-model-parallel-size {s_pp}") from None
+        return load_model_state_for(load_dir, tp, pp, tp_rank, pp_rank, iteration=it)
+    state = ck.load_file(os.path.join(step_dir, ck.shard_dir_name(tp_rank, pp_rank, pp), ck.MODEL_FILE))
+    return state["args"], ck.flatten_model_state(state["model"])
+
+
+def model_config_from_args(args, tp: int, padded_vocab_size: int, device: torch.device) -> ModelConfig:
+    """An inference ModelConfig from a checkpoint's args: no dropout, no recompute, reference
+    kernels where the fused ones cannot run."""
+    cfg = ModelConfig(**{f.name: getattr(args, f.name) for f in fields(ModelConfig)
+                         if getattr(args, f.name, None) is not None})
+    cfg.ffn_hidden_size = cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    cfg.max_position_embeddings = cfg.max_position_embeddings or cfg.seq_length
+    cfg.hidden_dropout = cfg.attention_dropout = 0.0
+    cfg.recompute_granularity, cfg.recompute_method = None, None
+    if cfg.attention_backend == "auto" or (cfg.attention_backend == "fused" and device.type != "cuda"):
+        cfg.attention_backend = "flash"
+    if device.type != "cuda":
+        cfg.layernorm_impl = "torch"
+    cfg.padded_vocab_size = padded_vocab_size
+    cfg.vocab_size = getattr(args, "vocab_size", None) or padded_vocab_size
+    if cfg.num_attention_heads % tp or cfg.ffn_hidden_size % tp:
+        raise GenerationError(f"the checkpoint's model ({cfg.num_attention_heads} heads, ffn {cfg.ffn_hidden_size}) "
+                              f"cannot be split over --tensor-model-parallel-size {tp}; pick a divisor")
+    return cfg
+
+
+def load_inference_model(load_dir: str, topo: Topology, rank: int, device: torch.device,
+                         dtype: torch.dtype = torch.float32, iteration=None):
+    """This rank's stage of the checkpoint's model, in eval mode on `device`. Returns (model, args)."""
+    c = topo.coord(rank)
+    if topo.dp != 1:
+        raise GenerationError(f"inference runs one model replica: launch tp x pp = {topo.tp * topo.pp} "
+                              f"processes (got {topo.world_size})")
+    args, state = load_model_state(load_dir, topo.tp, topo.pp, c.tp, c.pp, iteration)
+    if args.num_layers % topo.pp:
+        raise GenerationError(f"the checkpoint's {args.num_layers} layers cannot be split over "
+                              f"--pipeline-model-parallel-size {topo.pp}; pick a divisor")
+    emb = state.get("language_model.embedding.word_embeddings.weight", state.get("word_embeddings_for_head.weight"))
+    padded = emb.shape[0] * topo.tp if emb is not None else args.padded_vocab_size
+    cfg = model_config_from_args(args, topo.tp, padded, device)
+    model = GPT2Model(cfg, Stage.of(cfg.num_layers, topo.pp, c.pp), seed=0, tp_group=topo.groups.tp,
+                      device=device, dtype=dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise GenerationError(f"checkpoint {load_dir} does not match the model its args describe: missing "
+                              f"{missing[:4]}, unexpected {unexpected[:4]}")
+    return model.eval(), args
+
+
+def tokenizer_for_checkpoint(args, tokenizer_type=None, vocab_file=None, merge_file=None, tokenizer_model=None):
+    """The checkpoint's tokenizer (flags override what its args name); its vocabulary must match."""
+    from .data.tokenizer import TokenizerError, build_tokenizer
+    kind = tokenizer_type or getattr(args, "tokenizer_type", None) or "GPT2BPETokenizer"
+    files = dict(vocab_file=vocab_file or getattr(args, "vocab_file", None),
+                 merge_file=merge_file or getattr(args, "merge_file", None),
+                 tokenizer_model=tokenizer_model or getattr(args, "tokenizer_model", None))
+    try:
+        tok = build_tokenizer(kind, **files)
+    except TokenizerError as e:
+        raise GenerationError(f"cannot build the checkpoint's tokenizer ({kind}): {e}. Pass the files used in "
+                              f"training with --vocab-file/--merge-file or --tokenizer-model") from None
+    want = getattr(args, "vocab_size", None)
+    if want is not None and tok.vocab_size != want:
+        raise GenerationError(f"tokenizer {kind} has {tok.vocab_size} tokens but the checkpoint was trained with a "
+                              f"vocabulary of {want} (padded {getattr(args, 'padded_vocab_size', '?')}); pass the "
+                              f"tokenizer used in training (--tokenizer-type/--vocab-file/--merge-file/--tokenizer-model)")
+    if want is None and tok.vocab_size > getattr(args, "padded_vocab_size", tok.vocab_size):
+        raise GenerationError(f"tokenizer {kind} has {tok.vocab_size} tokens, more than the checkpoint's "
+                              f"{args.padded_vocab_size} embedding rows; pass the tokenizer used in training")
+    return tok
