@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--merge-file", required=True, help="GPT-2 vocab.bpe (never downloaded)")
     parser.add_argument("--min-tokens", type=int, default=128, help="drop documents with fewer GPT-2 tokens")
     parser.add_argument("--lang", default="en", help="keep documents in this language (ISO 639-1)")
-    parser.add_argument("--lang-chars", type=int, default=10_000, help="characters given to the identifier")
+    parser.add_argument("--lang-chars", type=int, default=2_000, help="characters given to the identifier")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes")
     add_common_args(parser)
     args = parser.parse_args(argv)
