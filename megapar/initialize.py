@@ -1,0 +1,137 @@
+"""Everything a training run builds before its first step: process groups, device, data,
+model, gradient buffer, optimizer and LR schedule. Nothing here is global: each builder gets
+the config and topology it needs and returns what it built."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .arguments import Config
+from .model import GPT2Model, build_model, set_vocab
+from .optimizer.grad_buffer import GradBuffer
+from .optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from .optimizer.lr_schedule import OptimizerParamScheduler
+from .optimizer.optimizer import MixedPrecisionOptimizer
+from .tensor_parallel.random import seed_everything
+from .topology import Topology
+
+GRAD_BUCKET_NUMEL = 40_000_000  # elements per DP bucket on GPU (Megatron's default)
+
+
+def print_rank0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def init_distributed(backend: Optional[str], timeout_minutes: float) -> tuple[int, int, torch.device]:
+    """Initialise torch.distributed from torchrun's env (or as a 1-process world) ->
+    (rank, world_size, device). NCCL on GPUs, gloo on CPU, unless --distributed-backend says."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python -m megapar.pretrain_gpt2`: a world of one
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(port))
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise RuntimeError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    rank = dist.get_rank()
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    return rank, dist.get_world_size(), device
+
+
+def params_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
+
+
+@dataclass
+class Run:
+    """What a training run holds (built once, passed around explicitly)."""
+    cfg: Config
+    topo: Topology
+    rank: int
+    device: torch.device
+    model: GPT2Model
+    grad_buffer: GradBuffer
+    optimizer: Any
+    scheduler: OptimizerParamScheduler
+
+    @property
+    def coord(self):
+        return self.topo.coord(self.rank)
+
+
+def embedding_params(model: GPT2Model, topo: Topology) -> list[nn.Parameter]:
+    """The tied word-embedding copies that are all-reduced over the embedding group (pp > 1)."""
+    if topo.pp == 1:
+        return []
+    params = []
+    if model.stage.is_first:
+        params.append(model.language_model.embedding.word_embeddings.weight)
+    if model.stage.is_last:
+        params.append(model.word_embeddings_for_head.weight)
+    return params
+
+
+def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, vocab_size: int) -> Run:
+    c = topo.coord(rank)
+    seed_everything(cfg.train.seed, c.tp, c.pp)
+    log = print_rank0
+    set_vocab(cfg.model, vocab_size, topo.tp, log=log)
+    model = build_model(cfg.model, topo, rank, cfg.train.seed, device, params_dtype(cfg))
+    zero = cfg.parallel.use_distributed_optimizer
+    grad_buffer = GradBuffer(model.parameters(), topo.groups.dp, mode="reduce_scatter" if zero else "all_reduce",
+                             bucket_numel=GRAD_BUCKET_NUMEL if device.type == "cuda" else None,
+                             overlap=device.type == "cuda", late_params=embedding_params(model, topo))
+    t = cfg.train
+    scaler = (ConstantGradScaler(t.loss_scale or 1.0) if not t.fp16 or t.loss_scale else
+              DynamicGradScaler(t.initial_loss_scale, t.min_loss_scale, growth_interval=t.loss_scale_window,
+                                hysteresis=t.hysteresis))
+    if zero:
+        from .optimizer.distrib_optimizer import DistributedOptimizer
+        optimizer = DistributedOptimizer(model, grad_buffer, t, scaler, c.tp, topo.groups.dp,
+                                         norm_group=None, inf_group=None)
+    else:
+        optimizer = MixedPrecisionOptimizer(model, grad_buffer, t, scaler, c.tp, norm_group=topo.groups.mp,
+                                            inf_group=None)
+    scheduler = build_scheduler(cfg, optimizer)
+    return Run(cfg, topo, rank, device, model, grad_buffer, optimizer, scheduler)
+
+
+def train_iters(cfg: Config) -> int:
+    t = cfg.train
+    return t.train_iters if t.train_iters is not None else (t.train_samples or 0) // t.global_batch_size
+
+
+def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
+    t = cfg.train
+    decay = t.lr_decay_iters or train_iters(cfg)
+    warmup = int(t.lr_warmup_fraction * decay) if t.lr_warmup_fraction is not None else t.lr_warmup_iters
+    return OptimizerParamScheduler(optimizer, t.lr, t.min_lr, warmup, decay, t.lr_decay_style, t.weight_decay)
+
+
+def checkpoint_args(run: Run, consumed_samples: int) -> argparse.Namespace:
+    """The `args` stored in checkpoints: the run's flags plus derived sizes (SPECS.md)."""
+    ns = argparse.Namespace(**vars(run.cfg.args))
+    m = run.cfg.model
+    ns.vocab_size, ns.padded_vocab_size = m.vocab_size, m.padded_vocab_size
+    ns.data_parallel_size, ns.consumed_train_samples = run.topo.dp, consumed_samples
+    ns.openai_gelu, ns.bias_gelu_fusion = True, False
+    for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
+        setattr(ns, k, getattr(run.cfg.data, k))
+    return ns

@@ -1,0 +1,163 @@
+"""GPT-2 pretraining entry point: `python -m megapar.pretrain_gpt2 [Megatron flags]`
+(usually through `bash scripts/pretrain_gpt2.sh`, which starts torchrun).
+
+With no --data-path it runs the embedded default: real English text from the Python standard
+library's docstrings, a tokenizer (GPT-2 BPE if --vocab-file/--merge-file exist, else a
+SentencePiece model trained on the spot), a small GPT-2 trained for a few minutes, evaluation,
+a checkpoint, and what to run next. No downloads, no network.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from .arguments import Config, ConfigError, build_parser, config_from_namespace
+from .initialize import build_run, init_distributed, print_rank0, train_iters
+from .topology import Topology
+from .training import TrainState, evaluate, load, log_eval, save, train
+
+EMBEDDED_DIR = os.path.join("data_cache", "embedded")
+EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")
+
+
+def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if not ns.data_path:  # the embedded default: fill only what the user left at its default
+        defaults = {"train_iters": None, "eval_interval": 1000, "eval_iters": 10, "save": None,
+                    "lr_warmup_iters": 0, "log_interval": 10, "global_batch_size": None}
+        chosen = {"train_iters": 300 if ns.train_samples is None else None, "eval_interval": 100,
+                  "eval_iters": 4, "save": EMBEDDED_SAVE, "lr_warmup_iters": 30, "log_interval": 20,
+                  "global_batch_size": 8}
+        for k, v in chosen.items():
+            if getattr(ns, k) == defaults[k]:
+                setattr(ns, k, v)
+        if ns.lr_warmup_fraction is not None:
+            ns.lr_warmup_iters = 0
+    if ns.train_iters is None and ns.train_samples is None:
+        raise ConfigError("give --train-iters or --train-samples (how long to train)")
+    return config_from_namespace(ns, world_size)
+
+
+def prepare_data(cfg: Config, rank: int) -> None:
+    """Embedded default: build the corpus + tokenizer + .bin/.idx (rank 0 first, others reuse)."""
+    if cfg.data.data_path:
+        return
+    from .data.embedded import prepare_embedded_dataset
+
+    out_dir = cfg.data.data_cache_path or EMBEDDED_DIR
+    print_rank0(f"> no --data-path: preparing the embedded default dataset (Python stdlib docstrings) in {out_dir}")
+    info = None
+    for turn in (0, 1):  # rank 0 builds, then everyone else reuses the finished files
+        if (rank == 0) == (turn == 0):
+            info = prepare_embedded_dataset(out_dir, cfg.data.vocab_file, cfg.data.merge_file)
+        dist.barrier()
+    cfg.data.data_path = [info["data_prefix"]]
+    for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
+        setattr(cfg.data, k, info.get(k))
+        setattr(cfg.args, k, info.get(k))
+    cfg.args.data_path = cfg.data.data_path
+
+
+def build_datasets(cfg: Config):
+    from .data.gpt_dataset import build_train_valid_test_datasets
+
+    total, gbs, log = train_iters(cfg), cfg.train.global_batch_size, cfg.log
+    eval_runs = (total // log.eval_interval + 1) if log.eval_interval else 1
+    counts = (total * gbs, eval_runs * log.eval_iters * gbs, log.eval_iters * gbs)
+    return build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
+                                           cfg.train.seed, counts, cache_dir=cfg.data.data_cache_path)
+
+
+def build_tokenizer_for(cfg: Config):
+    from .data.tokenizer import build_tokenizer
+
+    d = cfg.data
+    return build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                           tokenizer_model=d.tokenizer_model)
+
+
+def tensorboard_writer(cfg: Config, rank: int):
+    if not cfg.log.tensorboard_dir or rank != 0:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter(log_dir=cfg.log.tensorboard_dir)
+
+
+def pretrain(cfg: Config) -> TrainState:
+    """Run training in an initialised process group; returns the final TrainState."""
+    rank, world, device = init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
+    p = cfg.parallel
+    topo = Topology(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
+    topo.create_groups(rank)
+    print_rank0(f"> megapar: world size {world} = tensor {topo.tp} x pipeline {topo.pp} x data {topo.dp} "
+                f"on {device.type} ({dist.get_backend()}); {cfg.num_microbatches} microbatches of "
+                f"{cfg.train.micro_batch_size}; precision {cfg.train.params_dtype_name}; "
+                f"attention {cfg.model.attention_backend}, layernorm {cfg.model.layernorm_impl}")
+    prepare_data(cfg, rank)
+    tokenizer = build_tokenizer_for(cfg)
+    run = build_run(cfg, topo, rank, device, tokenizer.vocab_size)
+    state = TrainState()
+    if cfg.ckpt.load:
+        load(run, state)
+    if train_iters(cfg) == 0:
+        print_rank0("> --train-iters 0: model built, exiting without training")
+        return state
+    train_ds, valid_ds, test_ds = build_datasets(cfg)
+    start = time.time()
+    state = train(run, train_ds, valid_ds, state, tensorboard_writer(cfg, rank))
+    if state.exit_reason is None:
+        _finish(run, state, valid_ds, test_ds)
+    print_rank0(f"> training done in {time.time() - start:.1f} s at iteration {state.iteration}")
+    _print_next_steps(cfg)
+    return state
+
+
+def _finish(run, state: TrainState, valid_ds, test_ds) -> None:
+    cfg = run.cfg
+    for name, ds in (("val", valid_ds), ("test", test_ds)):
+        if ds is not None and cfg.log.eval_iters > 0:
+            loss = evaluate(run, ds, cfg.log.eval_iters)
+            log_eval(f"validation loss at the end of training for {name} data", loss)
+    if cfg.ckpt.save and not (cfg.ckpt.save_interval and state.iteration % cfg.ckpt.save_interval == 0):
+        save(run, state)
+
+
+def _print_next_steps(cfg: Config) -> None:
+    if not cfg.ckpt.save:
+        return
+    p = cfg.parallel
+    other_tp = 2 if p.tensor_model_parallel_size == 1 else 1
+    print_rank0(
+        "> next steps:\n"
+        f"    bash scripts/generate_text.sh --load {cfg.ckpt.save}            # sample text from the checkpoint\n"
+        f"    bash scripts/pretrain_gpt2.sh --load {cfg.ckpt.save} --save {cfg.ckpt.save} "
+        f"--train-iters {2 * max(1, train_iters(cfg))}   # train longer\n"
+        f"    python tools/checkpoint_util.py --load-dir {cfg.ckpt.save} --save-dir {cfg.ckpt.save}_tp{other_tp} "
+        f"--target-tensor-parallel-size {other_tp} --target-pipeline-parallel-size {p.pipeline_model_parallel_size}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> TrainState:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = parse(argv, world)  # all validation before any process group exists
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
+    try:
+        return pretrain(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""The training loop: microbatches through a schedule, gradient sync, optimizer, eval,
+logging, checkpoints and exit conditions. Nothing here knows how the schedule pipelines."""
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from .checkpointing import load_checkpoint, save_checkpoint
+from .initialize import Run, checkpoint_args, print_rank0, train_iters
+from .pipeline.schedules import ScheduleConfig, get_forward_backward_func
+from .throughput import device_peak_tflops, flops_per_token, memory_fields, throughput_fields
+from .timers import Timers
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iters: int = 0
+    nan_iters: int = 0
+    losses: list[tuple[int, float]] = field(default_factory=list)   # (iteration, lm loss) on every rank
+    valid_losses: list[tuple[int, float]] = field(default_factory=list)
+    exit_reason: Optional[str] = None
+
+
+# ---- data -----------------------------------------------------------------------------------
+def microbatches(dataset, first_sample: int, num_microbatches: int, micro: int, dp: int, dp_rank: int,
+                 device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens [b, s], labels [b, s]) for each microbatch of one global batch, Megatron-style:
+    microbatch m of dp rank d holds samples first + m*micro*dp + d*micro + [0, micro)."""
+    for m in range(num_microbatches):
+        start = first_sample + m * micro * dp + dp_rank * micro
+        sample = torch.stack([torch.as_tensor(dataset[i]) for i in range(start, start + micro)]).long()
+        sample = sample.to(device, non_blocking=True)                                   # [b, s + 1]
+        yield sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
+
+
+def forward_step(data_iterator, model):
+    tokens, labels = next(data_iterator)
+    stage = model.stage
+    output = model(tokens if stage.is_first else None, labels=labels if stage.is_last else None)
+
+    def loss_func(per_token_loss: torch.Tensor):
+        loss = per_token_loss.float().mean()
+        return loss, {"lm loss": loss.detach()}
+    return output, loss_func
+
+
+def schedule_config(run: Run, num_microbatches: int) -> ScheduleConfig:
+    cfg, c = run.cfg, run.coord
+    return ScheduleConfig(
+        num_microbatches=num_microbatches, device=run.device, dtype=next(run.model.parameters()).dtype,
+        tensor_shape=(cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size),
+        pp_group=run.topo.groups.pp, prev_rank=run.topo.prev_rank(run.rank), next_rank=run.topo.next_rank(run.rank),
+        loss_scale=run.optimizer.scaler.scale, no_sync=run.grad_buffer.no_sync)
+
+
+def average_loss(run: Run, logs: list[dict]) -> torch.Tensor:
+    """Mean 'lm loss' over microbatches and data-parallel ranks, on every rank of the pipeline."""
+    total = torch.zeros(1, device=run.device)
+    if logs:  # last stage only
+        total += torch.stack([l["lm loss"] for l in logs]).mean()
+    if run.topo.pp > 1:
+        dist.all_reduce(total, group=run.topo.groups.pp)          # other stages contribute 0
+    if run.topo.dp > 1:
+        dist.all_reduce(total, group=run.topo.groups.dp)
+        total /= run.topo.dp
+    return total
+
+
+# ---- one step ---------------------------------------------------------------------------------
+def train_step(run: Run, dataset, state: TrainState, timers: Timers) -> tuple[float, bool, float]:
+    """One global batch. Returns (lm loss, applied, grad norm)."""
+    cfg = run.cfg
+    n_micro = cfg.num_microbatches
+    run.model.train()
+    run.grad_buffer.start_step()
+    data = microbatches(dataset, state.consumed_samples, n_micro, cfg.train.micro_batch_size, run.topo.dp,
+                        run.coord.dp, run.device)
+    timers.start("forward-backward")
+    schedule = get_forward_backward_func(run.topo.pp, cfg.parallel.pipeline_schedule)
+    logs = schedule(forward_step, data, run.model, schedule_config(run, n_micro))
+    timers.stop("forward-backward")
+    timers.start("grads-sync")
+    run.grad_buffer.finish(before_late=lambda: _allreduce_embedding_grads(run))
+    timers.stop("grads-sync")
+    timers.start("optimizer")
+    applied, grad_norm = run.optimizer.step()
+    timers.stop("optimizer")
+    loss = average_loss(run, logs).item()
+    return loss, applied, grad_norm
+
+
+def _allreduce_embedding_grads(run: Run) -> None:
+    """pp > 1: sum the tied word-embedding gradient of the first and last stage."""
+    if run.topo.pp == 1 or not (run.model.stage.is_first or run.model.stage.is_last):
+        return
+    weight = run.model.output_embedding_weight()
+    dist.all_reduce(weight.main_grad, group=run.topo.groups.embedding)
+
+
+def evaluate(run: Run, dataset, iters: int) -> float:
+    """Mean lm loss over the first `iters` global batches of `dataset` (forward only)."""
+    cfg, losses = run.cfg, []
+    run.model.eval()
+    schedule = get_forward_backward_func(run.topo.pp, cfg.parallel.pipeline_schedule)
+    with torch.no_grad():
+        for i in range(iters):
+            data = microbatches(dataset, i * cfg.train.global_batch_size, cfg.num_microbatches,
+                                cfg.train.micro_batch_size, run.topo.dp, run.coord.dp, run.device)
+            logs = schedule(forward_step, data, run.model, schedule_config(run, cfg.num_microbatches),
+                            forward_only=True)
+            losses.append(average_loss(run, logs).item())
+    run.model.train()
+    return sum(losses) / max(1, len(losses))
+
+
+def log_eval(label: str, loss: float) -> None:
+    """Megatron's validation line, e.g. label='validation loss at iteration 100'."""
+    ppl = math.exp(min(20.0, loss))
+    line = f" {label} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    print_rank0("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+
+
+# ---- exit conditions ------------------------------------------------------------------------------
+class SignalHandler:
+    """Records SIGTERM; the loop finishes the iteration, saves and exits 0."""
+
+    def __init__(self, enabled: bool):
+        self.received = False
+        if enabled:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def exit_reason(run: Run, state: TrainState, handler: SignalHandler, start_time: float) -> Optional[str]:
+    t = run.cfg.train
+    if t.exit_signal_handler and any_rank(handler.received, run.device):
+        return "exiting after SIGTERM"
+    if t.exit_interval and state.iteration % t.exit_interval == 0:
+        return f"exiting at iteration {state.iteration} (--exit-interval {t.exit_interval})"
+    if t.exit_duration_in_mins is not None:
+        late = (time.time() - start_time) / 60.0 > t.exit_duration_in_mins
+        if any_rank(late, run.device):
+            return f"exiting after {t.exit_duration_in_mins} minutes (--exit-duration-in-mins)"
+    return None
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+def save(run: Run, state: TrainState) -> None:
+    ck = run.cfg.ckpt
+    print_rank0(f" saving checkpoint at iteration {state.iteration:7d} to {ck.save}")
+    save_checkpoint(ck.save, state.iteration, run.model, run.optimizer, run.scheduler,
+                    checkpoint_args(run, state.consumed_samples), run.topo, run.rank,
+                    save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)
+    print_rank0(f"  successfully saved checkpoint at iteration {state.iteration:7d} to {ck.save}")
+
+
+def load(run: Run, state: TrainState) -> None:
+    ck = run.cfg.ckpt
+    args = checkpoint_args(run, 0)
+    state.iteration, state.consumed_samples = load_checkpoint(
+        ck.load, run.model, run.optimizer, run.scheduler, args, run.topo, run.rank,
+        load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune)
+
+
+def check_finite(run: Run, state: TrainState, loss: float, applied: bool, grad_norm: float) -> None:
+    if not applied:  # fp16 overflow: skipped on every rank, the scaler backs off
+        state.skipped_iters += 1
+        return
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        state.nan_iters += 1
+        raise FloatingPointError(f"NaN/Inf at iteration {state.iteration}: lm loss {loss}, grad norm {grad_norm}; "
+                                 f"lower --lr, use --bf16 or --fp16 loss scaling, or check the data")
+
+
+def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> TrainState:
+    """Train until --train-iters (or an exit condition); evaluate and save as configured."""
+    cfg, total = run.cfg, train_iters(run.cfg)
+    timers = Timers(cfg.log.timing_log_level, run.device)
+    handler, start_time = SignalHandler(cfg.train.exit_signal_handler), time.time()
+    fpt = flops_per_token(cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length,
+                          cfg.model.padded_vocab_size)
+    peak, peak_desc = device_peak_tflops(run.device)
+    print_rank0(f"> training {total} iterations from iteration {state.iteration}; MFU against {peak_desc}")
+    window_start, window_iters, window_loss = time.perf_counter(), 0, 0.0
+    while state.iteration < total:
+        loss, applied, grad_norm = train_step(run, train_ds, state, timers)
+        state.iteration += 1
+        state.consumed_samples += cfg.train.global_batch_size
+        check_finite(run, state, loss, applied, grad_norm)
+        lr = run.scheduler.get_lr()
+        run.scheduler.step()
+        state.losses.append((state.iteration, loss))
+        window_iters, window_loss = window_iters + 1, window_loss + loss
+        if writer is not None:
+            writer.add_scalar("lm loss", loss, state.iteration)
+            writer.add_scalar("learning rate", lr, state.iteration)
+        if state.iteration % cfg.log.log_interval == 0 or state.iteration == total:
+            if run.device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = (time.perf_counter() - window_start) / window_iters
+            print_rank0(_iteration_line(run, state, total, elapsed, lr, window_loss / window_iters, grad_norm,
+                                        fpt, peak, timers, window_iters))
+            if state.iteration == cfg.log.log_interval or state.iteration == min(total, cfg.log.log_interval):
+                _print_memory(run)
+            window_start, window_iters, window_loss = time.perf_counter(), 0, 0.0
+        if valid_ds is not None and cfg.log.eval_interval and state.iteration % cfg.log.eval_interval == 0:
+            state.valid_losses.append((state.iteration, evaluate(run, valid_ds, cfg.log.eval_iters)))
+            log_eval(f"validation loss at iteration {state.iteration}", state.valid_losses[-1][1])
+        if cfg.ckpt.save and cfg.ckpt.save_interval and state.iteration % cfg.ckpt.save_interval == 0:
+            save(run, state)
+        reason = exit_reason(run, state, handler, start_time)
+        if reason:
+            if cfg.ckpt.save and not (cfg.ckpt.save_interval and state.iteration % cfg.ckpt.save_interval == 0):
+                save(run, state)
+            print_rank0(reason)
+            state.exit_reason = reason
+            break
+    return state
+
+
+def _iteration_line(run: Run, state: TrainState, total: int, elapsed: float, lr: float, loss: float,
+                    grad_norm: float, fpt: float, peak, timers: Timers, iters: int) -> str:
+    cfg = run.cfg
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    line = (f" iteration {state.iteration:8d}/{total:8d} | consumed samples: {state.consumed_samples:12d} | "
+            f"elapsed time per iteration (ms): {elapsed * 1000:.1f} | learning rate: {lr:.3E} | "
+            f"global batch size: {cfg.train.global_batch_size:5d} | lm loss: {loss:.6E} | "
+            f"loss scale: {run.optimizer.scaler.scale:.1f} | grad norm: {grad_norm:.3f} | "
+            f"number of skipped iterations: {state.skipped_iters:3d} | number of nan iterations: "
+            f"{state.nan_iters:3d} | {throughput_fields(tokens, elapsed, fpt, run.topo.world_size, peak)} |")
+    timing = timers.report(iters)
+    return line + ("\n " + timing if timing else "")
+
+
+def _print_memory(run: Run) -> None:
+    """Memory after the first logged iterations, from dp rank 0 of every (tp, pp) position."""
+    c = run.coord
+    if c.dp == 0:
+        optim = getattr(run.optimizer, "optimizer_state_bytes", lambda: float("nan"))()
+        print(f"[rank {run.rank}] (tp {c.tp}, pp {c.pp}) {memory_fields(run.device)} | optimizer state (MB): "
+              f"{optim / 2**20:.1f}", flush=True)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# GPT-2 pretraining launcher: starts torchrun with the right number of processes and passes
+# every other flag to `python -m megapar.pretrain_gpt2` (Megatron-LM flag names).
+#
+#   bash scripts/pretrain_gpt2.sh                                   # embedded default, 1 process
+#   bash scripts/pretrain_gpt2.sh --tensor-parallel 2 --pipeline-parallel 2 [megatron flags]
+#
+# Processes per node: --nproc-per-node N, else every visible GPU, else tp x pp on CPU (dp = 1).
+# Several nodes: --nnodes, --node-rank, --master-addr, --master-port are passed to torchrun.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+tp=1; pp=1; nproc=""; launcher=()
+args=("$@"); passthrough=()
+i=0
+while [ $i -lt ${#args[@]} ]; do
+  a="${args[$i]}"; v="${args[$((i+1))]:-}"
+  case "$a" in
+    --tensor-parallel|--tensor-model-parallel-size) tp="$v"; passthrough+=("$a" "$v"); i=$((i+2));;
+    --pipeline-parallel|--pipeline-model-parallel-size) pp="$v"; passthrough+=("$a" "$v"); i=$((i+2));;
+    --nproc-per-node) nproc="$v"; i=$((i+2));;
+    --nnodes|--node-rank|--master-addr|--master-port) launcher+=("$a" "$v"); i=$((i+2));;
+    *) passthrough+=("$a"); i=$((i+1));;
+  esac
+done
+
+if [ -z "$nproc" ]; then
+  gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  if [ "$gpus" -gt 0 ]; then nproc="$gpus"; else nproc=$((tp * pp)); fi
+fi
+if [ ${#launcher[@]} -eq 0 ]; then launcher=(--standalone); fi
+
+# CPU threads per process: the cores shared evenly (torchrun would otherwise force 1).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(python3 -c "import os; print(max(1, os.cpu_count() // $nproc))")}"
+exec torchrun "${launcher[@]}" --nproc-per-node "$nproc" -m megapar.pretrain_gpt2 "${passthrough[@]}"
