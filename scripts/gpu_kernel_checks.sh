@@ -23,7 +23,7 @@ from megapar.kernels import load_fused_kernels, fused_kernels_source
 load_fused_kernels(); print('jit build ok:', fused_kernels_source())" 2>&1 | tee "$OUT/jit_build.log"
 wait $aot
 tail -1 "$OUT/aot_build.log"
-$PY -c "import megapar_kernels; print('aot import ok:', megapar_kernels.__file__)" 2>&1 | tail -1
+$PY -c "import torch, megapar_kernels; print('aot import ok:', megapar_kernels.__file__)" 2>&1 | tail -1
 echo "builds: $((SECONDS - t0)) s"
 
 MEGAPAR_FORCE_JIT=1 $PY tools/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
