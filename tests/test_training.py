@@ -1,0 +1,112 @@
+"""Training loop: layout invariance, exact resume, SIGTERM, loss scaler, LR schedule, errors."""
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megapar.checkpointing import TRACKER, CheckpointError
+from megapar.optimizer.grad_scaler import DynamicGradScaler
+from megapar.optimizer.lr_schedule import OptimizerParamScheduler
+from train_helpers import TINY_TRAIN, embedded_data, run_training  # noqa: F401 (fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def losses(result):
+    return [l for _, l in result["losses"]]
+
+
+def test_tp2_dp2_matches_serial(embedded_data):
+    base = TINY_TRAIN + embedded_data + ["--train-iters", "8"]
+    serial = losses(run_training(base, 1))
+    parallel = losses(run_training(base + ["--tensor-parallel", "2"], 4))   # tp 2 x dp 2
+    assert serial[-1] < serial[0] - 0.05, serial                             # it learns
+    assert parallel == pytest.approx(serial, rel=2e-5), (serial, parallel)
+
+
+def test_exact_resume(embedded_data, tmp_path):
+    base = TINY_TRAIN + embedded_data
+    full = losses(run_training(base + ["--train-iters", "6"]))
+    first = run_training(base + ["--train-iters", "6", "--exit-interval", "3", "--save", str(tmp_path)])
+    assert first["iteration"] == 3 and open(tmp_path / TRACKER).read() == "3"
+    second = run_training(base + ["--train-iters", "6", "--load", str(tmp_path), "--save", str(tmp_path)])
+    assert second["consumed"] == 6 * 8
+    assert losses(first) + losses(second) == full                            # bitwise on CPU
+
+
+def test_sigterm_leaves_loadable_checkpoint(embedded_data, tmp_path):
+    cmd = [sys.executable, "-m", "megapar.pretrain_gpt2", *TINY_TRAIN, *embedded_data, "--train-iters", "100000",
+           "--log-interval", "1", "--exit-signal-handler", "--save", str(tmp_path / "ck")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    for line in proc.stdout:
+        if " iteration        2/" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert "exiting after SIGTERM" in out
+    it = int(open(tmp_path / "ck" / TRACKER).read())
+    resumed = run_training(TINY_TRAIN + embedded_data + ["--train-iters", str(it + 1), "--load", str(tmp_path / "ck")])
+    assert resumed["iteration"] == it + 1
+
+
+def test_loss_scaler_grows_and_backs_off():
+    s = DynamicGradScaler(initial_scale=2.0**10, min_scale=2.0, growth_interval=3, hysteresis=2)
+    s.update(True)
+    assert s.scale == 2.0**10                      # first overflow absorbed by hysteresis
+    s.update(True)
+    assert s.scale == 2.0**9                       # second one halves
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 2.0**10 and s.hysteresis_tracker == 2
+    for _ in range(20):
+        s.update(True)
+    assert s.scale == 2.0                          # never below --min-loss-scale
+
+
+def test_lr_schedule_at_chosen_iterations():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    sch = OptimizerParamScheduler(opt, max_lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110,
+                                  decay_style="cosine")
+    seen = {}
+    for step in range(0, 121):
+        seen[step] = sch.get_lr()
+        sch.step()
+    assert seen[0] == 0.0 and seen[5] == pytest.approx(0.5) and seen[10] == pytest.approx(1.0)
+    assert seen[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert seen[110] == pytest.approx(0.1) and seen[120] == pytest.approx(0.1)
+    lin = OptimizerParamScheduler(opt, 1.0, 0.0, 0, 100, "linear")
+    lin.step(25)
+    assert lin.get_lr() == pytest.approx(0.75) and opt.param_groups[0]["lr"] == pytest.approx(0.75)
+
+
+def _cli(args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "megapar.pretrain_gpt2", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def test_invalid_layout_fails_with_message():
+    r = _cli(["--tensor-parallel", "3", "--train-iters", "1"])
+    assert r.returncode == 2 and "world size 1 is not divisible by --tensor-model-parallel-size 3" in r.stderr
+
+
+def test_mismatched_and_corrupt_checkpoints(embedded_data, tmp_path):
+    ck = tmp_path / "ck"
+    run_training(TINY_TRAIN + embedded_data + ["--train-iters", "2", "--save", str(ck), "--save-interval", "1"])
+    with pytest.raises(Exception, match="--hidden-size 32 \\(checkpoint\\) vs 64 \\(run\\)"):
+        run_training(TINY_TRAIN + embedded_data + ["--train-iters", "3", "--load", str(ck), "--hidden-size", "64"])
+    with pytest.raises(Exception, match="reshard it first: python tools/checkpoint_util.py"):
+        run_training(TINY_TRAIN + embedded_data + ["--train-iters", "3", "--load", str(ck),
+                                                   "--tensor-parallel", "2"], world_size=2)
+    model_file = ck / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    earlier = ck / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    before = earlier.read_bytes()
+    model_file.write_bytes(model_file.read_bytes()[:1000])                   # truncate the latest
+    with pytest.raises(Exception, match="iter_0000002/mp_rank_00/model_optim_rng.pt is truncated or corrupt"):
+        run_training(TINY_TRAIN + embedded_data + ["--train-iters", "3", "--load", str(ck)])
+    assert earlier.read_bytes() == before                                    # the others are untouched
