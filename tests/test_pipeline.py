@@ -289,3 +289,50 @@ def test_pseudo_freed_output_backward():
     assert out.untyped_storage().nbytes() == 4
     got = backward_step(x, out, grad, ScheduleConfig(num_microbatches=1))
     assert all(torch.equal(a, b) for a, b in zip(ref, [got] + [p.grad for p in layer.parameters()]))
+
+
+# ---- NCCL on 2 GPUs (gpu marker: run on a lent multi-GPU machine) ------------------------------
+def _nccl_worker(rank, port, out_dir):
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
+    model = ToyStage(rank * 4, rank * 4 + 4).cuda()
+    kw = dict(tensor_shape=(S, B, H), device=torch.device("cuda", rank), prev_rank=None if rank == 0 else 0,
+              next_rank=1 if rank == 0 else None)
+    data = [(x.cuda(), t.cuda()) for x, t in toy_data(5)]
+    out = {}
+    for schedule in ("1f1b", "afab"):
+        model.zero_grad(set_to_none=True)
+        get_forward_backward_func(2, schedule)(toy_forward_step, iter(data), model,
+                                               ScheduleConfig(num_microbatches=5, p2p_timeout=60, **kw))
+        out[schedule] = {k: g.cpu() for k, g in _grads(model, rank * 4).items()}
+    bad = ScheduleConfig(num_microbatches=3, p2p_timeout=3, label="iteration 7", **kw)
+    try:
+        get_forward_backward_func(2, "1f1b")(toy_forward_step, iter(data), model, bad, forward_only=rank == 1)
+    except PipelineTimeoutError as e:
+        out["error"] = str(e)
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)                     # the stuck NCCL ops would make a clean shutdown hang
+
+
+@pytest.mark.gpu
+def test_nccl_two_gpus():
+    import tempfile
+    import torch.multiprocessing as mp
+    from distributed import _free_port
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_nccl_worker, args=(_free_port(), d), nprocs=2, join=True)
+        first, last = (torch.load(f"{d}/rank{r}.pt") for r in range(2))
+    ref, _, _ = _serial(5)
+    for schedule in ("1f1b", "afab"):
+        got = {**first[schedule], **last[schedule]}
+        for name, g in ref.items():
+            assert torch.allclose(got[name], g, rtol=1e-4, atol=1e-6), (schedule, name)   # GPU vs CPU fp32
+    assert first["error"].startswith("pipeline p2p timeout after 3s on rank 0 (pp stage 0/2): iteration 7, "
+                                     "schedule 1f1b, phase steady, microbatch 1 (forward), 0 (backward), "
+                                     "waiting for send_forward to rank 1 and recv_backward from rank 1")
+    assert last["error"] == ("pipeline p2p timeout after 3s on rank 1 (pp stage 1/2): iteration 7, schedule 1f1b, "
+                             "phase forward-only, microbatch 2, waiting for recv_forward from rank 0")
