@@ -38,6 +38,8 @@ def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
                 setattr(ns, k, v)
         if ns.lr_warmup_fraction is not None:
             ns.lr_warmup_iters = 0
+        if ns.load is None and ns.save == EMBEDDED_SAVE:  # re-running resumes; never overwrites
+            ns.load = EMBEDDED_SAVE
     if ns.train_iters is None and ns.train_samples is None:
         raise ConfigError("give --train-iters or --train-samples (how long to train)")
     return config_from_namespace(ns, world_size)

@@ -204,7 +204,8 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
         state.consumed_samples += cfg.train.global_batch_size
         check_finite(run, state, loss, applied, grad_norm)
         lr = run.scheduler.get_lr()
-        run.scheduler.step()
+        if applied:  # Megatron: a skipped (fp16 overflow) step does not advance the LR schedule
+            run.scheduler.step()
         state.losses.append((state.iteration, loss))
         window_iters, window_loss = window_iters + 1, window_loss + loss
         if writer is not None:

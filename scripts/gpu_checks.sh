@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one pass (run on a lent GPU machine from the repo root):
+#   bash scripts/gpu_checks.sh [kernels] [tests] [bench CONFIG...]
+# GPT-2 BPE files are read from $GPT2_DIR (default .gpu/: encoder.json, vocab.bpe).
+# Logs go to $OUT (or ./gpu_logs); each part prints a short table last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-gpu_logs}"; mkdir -p "$OUT"
+GPT2_DIR="${GPT2_DIR:-.gpu}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+while [ $# -gt 0 ]; do
+  case "$1" in
+    kernels) bash scripts/gpu_kernel_checks.sh 2>&1 | tee "$OUT/kernels.log" | tail -30; shift;;
+    tests) python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -5; shift;;
+    bench) shift; configs=()
+           while [ $# -gt 0 ] && [ "$1" != kernels ] && [ "$1" != tests ]; do configs+=("$1"); shift; done
+           python3 tools/bench_train.py --vocab-file "$GPT2_DIR/encoder.json" --merge-file "$GPT2_DIR/vocab.bpe" \
+             --log-dir "$OUT" --configs "${configs[@]}" 2>&1 | tee "$OUT/bench.log" | grep -v "^{" ;;
+    *) echo "unknown part $1 (kernels | tests | bench CONFIG...)"; exit 2;;
+  esac
+done
