@@ -25,7 +25,6 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .arguments import ModelConfig
 from .model.gpt2 import GPT2Model, Stage

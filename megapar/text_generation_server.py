@@ -6,7 +6,7 @@
     400        a plain-text message naming the bad field
 
 `text` is each prompt followed by its continuation; `segments` the same split into tokens;
-`logprobs` the log-probability of every token after the first (when asked for). An empty prompt
+`logprobs` the log-probability of every segment after the first (when asked for). An empty prompt
 starts from the end-of-document token (unconditional sample). Requests are served one at a time.
 Bound to 127.0.0.1 by default; pass host="0.0.0.0" to expose it.
 """
@@ -109,4 +109,4 @@ def response_for(tokenizer, prompts: list[str], out, want_logprobs: bool) -> dic
     skip = [1 if p == "" else 0 for p in prompts]   # an empty prompt was started from end-of-document
     return {"text": [tokenizer.detokenize(t[k:]) for t, k in zip(out.tokens, skip)],
             "segments": [[tokenizer.detokenize([i]) for i in t[k:]] for t, k in zip(out.tokens, skip)],
-            "logprobs": [lp[max(k - 1, 0):] for lp, k in zip(out.logprobs, skip)] if want_logprobs else None}
+            "logprobs": [lp[k:] for lp, k in zip(out.logprobs, skip)] if want_logprobs else None}

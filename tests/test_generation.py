@@ -222,7 +222,8 @@ def test_server_answers_megatron_api_on_localhost():
         a, b = put(body), put(body)
         assert a == b and set(a) == {"text", "segments", "logprobs"}
         assert a["text"][0].startswith("Hello") and len(a["segments"][1]) == len("a longer prompt") + 5
-        assert len(a["logprobs"][1]) == len(a["segments"][1]) - 1
+        assert all(len(lp) == len(seg) - 1 for lp, seg in zip(a["logprobs"], a["segments"]))
+        assert len(a["segments"][2]) <= 5 and not a["text"][2].startswith(chr(31 + EOD))
         assert put({"prompts": ["x"], "tokens_to_generate": 3})["logprobs"] is None
         for bad, msg in (({"prompts": "x"}, "not a list"), ({"prompts": ["x"], "top_p": 2}, "top_p"),
                          ({"prompts": ["x" * 60]}, "longer than")):

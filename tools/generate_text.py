@@ -111,7 +111,13 @@ class Session:
         for note in out.notes:
             self.log(f"> note: {note}")
         self.log(out.timing_line())
-        return out, [self.tok.detokenize(out.generated(i)) for i in range(len(texts))]
+        return out, [self.continuation(t[:n], t[n:]) for t, n in zip(out.tokens, out.prompt_lengths)]
+
+    def continuation(self, prompt: list[int], generated: list[int]) -> str:
+        """The text the generated tokens add (decoded in context: SentencePiece drops a leading
+        space when a piece is decoded on its own)."""
+        head, full = self.tok.detokenize(prompt), self.tok.detokenize(prompt + generated)
+        return full[len(head):] if full.startswith(head) else self.tok.detokenize(generated)
 
     def api(self, prompts: list[str], params: SamplingParams) -> dict:
         from megapar.text_generation_server import response_for
@@ -211,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"> loaded {a.load} ({ckpt_args.num_layers} layers, hidden {ckpt_args.hidden_size}, vocab "
           f"{ckpt_args.vocab_size} padded to {model.cfg.padded_vocab_size}) on {device} as tp={topo.tp} pp={topo.pp}, "
           f"{n / 1e6:.1f}M parameters on rank 0", file=sys.stderr, flush=True)
-    if params.seed is None and not params.is_greedy:
+    if params.seed is None and not params.is_greedy and not a.server:   # server: per-request random_seed
         params.seed = int(torch.randint(0, 2**31 - 1, ()).item())
         print(f"> sampling seed {params.seed} (pass --seed to repeat)", file=sys.stderr, flush=True)
     s = Session(engine, tok, params, log=lambda m: print(m, file=sys.stderr, flush=True))
