@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+# torch >= 2.13 renames reduce_scatter_tensor (the old name warns); fall back on older versions.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class Bucket:
@@ -131,8 +134,7 @@ class GradBuffer:
             bucket.handle = dist.all_reduce(view, group=self.dp_group, async_op=async_op)
         else:
             lo, hi = bucket.shard(self.dp_rank, self.dp)
-            bucket.handle = dist.reduce_scatter_tensor(self.data[lo:hi], view, group=self.dp_group,
-                                                       async_op=async_op)
+            bucket.handle = _reduce_scatter(self.data[lo:hi], view, group=self.dp_group, async_op=async_op)
         bucket.handle = bucket.handle or "done"
 
     def finish(self, before_late: Optional[Callable[[], None]] = None) -> None:

@@ -40,6 +40,41 @@ def make_adamw(groups: list[dict], cfg, device: torch.device) -> torch.optim.Ada
     return torch.optim.AdamW(groups, **kw)
 
 
+def decay_groups(items: list[tuple[str, nn.Parameter, torch.Tensor]], cfg) -> list[dict]:
+    """Two AdamW param groups over the optimizer tensors of (name, model param, tensor) items:
+    with weight decay, and without it (every 1-D model parameter: biases, LayerNorm)."""
+    return [{"params": [t for n, p, t in items if not no_weight_decay(n, p)], "weight_decay": cfg.weight_decay},
+            {"params": [t for n, p, t in items if no_weight_decay(n, p)], "weight_decay": 0.0}]
+
+
+def unscale_and_check(grads: list[torch.Tensor], scale: float, device: torch.device,
+                      inf_group: Optional[dist.ProcessGroup]) -> bool:
+    """Multiply grads by 1/scale in place; True if any rank of inf_group saw inf/nan (collective
+    when torch.distributed is initialised, so every rank must call it, even with no grads)."""
+    found = torch.zeros(1, device=device)
+    if grads:
+        inv = torch.full((1,), 1.0 / scale, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+    if dist.is_initialized():
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=inf_group)
+    return bool(found.item())
+
+
+def clip_grads_(grads: list[torch.Tensor], norm: float, clip_grad: float) -> None:
+    """Scale grads in place so that their global norm `norm` becomes at most clip_grad (0: off)."""
+    if clip_grad > 0 and norm > clip_grad:
+        coef = clip_grad / (norm + 1e-6)
+        if grads:
+            torch._foreach_mul_(grads, coef)
+
+
+def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fused: bool) -> dict:
+    """One parameter's torch AdamW state (the step tensor lives where torch expects it)."""
+    device = exp_avg.device if fused else "cpu"
+    return {"step": torch.tensor(float(step), dtype=torch.float32, device=device),
+            "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
 def global_norm(squares: list[torch.Tensor], group: Optional[dist.ProcessGroup], device) -> float:
     """sqrt of the sum over `group` of the local sums of squares."""
     total = torch.zeros(1, dtype=torch.float32, device=device)
@@ -63,11 +98,7 @@ class MixedPrecisionOptimizer:
         self.device = self.named[0][1].device
         self.masters = {n: (p if p.dtype == torch.float32 else p.detach().float().clone()) for n, p in self.named}
         self.norm_names = {n for n, _ in self.named if counts_for_norm(n, tp_rank)}
-        groups = [{"params": [self.masters[n] for n, p in self.named if not no_weight_decay(n, p)],
-                   "weight_decay": cfg.weight_decay},
-                  {"params": [self.masters[n] for n, p in self.named if no_weight_decay(n, p)],
-                   "weight_decay": 0.0}]
-        self.adam = make_adamw(groups, cfg, self.device)
+        self.adam = make_adamw(decay_groups([(n, p, self.masters[n]) for n, p in self.named], cfg), cfg, self.device)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -79,12 +110,7 @@ class MixedPrecisionOptimizer:
 
     def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
         """Multiply grads by 1/scale; True if any rank saw inf/nan (all ranks then skip)."""
-        found = torch.zeros(1, device=self.device)
-        inv = torch.full((1,), 1.0 / self.scaler.scale, device=self.device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-        if dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.inf_group)
-        return bool(found.item())
+        return unscale_and_check(grads, self.scaler.scale, self.device, self.inf_group)
 
     def step(self) -> tuple[bool, float]:
         """Returns (applied, grad_norm). applied is False when fp16 overflow skipped the step."""
@@ -101,10 +127,12 @@ class MixedPrecisionOptimizer:
         return True, norm
 
     def _clip(self, grads: list[torch.Tensor], norm: float) -> None:
-        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
-            coef = self.cfg.clip_grad / (norm + 1e-6)
-            for g in grads:
-                g.mul_(coef)
+        clip_grads_(grads, norm, self.cfg.clip_grad)
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of fp32 master weights and Adam moments this rank holds (the moments counted
+        before the first step too): 12 bytes per parameter, on every data-parallel rank."""
+        return sum(3 * 4 * p.numel() for _, p in self.named)
 
     def _adam_step(self, grads: dict[str, torch.Tensor]) -> None:
         for n, p in self.named:
@@ -144,9 +172,7 @@ class MixedPrecisionOptimizer:
                 if self.masters[n] is not p:
                     p.copy_(self.masters[n])
                 if load_moments:
-                    self.adam.state[self.masters[n]] = {
-                        "step": torch.tensor(float(saved["step"]),
-                                             device=self.device if self.adam.defaults.get("fused") else "cpu"),
-                        "exp_avg": src["exp_avg"].to(self.device, torch.float32).clone(),
-                        "exp_avg_sq": src["exp_avg_sq"].to(self.device, torch.float32).clone()}
+                    self.adam.state[self.masters[n]] = adam_state(
+                        saved["step"], src["exp_avg"].to(self.device, torch.float32).clone(),
+                        src["exp_avg_sq"].to(self.device, torch.float32).clone(), bool(self.adam.defaults.get("fused")))
         self.scaler.load_state_dict(saved["grad_scaler"])
