@@ -38,6 +38,7 @@ class ModelConfig:
     recompute_granularity: Optional[str] = None    # None | full | selective
     recompute_method: Optional[str] = None         # uniform | block
     recompute_num_layers: int = 1
+    torch_compile: bool = False                    # torch.compile each transformer layer
 
     @property
     def kv_channels(self) -> int:
@@ -164,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "torch"], default="auto",
                    help="flash = torch SDPA (default where available), fused = csrc softmax, torch = reference")
     g.add_argument("--layernorm-impl", choices=["torch", "fused"], default="torch")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="torch.compile each transformer layer (fuses LayerNorm, GELU, dropout, residual adds)")
     g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)

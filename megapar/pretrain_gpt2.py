@@ -21,7 +21,7 @@ from .topology import Topology
 from .training import TrainState, evaluate, load, log_eval, save, train
 
 EMBEDDED_DIR = os.path.join("data_cache", "embedded")
-EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")
+EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")  # + model shape, see parse()
 
 
 def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
@@ -30,16 +30,17 @@ def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
     if not ns.data_path:  # the embedded default: fill only what the user left at its default
         defaults = {"train_iters": None, "eval_interval": 1000, "eval_iters": 10, "save": None,
                     "lr_warmup_iters": 0, "log_interval": 10, "global_batch_size": None}
+        save_dir = f"{EMBEDDED_SAVE}_{ns.num_layers}l_{ns.hidden_size}h"
         chosen = {"train_iters": 300 if ns.train_samples is None else None, "eval_interval": 100,
-                  "eval_iters": 4, "save": EMBEDDED_SAVE, "lr_warmup_iters": 30, "log_interval": 20,
+                  "eval_iters": 4, "save": save_dir, "lr_warmup_iters": 30, "log_interval": 20,
                   "global_batch_size": 8}
         for k, v in chosen.items():
             if getattr(ns, k) == defaults[k]:
                 setattr(ns, k, v)
         if ns.lr_warmup_fraction is not None:
             ns.lr_warmup_iters = 0
-        if ns.load is None and ns.save == EMBEDDED_SAVE:  # re-running resumes; never overwrites
-            ns.load = EMBEDDED_SAVE
+        if ns.load is None and ns.save == save_dir:  # re-running resumes; never overwrites
+            ns.load = save_dir
     if ns.train_iters is None and ns.train_samples is None:
         raise ConfigError("give --train-iters or --train-samples (how long to train)")
     return config_from_namespace(ns, world_size)
@@ -103,6 +104,10 @@ def pretrain(cfg: Config) -> TrainState:
                 f"on {device.type} ({dist.get_backend()}); {cfg.num_microbatches} microbatches of "
                 f"{cfg.train.micro_batch_size}; precision {cfg.train.params_dtype_name}; "
                 f"attention {cfg.model.attention_backend}, layernorm {cfg.model.layernorm_impl}")
+    if "fused" in (cfg.model.attention_backend, cfg.model.layernorm_impl):
+        from .kernels import fused_kernels_source, load_fused_kernels
+        load_fused_kernels()  # an explicit request never falls back: this raises without CUDA/nvcc
+        print_rank0(f"> fused kernels: {fused_kernels_source()}")
     prepare_data(cfg, rank)
     tokenizer = build_tokenizer_for(cfg)
     run = build_run(cfg, topo, rank, device, tokenizer.vocab_size)

@@ -52,9 +52,10 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
-def schedule_config(run: Run, num_microbatches: int) -> ScheduleConfig:
-    cfg, c = run.cfg, run.coord
+def schedule_config(run: Run, num_microbatches: int, label: str = "") -> ScheduleConfig:
+    cfg = run.cfg
     return ScheduleConfig(
+        p2p_timeout=60.0 * cfg.parallel.distributed_timeout_minutes, label=label,
         num_microbatches=num_microbatches, device=run.device, dtype=next(run.model.parameters()).dtype,
         tensor_shape=(cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size),
         pp_group=run.topo.groups.pp, prev_rank=run.topo.prev_rank(run.rank), next_rank=run.topo.next_rank(run.rank),
@@ -85,7 +86,7 @@ def train_step(run: Run, dataset, state: TrainState, timers: Timers) -> tuple[fl
                         run.coord.dp, run.device)
     timers.start("forward-backward")
     schedule = get_forward_backward_func(run.topo.pp, cfg.parallel.pipeline_schedule)
-    logs = schedule(forward_step, data, run.model, schedule_config(run, n_micro))
+    logs = schedule(forward_step, data, run.model, schedule_config(run, n_micro, f"iteration {state.iteration + 1}"))
     timers.stop("forward-backward")
     timers.start("grads-sync")
     run.grad_buffer.finish(before_late=lambda: _allreduce_embedding_grads(run))
@@ -114,8 +115,8 @@ def evaluate(run: Run, dataset, iters: int) -> float:
         for i in range(iters):
             data = microbatches(dataset, i * cfg.train.global_batch_size, cfg.num_microbatches,
                                 cfg.train.micro_batch_size, run.topo.dp, run.coord.dp, run.device)
-            logs = schedule(forward_step, data, run.model, schedule_config(run, cfg.num_microbatches),
-                            forward_only=True)
+            logs = schedule(forward_step, data, run.model,
+                            schedule_config(run, cfg.num_microbatches, f"evaluation batch {i}"), forward_only=True)
             losses.append(average_loss(run, logs).item())
     run.model.train()
     return sum(losses) / max(1, len(losses))

@@ -4,7 +4,8 @@ and prints tokens/s, TFLOP/s per GPU, MFU and peak memory per configuration.
     python tools/bench_train.py --vocab-file gpt2/encoder.json --merge-file gpt2/vocab.bpe \
         --configs 345m 124m --iters 30
 
-Data: the embedded default corpus tokenised with GPT-2 BPE (built on first use). The numbers
+Data: the embedded default corpus tokenised with GPT-2 BPE (built on first use); dropout 0 (as
+nanoGPT's bench.py), bf16, seq 1024. The numbers
 are the mean over the last --log-window iterations (after warm-up).
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ CONFIGS = {
     "345m": (1, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8"]),
     "345m-fused-ln": (1, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8",
                                      "--layernorm-impl", "fused"]),
+    "124m-compile": (1, GPT2_124M, ["--micro-batch-size", "16", "--global-batch-size", "16", "--torch-compile"]),
+    "345m-compile": (1, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8", "--torch-compile"]),
     "345m-m8": (1, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64"]),
     "345m-recompute": (1, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8",
                                       "--recompute-granularity", "full", "--recompute-method", "uniform"]),
@@ -48,7 +51,8 @@ def run_config(name: str, args) -> dict:
            "--seq-length", "1024", "--max-position-embeddings", "1024", "--bf16", "--train-iters", str(args.iters),
            "--log-interval", str(args.log_window), "--eval-interval", "0", "--eval-iters", "0", "--save-interval", "0",
            "--vocab-file", args.vocab_file, "--merge-file", args.merge_file, "--tokenizer-type", "GPT2BPETokenizer",
-           "--lr", "3e-4", "--lr-warmup-iters", "5", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+           "--lr", "3e-4", "--lr-warmup-iters", "5", "--hidden-dropout", "0", "--attention-dropout", "0",
+           "--save", "",
            *args.extra]
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=args.workdir)
@@ -68,7 +72,7 @@ def run_config(name: str, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=["124m", "345m"], choices=sorted(CONFIGS))
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--iters", type=int, default=50)
     p.add_argument("--log-window", type=int, default=10)
     p.add_argument("--vocab-file", required=True)
     p.add_argument("--merge-file", required=True)

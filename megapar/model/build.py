@@ -25,6 +25,9 @@ def build_model(cfg: ModelConfig, topo: Topology, rank: int, seed: int, device: 
     c = topo.coord(rank)
     stage = Stage.of(cfg.num_layers, topo.pp, c.pp)
     model = GPT2Model(cfg, stage, seed, topo.groups.tp, device=device, dtype=dtype)
+    if cfg.torch_compile:
+        for layer in model.language_model.encoder.layers:
+            layer.compile()
     if c.dp == 0:
         n = sum(p.numel() for p in model.parameters())
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({c.tp}, {c.pp}): {n}", flush=True)

@@ -79,8 +79,12 @@ class ParallelAttention(nn.Module):
         if self.selective_recompute and self.training:
             ctx = checkpoint(core_attention, q, k, v, self.backend, p)
         else:
-            backend = "torch" if kv_cache is not None and q.shape[2] != k.shape[2] else self.backend
-            ctx = core_attention(q, k, v, backend, p)                                 # [b, np, s, hn]
+            backend, causal = self.backend, True
+            if kv_cache is not None and q.shape[2] != k.shape[2]:  # decoding with a cache
+                # one new query sees every cached key: no mask, any backend; longer chunks
+                # need the offset causal mask of the reference path
+                backend, causal = ("flash", False) if q.shape[2] == 1 else ("torch", True)
+            ctx = core_attention(q, k, v, backend, p, causal)                         # [b, np, s, hn]
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.hn)        # [s, b, h/tp]
         return self.dense(ctx)
 
