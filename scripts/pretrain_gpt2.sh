@@ -9,6 +9,7 @@
 # Several nodes: --nnodes, --node-rank, --master-addr, --master-port are passed to torchrun.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+python3 -c "import torch, megapar" 2>/dev/null || bash scripts/install.sh   # fresh machine
 
 tp=1; pp=1; nproc=""; launcher=()
 args=("$@"); passthrough=()

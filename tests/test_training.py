@@ -110,3 +110,13 @@ def test_mismatched_and_corrupt_checkpoints(embedded_data, tmp_path):
     with pytest.raises(Exception, match="iter_0000002/mp_rank_00/model_optim_rng.pt is truncated or corrupt"):
         run_training(TINY_TRAIN + embedded_data + ["--train-iters", "3", "--load", str(ck)])
     assert earlier.read_bytes() == before                                    # the others are untouched
+
+
+def test_3d_tp2_pp2_dp2_with_zero1_and_recompute_matches_serial(embedded_data):
+    """8 gloo processes: (tp, pp, dp) = (2, 2, 2), ZeRO-1, activation checkpointing == (1, 1, 1)."""
+    base = TINY_TRAIN + embedded_data + ["--train-iters", "10", "--recompute-granularity", "full",
+                                         "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    serial = losses(run_training(base, 1))
+    three_d = losses(run_training(base + ["--tensor-parallel", "2", "--pipeline-parallel", "2",
+                                          "--use-distributed-optimizer"], 8))
+    assert three_d == pytest.approx(serial, rel=2e-5), (serial, three_d)
