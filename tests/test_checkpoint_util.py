@@ -295,3 +295,24 @@ def test_bad_target_layout(ckpts, tmp_path, capsys):
            "attention heads")
     _fails(capsys, ["--load-dir", ckpts / "tp2pp2", "--save-dir", tmp_path / "o",
                     "--target-pipeline-parallel-size", 3], "4 layers")
+
+
+# ---- resume at a new layout ---------------------------------------------------------------------
+from train_helpers import TINY_TRAIN, embedded_data, run_training  # noqa: E402,F401  (fixture)
+
+
+def test_train_222_convert_111_resume_gives_same_losses(embedded_data, tmp_path):
+    """Train at (tp, pp, dp) = (2, 2, 2) for 2 iterations, save, convert to (1, 1, 1), resume for
+    2 more: the losses equal continuing at (2, 2, 2) (float32 summation order differs: rel 2e-5)."""
+    base = TINY_TRAIN + embedded_data + ["--train-iters", "4"]
+    par = ["--tensor-parallel", "2", "--pipeline-parallel", "2"]
+    ck, ck1 = tmp_path / "ck", tmp_path / "ck111"
+    first = run_training(base + par + ["--exit-interval", "2", "--save", str(ck)], 8)
+    assert first["iteration"] == 2
+    convert(ck, ck1, "--target-tensor-parallel-size", 1, "--target-pipeline-parallel-size", 1,
+            "--target-data-parallel-size", 1)
+    resumed = run_training(base + ["--load", str(ck1)], 1)
+    continued = run_training(base + par + ["--load", str(ck)], 8)
+    assert resumed["iteration"] == continued["iteration"] == 4 and resumed["consumed"] == continued["consumed"]
+    got, want = [l for _, l in resumed["losses"]], [l for _, l in continued["losses"]]
+    assert len(got) == 2 and got == pytest.approx(want, rel=2e-5), (got, want)
