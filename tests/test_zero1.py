@@ -312,3 +312,24 @@ def test_zero1_nccl_matches_adamw():
             assert math.isclose(a, b, rel_tol=1e-5)
         assert res["replicas_equal"] and res["masters_match_params"]
         assert res["bf16_losses"][-1] < res["bf16_losses"][0]
+
+
+@pytest.mark.gpu
+def test_zero1_cuda_dp1_fused_matches_adamw():
+    """One GPU, no torch.distributed: fused AdamW over shard views with pre-seeded state."""
+    dev = torch.device("cuda", 0)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    model, buf, opt = _zero1(None, bucket_numel=5000, device=dev, overlap=True)
+    assert opt.adam.defaults.get("fused")
+    res = _compare_steps(model, buf, opt, Reference(device=dev), range(4), 1, 0, None)
+    assert max(res["diffs"]) < 1e-5, res["diffs"]
+    saved = opt.state_for_save()
+    model2, buf2, opt2 = _zero1(None, bucket_numel=3000, device=dev)
+    opt2.load_saved_state(saved)
+    assert opt2._step_count() == 4
+    a = [_train_step(model, buf, opt, 9, 1, 0, None)[0] for _ in range(2)]
+    b = [_train_step(model2, buf2, opt2, 9, 1, 0, None)[0] for _ in range(2)]
+    assert a == pytest.approx(b, rel=1e-6)
+    model3, buf3, opt3 = _zero1(None, bucket_numel=5000, dtype=torch.bfloat16, device=dev)
+    losses = [_train_step(model3, buf3, opt3, 0, 1, 0, None)[0] for _ in range(4)]
+    assert losses[-1] < losses[0]
