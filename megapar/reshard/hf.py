@@ -1,0 +1,91 @@
+"""Export a megapar checkpoint (any layout, or a canonical folder) to a Hugging Face
+GPT2LMHeadModel folder: config.json + model.safetensors (dummy vocabulary rows removed).
+
+Mapping (Megatron -> HF GPT-2; HF's Conv1D stores weights as [in, out], so linears transpose):
+  word_embeddings[:vocab_size]     -> transformer.wte.weight  (lm_head is tied to it)
+  position_embeddings              -> transformer.wpe.weight
+  layers.i.input_layernorm         -> transformer.h.i.ln_1
+  layers.i.query_key_value         -> transformer.h.i.attn.c_attn  rows [np, 3, hn] -> [3, np, hn], transposed
+  layers.i.self_attention.dense    -> transformer.h.i.attn.c_proj (transposed)
+  layers.i.post_attention_layernorm-> transformer.h.i.ln_2
+  layers.i.mlp.dense_h_to_4h       -> transformer.h.i.mlp.c_fc (transposed)
+  layers.i.mlp.dense_4h_to_h       -> transformer.h.i.mlp.c_proj (transposed)
+  final_layernorm                  -> transformer.ln_f
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Optional
+
+import torch
+
+from .canonical import prepare_output, publish_dir
+
+_LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
+_LAYER_MAP = {"input_layernorm": ("ln_1", False), "self_attention.query_key_value": ("attn.c_attn", True),
+              "self_attention.dense": ("attn.c_proj", True), "post_attention_layernorm": ("ln_2", False),
+              "mlp.dense_h_to_4h": ("mlp.c_fc", True), "mlp.dense_4h_to_h": ("mlp.c_proj", True)}
+
+
+def _qkv_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Megatron per-head rows [np, 3, hn, ...] -> HF [3 (q, k, v), np, hn, ...]."""
+    rest = tuple(t.shape[1:])
+    return t.view(heads, 3, -1, *rest).transpose(0, 1).reshape(t.shape[0], *rest)
+
+
+def hf_name_and_tensor(name: str, t: torch.Tensor, heads: int) -> Optional[tuple[str, torch.Tensor]]:
+    if name == "language_model.embedding.word_embeddings.weight":
+        return "transformer.wte.weight", t
+    if name == "language_model.embedding.position_embeddings.weight":
+        return "transformer.wpe.weight", t
+    if name.startswith("language_model.encoder.final_layernorm."):
+        return f"transformer.ln_f.{name.rsplit('.', 1)[1]}", t
+    m = _LAYER.match(name)
+    if m is None:
+        raise KeyError(f"no Hugging Face GPT-2 equivalent for {name}")
+    module, leaf = m.group(2).rsplit(".", 1)
+    hf, linear = _LAYER_MAP[module]
+    if module == "self_attention.query_key_value":
+        t = _qkv_to_hf(t, heads)
+    if linear and leaf == "weight":
+        t = t.t()
+    return f"transformer.h.{m.group(1)}.{hf}.{leaf}", t.contiguous()
+
+
+def hf_config(args, vocab_size: int) -> dict:
+    eos = 50256 if vocab_size == 50257 else vocab_size - 1
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
+            "n_positions": args.max_position_embeddings, "n_ctx": args.max_position_embeddings,
+            "n_embd": args.hidden_size, "n_layer": args.num_layers, "n_head": args.num_attention_heads,
+            "n_inner": getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size,
+            "activation_function": "gelu_new", "layer_norm_epsilon": getattr(args, "layernorm_epsilon", 1e-5),
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
+            "scale_attn_weights": True, "use_cache": True, "tie_word_embeddings": True,
+            "bos_token_id": eos, "eos_token_id": eos}
+
+
+def export_hf(src, out_dir: str, dtype: Optional[torch.dtype] = None, force: bool = False, log=print) -> None:
+    """Write `src` (ShardedCheckpoint / CanonicalFolder) as a transformers GPT2LMHeadModel folder."""
+    from safetensors.torch import save_file
+    prepare_output(out_dir, force)
+    if src.vocab_size is None:
+        raise ValueError("the checkpoint does not record its true vocab_size; cannot remove the dummy rows")
+    tensors = {}
+    for name in src.names:
+        key, t = hf_name_and_tensor(name, src.full(name), src.args.num_attention_heads)
+        tensors[key] = t.to(dtype) if dtype is not None else t
+    staging = out_dir.rstrip("/") + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf_config(src.args, src.vocab_size)
+    cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).replace("torch.", "")
+    with open(os.path.join(staging, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    src.release()
+    publish_dir(staging, out_dir)
+    log(f"wrote Hugging Face GPT2LMHeadModel ({src.args.num_layers} layers, hidden {src.args.hidden_size}, "
+        f"vocab {src.vocab_size}) to {out_dir}")
