@@ -20,6 +20,7 @@ import torch
 from ..checkpointing import CheckpointError, atomic_torch_save
 from .layout import OPTIM_KINDS
 from .source import load_mmap
+from .stream_save import LazyTensor, StreamingSaver
 
 META = "metadata.pt"
 
@@ -81,11 +82,12 @@ def write_canonical(src, out_dir: str, with_optim: bool = True, force: bool = Fa
     os.makedirs(os.path.join(staging, "tensors"))
     kinds = ("param",) + (OPTIM_KINDS if with_optim and src.has_optim else ())
     specs = {}
-    for name in src.names:
-        entry = {k: src.full(name, k) for k in kinds}
-        specs[name] = {k: (tuple(t.shape), t.dtype) for k, t in entry.items()}
-        atomic_torch_save(entry, os.path.join(staging, "tensors", f"{name}.pt"))
-        del entry
+    for name in src.names:       # one parameter file at a time, one tensor of it in memory at a time
+        specs[name] = {k: src.spec(name, k) for k in kinds}
+        lazy = {k: LazyTensor(*specs[name][k]) for k in kinds}
+        with StreamingSaver(os.path.join(staging, "tensors", f"{name}.pt"), lazy) as saver:
+            for k in kinds:
+                saver.write_next(src.full(name, k))
     meta = dict(src.meta())
     meta["specs"] = specs
     if not (with_optim and src.has_optim):

@@ -73,12 +73,17 @@ def split(full: torch.Tensor, name: str, tp: int, tp_rank: int, padded_vocab: Op
     """The full tensor -> TP rank `tp_rank`'s shard (a fresh contiguous tensor). Vocab-parallel
     tensors are first zero-padded to `padded_vocab` rows. QKV rows are per head [np, 3, hn], so a
     contiguous row split keeps whole heads on each rank."""
-    if is_vocab_parallel(name) and padded_vocab is not None and full.shape[0] != padded_vocab:
-        if full.shape[0] > padded_vocab:
-            raise ValueError(f"{name}: {full.shape[0]} rows do not fit the padded vocabulary {padded_vocab}")
-        pad = full.new_zeros((padded_vocab - full.shape[0],) + tuple(full.shape[1:]))
-        full = torch.cat([full, pad], dim=0)
     dim = tp_partition_dim(name)
+    if is_vocab_parallel(name) and padded_vocab is not None:
+        if full.shape[0] > padded_vocab or padded_vocab % tp:
+            raise ValueError(f"{name}: {full.shape[0]} rows do not fit the padded vocabulary {padded_vocab} "
+                             f"split {tp} ways")
+        per = padded_vocab // tp
+        out = full.new_zeros((per,) + tuple(full.shape[1:]))
+        lo, hi = tp_rank * per, min((tp_rank + 1) * per, full.shape[0])
+        if hi > lo:
+            out[: hi - lo].copy_(full[lo:hi])
+        return out
     if dim is None or tp == 1:
         return full.clone().contiguous()
     if full.shape[dim] % tp:

@@ -36,25 +36,37 @@ def load_mmap(path: str) -> dict:
                               f"load an earlier iteration or re-save it") from None
 
 
-class _ShardFile:
-    """One lazily (re)opened shard file; `get` returns owned copies of its tensors."""
+class _Budget:
+    """Bytes paged in from all open shard files since they were last released."""
 
-    def __init__(self, path: str, budget_bytes: int):
-        self.path, self.budget = path, budget_bytes
+    def __init__(self, limit: int):
+        self.limit, self.read = limit, 0
+        self.files: list["_ShardFile"] = []
+
+    def add(self, n: int) -> None:
+        self.read += n
+        if self.read > self.limit:  # drop every mapping so paged-in data leaves resident memory
+            for f in self.files:
+                f.release()
+            self.read = 0
+
+
+class _ShardFile:
+    """One lazily (re)opened shard file; `take` returns owned copies of its tensors."""
+
+    def __init__(self, path: str, budget: _Budget):
+        self.path, self.budget = path, budget
         self._state: Optional[dict] = None
-        self._read = 0
+        budget.files.append(self)
 
     def state(self) -> dict:
         if self._state is None:
             self._state = load_mmap(self.path)
-            self._read = 0
         return self._state
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
-        self._read += out.numel() * out.element_size()
-        if self._read > self.budget:  # drop the mapping so paged-in data leaves resident memory
-            self.release()
+        self.budget.add(out.numel() * out.element_size())
         return out
 
     def release(self) -> None:
@@ -67,7 +79,7 @@ class ShardedCheckpoint:
     names: canonical keys in model order; full(name, kind) with kind "param" or one of
     master_param / exp_avg / exp_avg_sq returns the full (vocab-trimmed) tensor."""
 
-    def __init__(self, root: str, iteration: Optional[int | str] = None, budget_bytes: int = 256 << 20):
+    def __init__(self, root: str, iteration: Optional[int | str] = None, budget_bytes: int = 64 << 20):
         self.root = root
         if iteration is None:
             if not os.path.isdir(root):
@@ -81,8 +93,8 @@ class ShardedCheckpoint:
         if not os.path.isdir(self.dir):
             raise CheckpointError(f"checkpoint directory {self.dir} (named by the tracker) does not exist")
         self.tp, self.pp = self._detect_layout()
-        self.budget = budget_bytes
-        self.shards = {(t, p): _ShardFile(self._path(t, p, MODEL_FILE), budget_bytes)
+        self.budget = _Budget(budget_bytes)
+        self.shards = {(t, p): _ShardFile(self._path(t, p, MODEL_FILE), self.budget)
                        for t in range(self.tp) for p in range(self.pp)}
         self.headers = {k: self._header(k) for k in self.shards}
         self._check_consistent()
@@ -91,7 +103,7 @@ class ShardedCheckpoint:
         self.vocab_size = getattr(self.args, "vocab_size", None)
         self.has_optim = first["has_optim"]
         self.distributed = first["distributed"]
-        self.optim_files = {k: _ShardFile(self._path(*k, DISTRIB_OPTIM_FILE), budget_bytes)
+        self.optim_files = {k: _ShardFile(self._path(*k, DISTRIB_OPTIM_FILE), self.budget)
                             for k in self.shards} if self.distributed else {}
         self.names = self._canonical_names()
 
@@ -186,17 +198,40 @@ class ShardedCheckpoint:
     def full(self, name: str, kind: str = "param") -> torch.Tensor:
         """The full canonical tensor `name` (kind: param | master_param | exp_avg | exp_avg_sq)."""
         p, local = stage_of(name, self.args.num_layers, self.pp)
-        parts = [self._part(t, p, local, kind) for t in range(self.tp)]
+        parts = [self._part(t, p, local, kind, copy=False) for t in range(self.tp)]   # mmapped views
         shapes = {tuple(x.shape) for x in parts}
-        if len(shapes) != 1:
+        if len(shapes) != 1 or len({x.dtype for x in parts}) != 1:
             raise CheckpointError(f"checkpoint {self.dir}: tensor-parallel shards of {local} ({kind}) on stage {p} "
-                                  f"have different shapes {sorted(shapes)}; the shards are inconsistent")
-        full = merge(parts, name, None)
+                                  f"have different shapes/dtypes {sorted(shapes)}; the shards are inconsistent")
+        dim = tp_partition_dim(name)
+        shape = list(parts[0].shape)
+        if dim is not None:
+            shape[dim] *= self.tp
         want = expected_full_shape(name, self.args)
-        if want is not None and tuple(full.shape) != want:
+        if want is not None and tuple(shape) != want:
             raise CheckpointError(f"checkpoint {self._path(0, p, MODEL_FILE)}: {local} ({kind}) merges to "
-                                  f"shape {tuple(full.shape)} but the checkpoint's args imply {want}")
-        return merge([full], name, self.vocab_size)
+                                  f"shape {tuple(shape)} but the checkpoint's args imply {want}")
+        keep = self.vocab_size if is_vocab_parallel(name) and self.vocab_size is not None else None
+        out_shape = [keep] + shape[1:] if keep is not None else shape
+        full = torch.empty(out_shape, dtype=parts[0].dtype)
+        for t, part in enumerate(parts):       # copy each shard straight into place (no cat, no clone)
+            if dim is None:
+                full.copy_(part[:keep] if keep is not None else part)
+                self._count(t, p, kind, part)
+                break
+            lo = t * part.shape[dim]
+            hi = lo + part.shape[dim]
+            if keep is not None:
+                hi = min(hi, keep)
+                if hi <= lo:
+                    continue
+                part = part[: hi - lo]
+            full.narrow(dim, lo, hi - lo).copy_(part)
+            self._count(t, p, kind, part)
+        return full
+
+    def _count(self, t: int, p: int, kind: str, part: torch.Tensor) -> None:
+        self.budget.add(part.numel() * part.element_size())
 
     def spec(self, name: str, kind: str = "param") -> tuple[tuple[int, ...], torch.dtype]:
         """(full canonical shape, dtype) of a tensor, from file metadata (no data is read)."""
