@@ -160,7 +160,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     if c.dp == 0:
         os.makedirs(shard, exist_ok=True)
         state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                 "model": nest_model_state({k: v.detach().cpu() for k, v in model.state_dict().items()})}
+                 "model": nest_model_state({k: v.detach().to("cpu", copy=True)  # no views: save only the tensor
+                                           for k, v in model.state_dict().items()})}
         if optim_state is not None:
             state["optimizer"] = {"distributed": True, "grad_scaler": optim_state["grad_scaler"]} \
                 if distributed else optim_state
@@ -219,7 +220,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     shard = os.path.join(iter_dir(root, iteration), shard_dir_name(c.tp, c.pp, topo.pp))
     path = os.path.join(shard, MODEL_FILE)
     if not os.path.isfile(path):
-        _explain_missing_shard(root, iteration, path, topo)
+        _explain_missing_shard(root, iteration, path, topo, args)
     state = load_file(path)
     check_args(state["args"], args, path)
     model.load_state_dict(flatten_model_state(state["model"]))
@@ -244,8 +245,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     return it, int(getattr(state["args"], "consumed_train_samples", 0))
 
 
-def _explain_missing_shard(root: str, iteration, path: str, topo) -> None:
-    present = sorted(os.listdir(iter_dir(root, iteration))) if os.path.isdir(iter_dir(root, iteration)) else []
+def _explain_missing_shard(root: str, iteration, path: str, topo, args: argparse.Namespace) -> None:
+    """This rank's shard is missing: if another shard exists, report how its layout or model
+    differs from this run (the same message on every rank); else report the missing file."""
+    folder = iter_dir(root, iteration)
+    present = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    for name in present:
+        other = os.path.join(folder, name, MODEL_FILE)
+        if os.path.isfile(other):
+            check_args(load_file(other)["args"], args, other)
+            break
     raise CheckpointError(f"checkpoint file {path} is missing (found shards: {', '.join(present) or 'none'}); "
-                          f"the checkpoint was probably saved with a different tensor/pipeline layout than "
-                          f"tp={topo.tp}, pp={topo.pp} -- reshard it with tools/checkpoint_util.py")
+                          f"the checkpoint is incomplete -- load an earlier iteration")
