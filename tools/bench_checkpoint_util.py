@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from megapar.arguments import parse_config, padded_vocab_size  # noqa: E402
+from megapar.reshard import bounded_heap  # noqa: E402
 from megapar.reshard.convert import write_sharded  # noqa: E402
 from megapar.reshard.layout import OPTIM_KINDS  # noqa: E402
 
@@ -114,7 +115,7 @@ def main() -> None:
     p.add_argument("--no-optim", action="store_true")
     p.add_argument("--keep", action="store_true")
     a = p.parse_args()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    bounded_heap()
     shutil.rmtree(a.workdir, ignore_errors=True)
     src_dir = os.path.join(a.workdir, "src")
     src = SyntheticSource(a.layers, a.hidden, a.heads, a.vocab)

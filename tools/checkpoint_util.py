@@ -19,6 +19,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megapar.checkpointing import CheckpointError  # noqa: E402
+from megapar.reshard import bounded_heap  # noqa: E402
 from megapar.reshard.canonical import CanonicalFolder, is_canonical, write_canonical  # noqa: E402
 from megapar.reshard.convert import write_sharded  # noqa: E402
 from megapar.reshard.source import ShardedCheckpoint  # noqa: E402
@@ -54,6 +55,7 @@ def open_source(load_dir: str, from_full: bool, iteration):
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    bounded_heap()
     if os.path.abspath(a.load_dir) == os.path.abspath(a.save_dir):
         print("error: --save-dir must differ from --load-dir", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from megapar.checkpointing import CheckpointError  # noqa: E402
+from megapar.reshard import bounded_heap  # noqa: E402
 from megapar.reshard.hf import export_hf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --save-dir")
     a = p.parse_args(argv)
+    bounded_heap()
     try:
         export_hf(open_source(a.load_dir, False, a.iteration), a.save_dir,
                   DTYPES[a.dtype] if a.dtype else None, force=a.force)

@@ -16,6 +16,21 @@ from .layout import split, stage_keys, target_padded_vocab
 from .source import ShardedCheckpoint
 
 
+def bounded_heap(threshold: int = 1 << 20) -> bool:
+    """Make glibc serve allocations >= `threshold` bytes with mmap (returned to the OS on free).
+    Without it, the dynamic mmap threshold lets tensors of a few MB land on the heap, which
+    fragments as full tensors and shards of different sizes come and go: a streaming conversion
+    of GPT-2 345M then peaks at several GB instead of a few tensors. Process-wide; the CLI tools
+    call it. Returns False where mallopt is unavailable (non-glibc)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, threshold))          # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def target_args(args: argparse.Namespace, vocab_size: Optional[int], tp: int, pp: int,
                 dp: Optional[int] = None, distributed_optimizer: Optional[bool] = None) -> argparse.Namespace:
     """A copy of a checkpoint's args with the parallel sizes and padded vocabulary of the target."""
@@ -51,4 +66,4 @@ def load_model_state_for(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank:
     return args, state
 
 
-__all__ = ["ShardedCheckpoint", "load_model_state_for", "target_args"]
+__all__ = ["ShardedCheckpoint", "bounded_heap", "load_model_state_for", "target_args"]

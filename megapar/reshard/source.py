@@ -1,8 +1,9 @@
 """Read a megapar checkpoint saved at any (tp, pp, dp) as canonical full tensors, one at a time.
 
 Shard files are opened with torch.load(mmap=True): only the tensors asked for are paged in, and
-each file is re-opened after `budget_bytes` were read from it, so resident memory stays bounded
-by a few tensors rather than the model. Every problem (missing tracker / iteration / shard,
+all mappings are dropped whenever `budget_bytes` (default 64 MiB) were paged in since the last
+drop, so resident memory stays bounded by a few tensors rather than the model. A full tensor
+is assembled by copying each TP shard straight into its place (no intermediate copies). Every problem (missing tracker / iteration / shard,
 truncated or corrupt file, shards that disagree) raises CheckpointError naming the file.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from ..checkpointing import (DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_state, iter_dir,
                              read_tracker, shard_dir_name)
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
-from .layout import HEAD, OPTIM_KINDS, expected_full_shape, merge, stage_of, to_global
+from .layout import HEAD, OPTIM_KINDS, expected_full_shape, stage_of, to_global
 
 _SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 # args that every shard of one checkpoint must agree on
@@ -217,7 +218,7 @@ class ShardedCheckpoint:
         for t, part in enumerate(parts):       # copy each shard straight into place (no cat, no clone)
             if dim is None:
                 full.copy_(part[:keep] if keep is not None else part)
-                self._count(t, p, kind, part)
+                self.budget.add(part.numel() * part.element_size())
                 break
             lo = t * part.shape[dim]
             hi = lo + part.shape[dim]
@@ -227,11 +228,8 @@ class ShardedCheckpoint:
                     continue
                 part = part[: hi - lo]
             full.narrow(dim, lo, hi - lo).copy_(part)
-            self._count(t, p, kind, part)
+            self.budget.add(part.numel() * part.element_size())
         return full
-
-    def _count(self, t: int, p: int, kind: str, part: torch.Tensor) -> None:
-        self.budget.add(part.numel() * part.element_size())
 
     def spec(self, name: str, kind: str = "param") -> tuple[tuple[int, ...], torch.dtype]:
         """(full canonical shape, dtype) of a tensor, from file metadata (no data is read)."""
