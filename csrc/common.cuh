@@ -123,6 +123,16 @@ bool dispatch_fwd_shape(int64_t cols, int vec, F&& f) {
   return false;
 }
 
+// Host-side helpers shared by the launchers.
+constexpr int kVecBytes = 16;  // one vectorised access per thread
+
+inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+inline const char* last_error() {  // nullptr when the last launch succeeded
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
 inline int64_t max_fwd_cols(int vec) { return 32 * 16 * 4 * static_cast<int64_t>(vec); }
 
 }  // namespace megapar

@@ -15,14 +15,6 @@
 namespace megapar {
 namespace {
 
-constexpr int kVecBytes = 16;
-
-bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-const char* last_error() {
-  const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
-}
 
 #define MEGAPAR_TRY_BWD_SHAPE(W_, IT_)                                                \
   if (cols <= 32 * (W_) * (IT_) * vec) {                                              \

@@ -10,13 +10,13 @@
 namespace megapar {
 namespace {
 
-constexpr int kVecBytes = 16;
-
-bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-const char* last_error() {
-  const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+// Calls launch(vector width, warps, iterations) with the row shape that serves `cols` elements,
+// 16-byte vectors when `vec` allows them; false when the row is too long for the registers.
+template <int V, typename Launch>
+bool dispatch_row(int64_t cols, bool vec, Launch&& launch) {
+  if (vec) return dispatch_fwd_shape(cols, V, [&](auto w, auto i) { launch(std::integral_constant<int, V>{}, w, i); });
+  const int vec1 = 1;
+  return dispatch_fwd_shape(cols, vec1, [&](auto w, auto i) { launch(std::integral_constant<int, 1>{}, w, i); });
 }
 
 template <typename T>
@@ -32,14 +32,7 @@ const char* fwd(const void* x, void* y, const uint8_t* mask, int64_t rows, int s
         static_cast<const T*>(x), static_cast<T*>(y), mask, rows, sq, sk, rows_per_batch, mask_batches, scale,
         causal);
   };
-  const int64_t cols = sk;
-  bool ok;
-  if (vec) {
-    ok = dispatch_fwd_shape(cols, V, [&](auto w, auto i) { launch(std::integral_constant<int, V>{}, w, i); });
-  } else {
-    const int vec1 = 1;
-    ok = dispatch_fwd_shape(cols, vec1, [&](auto w, auto i) { launch(std::integral_constant<int, 1>{}, w, i); });
-  }
+  const bool ok = dispatch_row<V>(sk, vec, launch);
   if (!ok) return "softmax: row length exceeds the kernel's register limit (see softmax_max_cols)";
   return last_error();
 }
@@ -56,14 +49,7 @@ const char* bwd(const void* y, const void* dy, void* dx, int64_t rows, int sq, i
     softmax_bwd_kernel<T, VEC, W, IT><<<static_cast<unsigned>(blocks), 32 * W * RG, 0, stream>>>(
         static_cast<const T*>(y), static_cast<const T*>(dy), static_cast<T*>(dx), rows, sq, sk, scale, causal);
   };
-  const int64_t cols = sk;
-  bool ok;
-  if (vec) {
-    ok = dispatch_fwd_shape(cols, V, [&](auto w, auto i) { launch(std::integral_constant<int, V>{}, w, i); });
-  } else {
-    const int vec1 = 1;
-    ok = dispatch_fwd_shape(cols, vec1, [&](auto w, auto i) { launch(std::integral_constant<int, 1>{}, w, i); });
-  }
+  const bool ok = dispatch_row<V>(sk, vec, launch);
   if (!ok) return "softmax backward: row length exceeds the kernel's register limit";
   return last_error();
 }

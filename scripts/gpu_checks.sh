@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 while [ $# -gt 0 ]; do
   case "$1" in
     kernels) bash scripts/gpu_kernel_checks.sh 2>&1 | tee "$OUT/kernels.log" | tail -30; shift;;
-    tests) python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -5; shift;;
+    tests) python3 -m pytest -q -m gpu $(grep -l "mark.gpu" tests/test_*.py) 2>&1 | tee "$OUT/gpu_tests.log" | tail -5; shift;;
     bench) shift; configs=()
            while [ $# -gt 0 ] && [ "$1" != kernels ] && [ "$1" != tests ]; do configs+=("$1"); shift; done
            python3 tools/bench_train.py --vocab-file "$GPT2_DIR/encoder.json" --merge-file "$GPT2_DIR/vocab.bpe" \
