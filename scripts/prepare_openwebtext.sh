@@ -39,6 +39,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 S="$OUT/summaries"
 mkdir -p "$S"
+# A killed earlier run can leave atomic-write temp files (.NAME.XXXX.tmp); they are never outputs.
+find "$OUT" -name '.*.tmp' -type f -delete
 step() {  # step NAME OUTPUT MODULE ARGS...: run unless OUTPUT exists
   local name=$1 output=$2 module=$3; shift 3
   if [ -e "$output" ]; then echo "[$name] done already ($output), skipping" >&2; return; fi

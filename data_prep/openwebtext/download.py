@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .fetch import FetchConfig, FetchFailure, extract_text, fetch_html, make_pool
-from .io import PipelineError, add_common_args, atomic_write, open_text, progress, report
+from .io import PipelineError, add_common_args, atomic_write, open_text, progress, remove_stale_temps, report
 from .url_rules import megatron_bad_reason
 
 
@@ -92,6 +92,8 @@ def pending_urls(url_file: Path, output_dir: Path, max_urls: int, retry_failed: 
 
 def run_downloads(args, cfg: FetchConfig, counts: Counter) -> None:
     """Bounded-window thread pool over the pending URLs."""
+    if (args.output_dir / "data").is_dir():
+        counts["stale_temp_files_removed"] += remove_stale_temps(args.output_dir / "data")
     pool = make_pool(cfg, args.concurrency)
     window = 4 * args.concurrency
     bar = progress(desc="download", unit="url", enabled=not args.no_progress)

@@ -66,6 +66,17 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
         raise
 
 
+def remove_stale_temps(folder: str | os.PathLike) -> int:
+    """Delete temp files that ``atomic_write`` left behind when a run was killed (SIGKILL gives
+    it no chance to clean up). They are never valid outputs. Returns how many were removed."""
+    removed = 0
+    for tmp in Path(folder).rglob(".*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+            removed += 1
+    return removed
+
+
 def progress(iterable=None, desc: str = "", total: int | None = None, unit: str = "doc", enabled: bool = True):
     """A tqdm progress bar on stderr; ``enabled=False`` (``--no-progress``) silences it."""
     return tqdm(iterable, desc=desc, total=total, unit=unit, disable=not enabled,
