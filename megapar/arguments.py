@@ -120,6 +120,9 @@ class LogConfig:
     eval_iters: int = 10
     tensorboard_dir: Optional[str] = None
     timing_log_level: int = 0
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
 
 
 @dataclass
@@ -223,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0)
+    g.add_argument("--profile", action="store_true",
+                   help="torch.profiler over iterations [--profile-step-start, --profile-step-end): rank 0 prints "
+                        "the top kernels and writes a Chrome trace (to --tensorboard-dir or the working directory)")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--exit-signal-handler", action="store_true")

@@ -3,6 +3,7 @@ logging, checkpoints and exit conditions. Nothing here knows how the schedule pi
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -161,6 +162,35 @@ def exit_reason(run: Run, state: TrainState, handler: SignalHandler, start_time:
     return None
 
 
+class Profiler:
+    """torch.profiler over iterations [--profile-step-start, --profile-step-end) (0-based)."""
+
+    def __init__(self, run: Run):
+        self.run, self.prof = run, None
+        self.start, self.end = run.cfg.log.profile_step_start, run.cfg.log.profile_step_end
+
+    def before(self, iteration: int) -> None:
+        if iteration == self.start:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.run.device.type == "cuda" else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+
+    def after(self, iteration: int) -> None:
+        if self.prof is None or iteration != self.end:
+            return
+        if self.run.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        if self.run.rank == 0:
+            key = "cuda_time_total" if self.run.device.type == "cuda" else "cpu_time_total"
+            print(self.prof.key_averages().table(sort_by=key, row_limit=30), flush=True)
+            path = os.path.join(self.run.cfg.log.tensorboard_dir or ".", f"megapar_trace_rank0.json")
+            self.prof.export_chrome_trace(path)
+            print(f"> profile of iterations {self.start}..{self.end - 1}: trace written to {path}", flush=True)
+        self.prof = None
+
+
 # ---- the loop ------------------------------------------------------------------------------------
 def save(run: Run, state: TrainState) -> None:
     ck = run.cfg.ckpt
@@ -199,8 +229,13 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
     peak, peak_desc = device_peak_tflops(run.device)
     print_rank0(f"> training {total} iterations from iteration {state.iteration}; MFU against {peak_desc}")
     window_start, window_iters, window_loss = time.perf_counter(), 0, 0.0
+    profiler = Profiler(run) if cfg.log.profile else None
     while state.iteration < total:
+        if profiler:
+            profiler.before(state.iteration)
         loss, applied, grad_norm = train_step(run, train_ds, state, timers)
+        if profiler:
+            profiler.after(state.iteration + 1)
         state.iteration += 1
         state.consumed_samples += cfg.train.global_batch_size
         check_finite(run, state, loss, applied, grad_norm)

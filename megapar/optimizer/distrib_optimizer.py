@@ -165,7 +165,7 @@ class DistributedOptimizer:
             self.scaler.update(found_inf)
             if found_inf:
                 return False, float("nan")
-        norm = global_norm([torch.sum(grads[i] ** 2) for i in self.norm_parts], self.norm_group, self.device)
+        norm = global_norm([grads[i] for i in self.norm_parts], self.norm_group, self.device)
         clip_grads_(grads, norm, self.cfg.clip_grad)
         for m, g in zip(self.masters, grads):
             m.grad = g

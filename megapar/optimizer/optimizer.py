@@ -75,11 +75,11 @@ def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fused
             "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
-def global_norm(squares: list[torch.Tensor], group: Optional[dist.ProcessGroup], device) -> float:
-    """sqrt of the sum over `group` of the local sums of squares."""
+def global_norm(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup], device) -> float:
+    """L2 norm of all `tensors` of every rank of `group` (one multi-tensor kernel locally)."""
     total = torch.zeros(1, dtype=torch.float32, device=device)
-    if squares:
-        total += torch.stack([s.float() for s in squares]).sum()
+    if tensors:
+        total += torch.stack(torch._foreach_norm(tensors)).float().square().sum()
     if group is not None:
         dist.all_reduce(total, group=group)
     return total.sqrt().item()
@@ -120,7 +120,7 @@ class MixedPrecisionOptimizer:
             self.scaler.update(found_inf)
             if found_inf:
                 return False, float("nan")
-        norm = global_norm([torch.sum(g.float() ** 2) for n, g in grads.items() if n in self.norm_names],
+        norm = global_norm([g for n, g in grads.items() if n in self.norm_names],
                            self.norm_group, self.device)
         self._clip(list(grads.values()), norm)
         self._adam_step(grads)
@@ -141,8 +141,9 @@ class MixedPrecisionOptimizer:
         with torch.no_grad():
             for n, p in self.named:
                 self.masters[n].grad = None
-                if self.masters[n] is not p:
-                    p.copy_(self.masters[n])
+            copies = [(p, self.masters[n]) for n, p in self.named if self.masters[n] is not p]
+            if copies:  # fp32 masters -> bf16/fp16 model params, one multi-tensor kernel
+                torch._foreach_copy_([p for p, _ in copies], [m for _, m in copies])
 
     # ---- checkpoint state (keyed by parameter name) ------------------------------------
     def state_for_save(self) -> dict:
