@@ -92,8 +92,9 @@ def pending_urls(url_file: Path, output_dir: Path, max_urls: int, retry_failed: 
 
 def run_downloads(args, cfg: FetchConfig, counts: Counter) -> None:
     """Bounded-window thread pool over the pending URLs."""
-    if (args.output_dir / "data").is_dir():
-        counts["stale_temp_files_removed"] += remove_stale_temps(args.output_dir / "data")
+    stale = remove_stale_temps(args.output_dir / "data") if (args.output_dir / "data").is_dir() else 0
+    if stale:
+        counts["stale_temp_files_removed"] = stale
     pool = make_pool(cfg, args.concurrency)
     window = 4 * args.concurrency
     bar = progress(desc="download", unit="url", enabled=not args.no_progress)
