@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from .checkpointing import load_checkpoint, save_checkpoint
 from .initialize import Run, checkpoint_args, print_rank0, train_iters
-from .pipeline.schedules import ScheduleConfig, get_forward_backward_func
+from .pipeline.p2p import current_step
+from .pipeline.schedules import ScheduleConfig, average_logs, get_forward_backward_func
 from .throughput import device_peak_tflops, flops_per_token, memory_fields, throughput_fields
 from .timers import Timers
 
@@ -63,17 +64,15 @@ def schedule_config(run: Run, num_microbatches: int, label: str = "") -> Schedul
         loss_scale=run.optimizer.scaler.scale, no_sync=run.grad_buffer.no_sync)
 
 
-def average_loss(run: Run, logs: list[dict]) -> torch.Tensor:
-    """Mean 'lm loss' over microbatches and data-parallel ranks, on every rank of the pipeline."""
-    total = torch.zeros(1, device=run.device)
-    if logs:  # last stage only
-        total += torch.stack([l["lm loss"] for l in logs]).mean()
-    if run.topo.pp > 1:
-        dist.all_reduce(total, group=run.topo.groups.pp)          # other stages contribute 0
+def average_loss(run: Run, logs: list[dict], sched: ScheduleConfig) -> float:
+    """Mean 'lm loss' over microbatches (broadcast from the last stage to the whole pipeline)
+    and over data-parallel ranks: the same value on every rank, so rank 0 can log it."""
+    loss = average_logs(logs, sched).get("lm loss", 0.0)
     if run.topo.dp > 1:
-        dist.all_reduce(total, group=run.topo.groups.dp)
-        total /= run.topo.dp
-    return total
+        t = torch.tensor([loss], dtype=torch.float64, device=run.device)
+        dist.all_reduce(t, group=run.topo.groups.dp)
+        loss = t.item() / run.topo.dp
+    return loss
 
 
 # ---- one step ---------------------------------------------------------------------------------
@@ -87,7 +86,8 @@ def train_step(run: Run, dataset, state: TrainState, timers: Timers) -> tuple[fl
                         run.coord.dp, run.device)
     timers.start("forward-backward")
     schedule = get_forward_backward_func(run.topo.pp, cfg.parallel.pipeline_schedule)
-    logs = schedule(forward_step, data, run.model, schedule_config(run, n_micro, f"iteration {state.iteration + 1}"))
+    sched = schedule_config(run, n_micro, f"iteration {state.iteration + 1}")
+    logs = schedule(forward_step, data, run.model, sched)
     timers.stop("forward-backward")
     timers.start("grads-sync")
     run.grad_buffer.finish(before_late=lambda: _allreduce_embedding_grads(run))
@@ -95,8 +95,7 @@ def train_step(run: Run, dataset, state: TrainState, timers: Timers) -> tuple[fl
     timers.start("optimizer")
     applied, grad_norm = run.optimizer.step()
     timers.stop("optimizer")
-    loss = average_loss(run, logs).item()
-    return loss, applied, grad_norm
+    return average_loss(run, logs, sched), applied, grad_norm
 
 
 def _allreduce_embedding_grads(run: Run) -> None:
@@ -116,9 +115,9 @@ def evaluate(run: Run, dataset, iters: int) -> float:
         for i in range(iters):
             data = microbatches(dataset, i * cfg.train.global_batch_size, cfg.num_microbatches,
                                 cfg.train.micro_batch_size, run.topo.dp, run.coord.dp, run.device)
-            logs = schedule(forward_step, data, run.model,
-                            schedule_config(run, cfg.num_microbatches, f"evaluation batch {i}"), forward_only=True)
-            losses.append(average_loss(run, logs).item())
+            sched = schedule_config(run, cfg.num_microbatches, f"evaluation batch {i}")
+            logs = schedule(forward_step, data, run.model, sched, forward_only=True)
+            losses.append(average_loss(run, logs, sched))
     run.model.train()
     return sum(losses) / max(1, len(losses))
 
@@ -185,7 +184,7 @@ class Profiler:
         if self.run.rank == 0:
             key = "cuda_time_total" if self.run.device.type == "cuda" else "cpu_time_total"
             print(self.prof.key_averages().table(sort_by=key, row_limit=30), flush=True)
-            path = os.path.join(self.run.cfg.log.tensorboard_dir or ".", f"megapar_trace_rank0.json")
+            path = os.path.join(self.run.cfg.log.tensorboard_dir or ".", "megapar_trace_rank0.json")
             self.prof.export_chrome_trace(path)
             print(f"> profile of iterations {self.start}..{self.end - 1}: trace written to {path}", flush=True)
         self.prof = None
@@ -233,7 +232,12 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
     while state.iteration < total:
         if profiler:
             profiler.before(state.iteration)
-        loss, applied, grad_norm = train_step(run, train_ds, state, timers)
+        try:
+            loss, applied, grad_norm = train_step(run, train_ds, state, timers)
+        except Exception:  # e.g. a collective timeout: say where this rank was
+            print(f"[rank {run.rank}] step failed at iteration {state.iteration + 1}; "
+                  f"pipeline position: {current_step() or 'outside the schedule'}", flush=True)
+            raise
         if profiler:
             profiler.after(state.iteration + 1)
         state.iteration += 1

@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -36,3 +35,12 @@ def gpt2_files(shared_data) -> tuple[str, str]:
     """(vocab_file, merge_file) for GPT-2 BPE."""
     d = shared_data / "gpt2"
     return str(d / "encoder.json"), str(d / "vocab.bpe")
+
+
+@pytest.fixture(scope="session")
+def embedded_data(tmp_path_factory):
+    """The embedded-default dataset (stdlib docstrings + SentencePiece), built once per session."""
+    from megapar.data.embedded import prepare_embedded_dataset
+    info = prepare_embedded_dataset(str(tmp_path_factory.mktemp("embedded")))
+    return ["--data-path", info["data_prefix"], "--tokenizer-type", "SentencePieceTokenizer",
+            "--tokenizer-model", info["tokenizer_model"]]

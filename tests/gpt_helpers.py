@@ -2,7 +2,7 @@
 import torch
 
 from megapar.arguments import parse_config
-from megapar.model import GPT2Model, Stage, set_vocab
+from megapar.model import set_vocab
 from megapar.model.sharding import tp_partition_dim
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -298,7 +298,7 @@ def test_bad_target_layout(ckpts, tmp_path, capsys):
 
 
 # ---- resume at a new layout ---------------------------------------------------------------------
-from train_helpers import TINY_TRAIN, embedded_data, run_training  # noqa: E402,F401  (fixture)
+from train_helpers import TINY_TRAIN, run_training  # noqa: E402
 
 
 def test_train_222_convert_111_resume_gives_same_losses(embedded_data, tmp_path):

@@ -4,15 +4,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from megapar.checkpointing import TRACKER, CheckpointError
+from megapar.checkpointing import TRACKER
 from megapar.optimizer.grad_scaler import DynamicGradScaler
 from megapar.optimizer.lr_schedule import OptimizerParamScheduler
-from train_helpers import TINY_TRAIN, embedded_data, run_training  # noqa: F401 (fixture)
+from train_helpers import TINY_TRAIN, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

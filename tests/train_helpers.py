@@ -1,7 +1,4 @@
 """Run megapar.pretrain_gpt2 in-process (1 rank) or under gloo (N ranks) for tests."""
-import os
-
-import pytest
 
 from distributed import run_distributed
 
@@ -9,15 +6,6 @@ TINY_TRAIN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads
               "--micro-batch-size", "2", "--global-batch-size", "8", "--hidden-dropout", "0",
               "--attention-dropout", "0", "--lr", "1e-3", "--lr-warmup-iters", "2", "--log-interval", "100",
               "--eval-interval", "0", "--eval-iters", "0", "--split", "98,2,0"]
-
-
-@pytest.fixture(scope="session")
-def embedded_data(tmp_path_factory):
-    """The embedded-default dataset (stdlib docstrings + SentencePiece), built once per session."""
-    from megapar.data.embedded import prepare_embedded_dataset
-    info = prepare_embedded_dataset(str(tmp_path_factory.mktemp("embedded")))
-    return ["--data-path", info["data_prefix"], "--tokenizer-type", "SentencePieceTokenizer",
-            "--tokenizer-model", info["tokenizer_model"]]
 
 
 def _pretrain_body(rank, world_size, argv):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -128,8 +127,3 @@ def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor, tp_g
     logits = F.linear(copy_to_tp(hidden, tp_group), word_embeddings)
     return gather_from_tp(logits, tp_group) if gather else logits
 
-
-def vocab_range(padded_vocab_size: int, tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    rank, size = tp_rank_size(tp_group)
-    per_rank = padded_vocab_size // size
-    return rank * per_rank, (rank + 1) * per_rank
