@@ -85,7 +85,7 @@ def main() -> None:
     for name in args.configs:
         rows.append(run_config(name, args))
         print(rows[-1], flush=True)
-    print("\n| config | GPUs | ms/iter | tokens/s | tokens/s/GPU | TFLOP/s/GPU | MFU | max alloc GB |")
+    print("\n| config | GPUs | ms/iter | tokens/s | tokens/s/GPU | TFLOP/s/GPU | MFU | max alloc GiB |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
