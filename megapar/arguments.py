@@ -54,6 +54,7 @@ class ParallelConfig:
     pipeline_schedule: str = "1f1b"                # 1f1b | afab
     distributed_backend: Optional[str] = None      # nccl | gloo (default: nccl on GPU)
     distributed_timeout_minutes: float = 10.0
+    pipeline_hang_diagnostics: bool = False        # NCCL: poll p2p waits (reports the step; slower)
 
 
 @dataclass
@@ -152,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="1f1b (default) or all-forward-all-backward (reference)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--pipeline-hang-diagnostics", action="store_true",
+                   help="on GPUs, poll pipeline send/recv against --distributed-timeout-minutes and name the "
+                        "schedule step, microbatch and operation a rank hangs on (blocks the CPU per transfer; "
+                        "always on with gloo)")
 
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)

@@ -156,7 +156,10 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     _barrier()
     shard = os.path.join(staging, shard_dir_name(c.tp, c.pp, topo.pp))
     distributed = getattr(optimizer, "is_distributed", False)
-    optim_state = optimizer.state_for_save() if save_optim and optimizer is not None else None  # collective (ZeRO)
+    # ZeRO-1 gathers its shards over dp (every dp rank takes part); the full optimizer's state is
+    # identical on all dp ranks, so only the writer copies it out.
+    wants_optim = save_optim and optimizer is not None and (distributed or c.dp == 0)
+    optim_state = optimizer.state_for_save() if wants_optim else None
     if c.dp == 0:
         os.makedirs(shard, exist_ok=True)
         state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,

@@ -32,12 +32,17 @@ class TrainState:
 
 
 # ---- data -----------------------------------------------------------------------------------
-def microbatches(dataset, first_sample: int, num_microbatches: int, micro: int, dp: int, dp_rank: int,
-                 device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def microbatches(run: Run, dataset, first_sample: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(tokens [b, s], labels [b, s]) for each microbatch of one global batch, Megatron-style:
-    microbatch m of dp rank d holds samples first + m*micro*dp + d*micro + [0, micro)."""
-    for m in range(num_microbatches):
-        start = first_sample + m * micro * dp + dp_rank * micro
+    microbatch m of dp rank d holds samples first + m*micro*dp + d*micro + [0, micro).
+    Middle pipeline stages use neither and get (None, None) without touching the data."""
+    micro, dp, device = run.cfg.train.micro_batch_size, run.topo.dp, run.device
+    stage = run.model.stage
+    for m in range(run.cfg.num_microbatches):
+        if not (stage.is_first or stage.is_last):
+            yield None, None
+            continue
+        start = first_sample + m * micro * dp + run.coord.dp * micro
         sample = torch.stack([torch.as_tensor(dataset[i]) for i in range(start, start + micro)]).long()
         sample = sample.to(device, non_blocking=True)                                   # [b, s + 1]
         yield sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
@@ -58,6 +63,7 @@ def schedule_config(run: Run, num_microbatches: int, label: str = "") -> Schedul
     cfg = run.cfg
     return ScheduleConfig(
         p2p_timeout=60.0 * cfg.parallel.distributed_timeout_minutes, label=label,
+        diagnose_hangs=cfg.parallel.pipeline_hang_diagnostics,
         num_microbatches=num_microbatches, device=run.device, dtype=next(run.model.parameters()).dtype,
         tensor_shape=(cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size),
         pp_group=run.topo.groups.pp, prev_rank=run.topo.prev_rank(run.rank), next_rank=run.topo.next_rank(run.rank),
@@ -82,8 +88,7 @@ def train_step(run: Run, dataset, state: TrainState, timers: Timers) -> tuple[fl
     n_micro = cfg.num_microbatches
     run.model.train()
     run.grad_buffer.start_step()
-    data = microbatches(dataset, state.consumed_samples, n_micro, cfg.train.micro_batch_size, run.topo.dp,
-                        run.coord.dp, run.device)
+    data = microbatches(run, dataset, state.consumed_samples)
     timers.start("forward-backward")
     schedule = get_forward_backward_func(run.topo.pp, cfg.parallel.pipeline_schedule)
     sched = schedule_config(run, n_micro, f"iteration {state.iteration + 1}")
@@ -113,8 +118,7 @@ def evaluate(run: Run, dataset, iters: int) -> float:
     schedule = get_forward_backward_func(run.topo.pp, cfg.parallel.pipeline_schedule)
     with torch.no_grad():
         for i in range(iters):
-            data = microbatches(dataset, i * cfg.train.global_batch_size, cfg.num_microbatches,
-                                cfg.train.micro_batch_size, run.topo.dp, run.coord.dp, run.device)
+            data = microbatches(run, dataset, i * cfg.train.global_batch_size)
             sched = schedule_config(run, cfg.num_microbatches, f"evaluation batch {i}")
             logs = schedule(forward_step, data, run.model, sched, forward_only=True)
             losses.append(average_loss(run, logs, sched))

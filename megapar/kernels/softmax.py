@@ -38,8 +38,9 @@ def scaled_masked_softmax_reference(scores: Tensor, scale: float, mask: Optional
         return torch.softmax(x, dim=-1).to(scores.dtype)
     x = x.masked_fill(masked, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    all_masked = masked.all(dim=-1, keepdim=True)  # rows with no visible key -> zeros, not NaN
-    probs = torch.where(all_masked, torch.zeros((), dtype=compute, device=scores.device), probs)
+    if mask is not None or sq > sk:  # only then can a row have no visible key: zeros, not NaN
+        all_masked = masked.all(dim=-1, keepdim=True)
+        probs = torch.where(all_masked, torch.zeros((), dtype=compute, device=scores.device), probs)
     return probs.to(scores.dtype)
 
 

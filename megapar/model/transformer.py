@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..arguments import ModelConfig
+from ..kernels.softmax import scaled_masked_softmax
 from ..tensor_parallel.layers import ColumnParallelLinear, Init, RowParallelLinear, tp_rank_size
 from ..tensor_parallel.random import checkpoint, get_rng_tracker
 from .kv_cache import LayerKVCache
@@ -32,23 +33,10 @@ def core_attention(q, k, v, backend: str, dropout_p: float, causal: bool = True)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
         scale = 1.0 / math.sqrt(q.shape[-1])
         scores = torch.matmul(q, k.transpose(-1, -2))                                  # [b, np, sq, sk]
-        if backend == "fused":
-            from ..kernels.softmax import scaled_masked_softmax
-            probs = scaled_masked_softmax(scores, scale, mask=None, causal=causal, impl="fused")
-        else:
-            probs = _reference_softmax(scores, scale, causal)
+        probs = scaled_masked_softmax(scores, scale, causal=causal, impl="fused" if backend == "fused" else "torch")
         if dropout_p > 0:
             probs = F.dropout(probs, p=dropout_p)
         return torch.matmul(probs, v)
-
-
-def _reference_softmax(scores: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    sq, sk = scores.shape[-2:]
-    x = scores.float() * scale
-    if causal:  # query i sees keys <= i + (sk - sq) (the offset matters with a KV cache)
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(sk - sq + 1)
-        x = x.masked_fill(mask, float("-inf"))
-    return torch.softmax(x, dim=-1).to(scores.dtype)
 
 
 class ParallelAttention(nn.Module):

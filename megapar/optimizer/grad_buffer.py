@@ -56,25 +56,18 @@ class GradBuffer:
         late_ids = {id(p) for p in late}
         params = [p for p in params if p.requires_grad and id(p) not in late_ids][::-1]
         device = (params or late)[0].device
-        self.buckets = self._plan_buckets(params, bucket_numel) + ([self._bucket_for(late, 0)] if late else [])
-        self._fix_offsets()
-        total = self.buckets[-1].end if self.buckets else 0
-        self.data = torch.zeros(total, dtype=torch.float32, device=device)
-        self.param_range: dict[int, tuple[int, int]] = {}
-        offset_of = self._offsets
+        self.buckets = self._plan_buckets(params, bucket_numel) + ([Bucket(0, 0, late)] if late else [])
+        self.param_range = self._lay_out()              # id(param) -> [start, end) in the buffer
+        self.data = torch.zeros(self.buckets[-1].end if self.buckets else 0, dtype=torch.float32, device=device)
         for b in self.buckets:
             for p in b.params:
-                start = offset_of[id(p)]
-                self.param_range[id(p)] = (start, start + p.numel())
-                p.main_grad = self.data[start:start + p.numel()].view_as(p)
+                start, end = self.param_range[id(p)]
+                p.main_grad = self.data[start:end].view_as(p)
                 p.register_post_accumulate_grad_hook(self._hook(b))
         self.sync_enabled = True
         self.late_bucket = self.buckets[-1] if late else None
 
     # ---- layout ------------------------------------------------------------------------
-    def _bucket_for(self, params: list[nn.Parameter], start: int) -> Bucket:
-        return Bucket(start, start, params)
-
     def _plan_buckets(self, params: list[nn.Parameter], bucket_numel: Optional[int]) -> list[Bucket]:
         buckets, current, size = [], [], 0
         for p in params:
@@ -87,16 +80,17 @@ class GradBuffer:
             buckets.append(Bucket(0, 0, current))
         return buckets
 
-    def _fix_offsets(self) -> None:
-        """Lay buckets end to end, each padded to a multiple of dp."""
-        self._offsets, pos = {}, 0
+    def _lay_out(self) -> dict[int, tuple[int, int]]:
+        """Lay buckets end to end, each padded to a multiple of dp; return each param's range."""
+        ranges, pos = {}, 0
         for b in self.buckets:
             b.start = pos
             for p in b.params:
-                self._offsets[id(p)] = pos
+                ranges[id(p)] = (pos, pos + p.numel())
                 pos += p.numel()
             pos += (-(pos - b.start)) % self.dp
             b.end = pos
+        return ranges
 
     # ---- accumulation and reduction -------------------------------------------------------
     def _hook(self, bucket: Bucket) -> Callable[[nn.Parameter], None]:
@@ -148,15 +142,3 @@ class GradBuffer:
             if b.handle not in (None, "done"):
                 b.handle.wait()
             b.handle = "done"
-
-    # ---- views for optimizers -------------------------------------------------------------
-    def owned_slices(self, p: nn.Parameter) -> list[tuple[int, int]]:
-        """Parts [lo, hi) of p's flat range (relative to p) that this dp rank owns (ZeRO-1)."""
-        start, end = self.param_range[id(p)]
-        out = []
-        for b in self.buckets:
-            lo, hi = b.shard(self.dp_rank, self.dp)
-            lo, hi = max(lo, start), min(hi, end)
-            if lo < hi:
-                out.append((lo - start, hi - start))
-        return out

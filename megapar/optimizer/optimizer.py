@@ -97,53 +97,45 @@ class MixedPrecisionOptimizer:
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.device = self.named[0][1].device
         self.masters = {n: (p if p.dtype == torch.float32 else p.detach().float().clone()) for n, p in self.named}
-        self.norm_names = {n for n, _ in self.named if counts_for_norm(n, tp_rank)}
         self.adam = make_adamw(decay_groups([(n, p, self.masters[n]) for n, p in self.named], cfg), cfg, self.device)
+        # Fixed for the run (main_grad views never move): built once, not per step.
+        self.grads = [p.main_grad for _, p in self.named]
+        self.norm_grads = [p.main_grad for n, p in self.named if counts_for_norm(n, tp_rank)]
+        self.copies = [(p, self.masters[n]) for n, p in self.named if self.masters[n] is not p]
 
     @property
     def param_groups(self) -> list[dict]:
         return self.adam.param_groups
 
     # ---- step ------------------------------------------------------------------------
-    def _grads(self) -> dict[str, torch.Tensor]:
-        return {n: p.main_grad for n, p in self.named}
-
-    def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
-        """Multiply grads by 1/scale; True if any rank saw inf/nan (all ranks then skip)."""
-        return unscale_and_check(grads, self.scaler.scale, self.device, self.inf_group)
-
     def step(self) -> tuple[bool, float]:
         """Returns (applied, grad_norm). applied is False when fp16 overflow skipped the step."""
-        grads = self._grads()
         if self.cfg.fp16:
-            found_inf = self._unscale_and_check(list(grads.values()))
+            found_inf = unscale_and_check(self.grads, self.scaler.scale, self.device, self.inf_group)
             self.scaler.update(found_inf)
             if found_inf:
                 return False, float("nan")
-        norm = global_norm([g for n, g in grads.items() if n in self.norm_names],
-                           self.norm_group, self.device)
-        self._clip(list(grads.values()), norm)
-        self._adam_step(grads)
+        norm = global_norm(self.norm_grads, self.norm_group, self.device)
+        clip_grads_(self.grads, norm, self.cfg.clip_grad)
+        self._adam_step()
         return True, norm
-
-    def _clip(self, grads: list[torch.Tensor], norm: float) -> None:
-        clip_grads_(grads, norm, self.cfg.clip_grad)
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of fp32 master weights and Adam moments this rank holds (the moments counted
         before the first step too): 12 bytes per parameter, on every data-parallel rank."""
         return sum(3 * 4 * p.numel() for _, p in self.named)
 
-    def _adam_step(self, grads: dict[str, torch.Tensor]) -> None:
-        for n, p in self.named:
-            self.masters[n].grad = grads[n]
+    def _adam_step(self) -> None:
+        # .grad is attached only for the step: with fp32 models the master *is* the parameter,
+        # and a standing .grad would make autograd accumulate into it
+        for (n, _), g in zip(self.named, self.grads):
+            self.masters[n].grad = g
         self.adam.step()
         with torch.no_grad():
-            for n, p in self.named:
+            for n, _ in self.named:
                 self.masters[n].grad = None
-            copies = [(p, self.masters[n]) for n, p in self.named if self.masters[n] is not p]
-            if copies:  # fp32 masters -> bf16/fp16 model params, one multi-tensor kernel
-                torch._foreach_copy_([p for p, _ in copies], [m for _, m in copies])
+            if self.copies:  # fp32 masters -> bf16/fp16 model params, one multi-tensor kernel
+                torch._foreach_copy_([p for p, _ in self.copies], [m for _, m in self.copies])
 
     # ---- checkpoint state (keyed by parameter name) ------------------------------------
     def state_for_save(self) -> dict:

@@ -54,10 +54,6 @@ def set_step(**fields) -> None:
     _STEP.update(fields)
 
 
-def clear_step() -> None:
-    _STEP.update(label="", schedule=None, phase=None, microbatch=None, op=None)
-
-
 def current_step() -> str:
     """Where this rank is in the pipeline schedule, e.g. 'schedule 1f1b, phase steady,
     microbatch 4, waiting for recv_forward from rank 1' ('' outside any schedule)."""
@@ -81,9 +77,15 @@ def _stage(cfg: "ScheduleConfig") -> str:
 def _wait(reqs: list, ops: list[tuple[str, int]], cfg: "ScheduleConfig") -> None:
     """Wait for every request; past the deadline raise with the schedule step and the pending ops.
 
-    CUDA (NCCL): poll `is_completed()`, which is non-blocking there. CPU (gloo): a gloo request
+    CUDA (NCCL) without cfg.diagnose_hangs: plain stream-ordered waits (no deadline here; a hang
+    is caught by the process group's timeout). With it: poll `is_completed()`, which blocks the
+    CPU until each transfer is done (slower: no CPU/GPU overlap across a send/recv). CPU (gloo): a gloo request
     only reports completion once waited on, so wait on each with the time left; gloo raises
     "Timed out waiting ..." (and closes the pair: the group is unusable after a timeout)."""
+    if cfg.device.type == "cuda" and not cfg.diagnose_hangs:
+        for req in reqs:  # stream-ordered: the CPU goes on queuing kernels while NCCL transfers
+            req.wait()
+        return
     deadline = time.monotonic() + cfg.p2p_timeout
     if cfg.device.type == "cuda":
         pause, pending = 0.0, list(range(len(reqs)))

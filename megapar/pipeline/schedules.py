@@ -52,6 +52,7 @@ class ScheduleConfig:
     no_sync: Callable[[], ContextManager] = contextlib.nullcontext  # wraps all but the last backward
     p2p_timeout: float = 600.0                         # seconds a p2p wait may take before it raises
     label: str = ""                                    # prefix for diagnostics, e.g. "iteration 12"
+    diagnose_hangs: bool = True                        # NCCL: poll waits against p2p_timeout (blocks the CPU)
 
     @property
     def is_first_stage(self) -> bool:
@@ -222,7 +223,9 @@ def forward_backward_pipelining_1f1b(forward_step: ForwardStep, data_iterator: I
 def average_logs(logs: Logs, cfg: ScheduleConfig) -> dict[str, float]:
     """Mean of each logged value over the microbatches, known to every stage of the pipeline
     (collective over `cfg.pp_group`: the last stage broadcasts). {} when nothing was logged."""
-    mean = {k: sum(float(log[k]) for log in logs) / len(logs) for k in logs[0]} if logs else {}
+    # one device->host copy per key, not one per microbatch
+    mean = {k: torch.stack([torch.as_tensor(log[k]) for log in logs]).double().mean().item() for k in logs[0]} \
+        if logs else {}
     if cfg.is_first_stage and cfg.is_last_stage:
         return mean
     box = [mean]
