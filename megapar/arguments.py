@@ -295,14 +295,7 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
     if ns.hidden_size % ns.num_attention_heads:
         _fail(f"--hidden-size {ns.hidden_size} is not divisible by --num-attention-heads "
               f"{ns.num_attention_heads}; pick a head count that divides the hidden size")
-    if ns.num_attention_heads % tp:
-        _fail(f"--num-attention-heads {ns.num_attention_heads} is not divisible by "
-              f"--tensor-model-parallel-size {tp}; each tensor-parallel rank must hold whole heads")
-    if ns.ffn_hidden_size % tp:
-        _fail(f"--ffn-hidden-size {ns.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
-    if ns.num_layers % pp:
-        _fail(f"--num-layers {ns.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
-              f"every pipeline stage must get the same number of layers")
+    check_parallel_shape(ns.num_layers, ns.num_attention_heads, ns.ffn_hidden_size, tp, pp)
     if ns.seq_length > ns.max_position_embeddings:
         _fail(f"--seq-length {ns.seq_length} is larger than --max-position-embeddings "
               f"{ns.max_position_embeddings}; raise --max-position-embeddings or shorten --seq-length")
@@ -328,6 +321,22 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
             _fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
     if ns.make_vocab_size_divisible_by < 1:
         _fail("--make-vocab-size-divisible-by must be >= 1")
+
+
+def check_parallel_shape(num_layers: int, heads: int, ffn_hidden_size: int, tp: int, pp: int,
+                         tp_flag: str = "--tensor-model-parallel-size",
+                         pp_flag: str = "--pipeline-model-parallel-size") -> None:
+    """Can a model of this shape be split tp x pp? (training, resharding and inference all ask)"""
+    if tp < 1 or pp < 1:
+        _fail(f"{tp_flag} ({tp}) and {pp_flag} ({pp}) must be >= 1")
+    if heads % tp:
+        _fail(f"--num-attention-heads {heads} is not divisible by {tp_flag} {tp}; each tensor-parallel rank "
+              f"must hold whole attention heads")
+    if ffn_hidden_size % tp:
+        _fail(f"--ffn-hidden-size {ffn_hidden_size} is not divisible by {tp_flag} {tp}")
+    if num_layers % pp:
+        _fail(f"--num-layers {num_layers} is not divisible by {pp_flag} {pp}; every pipeline stage must get an "
+              f"equal share of the {num_layers} layers")
 
 
 def _check_batch(ns: argparse.Namespace) -> None:

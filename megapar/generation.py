@@ -29,6 +29,8 @@ import torch.distributed as dist
 from .arguments import ModelConfig
 from .model.gpt2 import GPT2Model, Stage
 from .model.kv_cache import KVCache
+from .reshard import load_model_state_for
+from .tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from .tensor_parallel.mappings import gather_from_tp
 from .topology import Topology
 
@@ -102,26 +104,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[tor
 
 def vocab_parallel_logprobs(local: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp_group) -> torch.Tensor:
     """log softmax(logits)[target] from vocab-parallel logits [b, s, V/tp] (padded rows masked);
-    targets [b, s] -> [b, s] fp32. Three all-reduces over tp_group (max, sum, target logit)."""
-    x = local.float()
-    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
-    rank = 0 if tp_group is None else dist.get_rank(tp_group)
-    start = rank * x.shape[-1]
-    if start + x.shape[-1] > vocab_size:
-        x = x.clone()
-        x[..., max(vocab_size - start, 0):] = float("-inf")
-    mx = x.max(dim=-1).values
-    if tp > 1:
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=tp_group)
-    sumexp = (x - mx.unsqueeze(-1)).exp().sum(dim=-1)
-    local_t = targets - start
-    inside = (local_t >= 0) & (local_t < x.shape[-1])
-    tgt = x.gather(-1, local_t.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    tgt = torch.where(inside, tgt - mx, torch.zeros_like(tgt))
-    if tp > 1:
-        dist.all_reduce(sumexp, group=tp_group)
-        dist.all_reduce(tgt, group=tp_group)
-    return tgt - sumexp.log()
+    targets [b, s] -> [b, s] fp32: the negated vocab-parallel cross entropy."""
+    return -vocab_parallel_cross_entropy(local, targets, vocab_size, tp_group)
 
 
 # ---- the generation loop ------------------------------------------------------------------------
@@ -247,7 +231,8 @@ class InferenceEngine:
                 dist.broadcast(new, src=self.src)
             tokens[:, t] = torch.where(t < lens_t, tokens[:, t], new)
             if last and params.logprobs:
-                lp_rows.append(torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, t:t + 1]))
+                lp_rows.append(vocab_parallel_logprobs(local[:, -1:], tokens[:, t:t + 1], self.vocab_size,
+                                                       self.model.tp_group))
             col = tokens[:, t].tolist()
             for i in range(b):
                 if end[i] is None and t >= lens[i] and params.stop_on_eod and col[i] == self.eod:
@@ -344,21 +329,13 @@ def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int
     step_dir = ck.iter_dir(load_dir, it)
     if not os.path.isdir(step_dir):
         raise GenerationError(f"checkpoint directory {step_dir} (named by {ck.TRACKER}) is missing")
-    if _saved_layout(step_dir) != (tp, pp):
-        try:
-            from .reshard import load_model_state_for
-        except ImportError:
-            s_tp, s_pp = _saved_layout(step_dir)
-            raise GenerationError(
-                f"checkpoint saved at tp={s_tp}, pp={s_pp} cannot be resharded in memory to tp={tp}, pp={pp} "
-                f"(megapar.reshard is not available); run with --tensor-model-parallel-size {s_tp} "
-                f"--pipeline-model-parallel-size {s_pp}") from None
+    if _saved_layout(step_dir) != (tp, pp):  # reshard in memory (checks the model splits tp x pp)
         return load_model_state_for(load_dir, tp, pp, tp_rank, pp_rank, iteration=it)
     state = ck.load_file(os.path.join(step_dir, ck.shard_dir_name(tp_rank, pp_rank, pp), ck.MODEL_FILE))
     return state["args"], ck.flatten_model_state(state["model"])
 
 
-def model_config_from_args(args, tp: int, padded_vocab_size: int, device: torch.device) -> ModelConfig:
+def model_config_from_args(args, device: torch.device) -> ModelConfig:
     """An inference ModelConfig from a checkpoint's args: no dropout, no recompute, reference
     kernels where the fused ones cannot run."""
     cfg = ModelConfig(**{f.name: getattr(args, f.name) for f in fields(ModelConfig)
@@ -371,11 +348,8 @@ def model_config_from_args(args, tp: int, padded_vocab_size: int, device: torch.
         cfg.attention_backend = "flash"
     if device.type != "cuda":
         cfg.layernorm_impl = "torch"
-    cfg.padded_vocab_size = padded_vocab_size
-    cfg.vocab_size = getattr(args, "vocab_size", None) or padded_vocab_size
-    if cfg.num_attention_heads % tp or cfg.ffn_hidden_size % tp:
-        raise GenerationError(f"the checkpoint's model ({cfg.num_attention_heads} heads, ffn {cfg.ffn_hidden_size}) "
-                              f"cannot be split over --tensor-model-parallel-size {tp}; pick a divisor")
+    cfg.padded_vocab_size = args.padded_vocab_size
+    cfg.vocab_size = getattr(args, "vocab_size", None) or args.padded_vocab_size
     return cfg
 
 
@@ -387,12 +361,7 @@ def load_inference_model(load_dir: str, topo: Topology, rank: int, device: torch
         raise GenerationError(f"inference runs one model replica: launch tp x pp = {topo.tp * topo.pp} "
                               f"processes (got {topo.world_size})")
     args, state = load_model_state(load_dir, topo.tp, topo.pp, c.tp, c.pp, iteration)
-    if args.num_layers % topo.pp:
-        raise GenerationError(f"the checkpoint's {args.num_layers} layers cannot be split over "
-                              f"--pipeline-model-parallel-size {topo.pp}; pick a divisor")
-    emb = state.get("language_model.embedding.word_embeddings.weight", state.get("word_embeddings_for_head.weight"))
-    padded = emb.shape[0] * topo.tp if emb is not None else args.padded_vocab_size
-    cfg = model_config_from_args(args, topo.tp, padded, device)
+    cfg = model_config_from_args(args, device)  # args describe this (possibly resharded) layout
     model = GPT2Model(cfg, Stage.of(cfg.num_layers, topo.pp, c.pp), seed=0, tp_group=topo.groups.tp,
                       device=device, dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -13,7 +13,6 @@ Bound to 127.0.0.1 by default; pass host="0.0.0.0" to expose it.
 from __future__ import annotations
 
 import json
-import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Callable
 
@@ -60,8 +59,8 @@ def parse_request(req: dict, defaults: SamplingParams) -> tuple[list[str], Sampl
 
 
 def make_handler(generate: Callable[[list[str], SamplingParams], dict], defaults: SamplingParams):
-    """A request handler class calling generate(prompts, params) -> response dict."""
-    lock = threading.Lock()
+    """A request handler class calling generate(prompts, params) -> response dict (HTTPServer
+    serves one request at a time, so generations never overlap)."""
 
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, code: int, body, content_type: str) -> None:
@@ -79,8 +78,7 @@ def make_handler(generate: Callable[[list[str], SamplingParams], dict], defaults
                 n = int(self.headers.get("Content-Length") or 0)
                 req = json.loads(self.rfile.read(n) or b"null")
                 prompts, params = parse_request(req, defaults)
-                with lock:
-                    resp = generate(prompts, params)
+                resp = generate(prompts, params)
             except json.JSONDecodeError as e:
                 return self._reply(400, f"request body is not JSON: {e}\n", "text/plain")
             except GenerationError as e:

@@ -26,7 +26,6 @@ import torch  # noqa: E402
 from megapar.arguments import parse_config, padded_vocab_size  # noqa: E402
 from megapar.reshard import bounded_heap  # noqa: E402
 from megapar.reshard.convert import write_sharded  # noqa: E402
-from megapar.reshard.layout import OPTIM_KINDS  # noqa: E402
 
 TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_util.py")
 

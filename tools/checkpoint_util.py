@@ -67,7 +67,6 @@ def main(argv=None) -> int:
         else:
             tp = a.target_tensor_parallel_size or src.args.tensor_model_parallel_size
             pp = a.target_pipeline_parallel_size or src.args.pipeline_model_parallel_size
-            _check_layout(src.args, tp, pp)
             write_sharded(src, a.save_dir, tp, pp, a.target_data_parallel_size, a.distributed,
                           with_optim=not a.no_optim, force=a.force)
     except (CheckpointError, ValueError) as e:
@@ -75,19 +74,6 @@ def main(argv=None) -> int:
         return 1
     print(f"done in {time.time() - t0:.1f} s")
     return 0
-
-
-def _check_layout(args, tp: int, pp: int) -> None:
-    if tp < 1 or pp < 1:
-        raise ValueError("target parallel sizes must be >= 1")
-    if args.num_attention_heads % tp:
-        raise ValueError(f"--target-tensor-parallel-size {tp} does not divide the {args.num_attention_heads} "
-                         f"attention heads; each rank must hold whole heads")
-    ffn = getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size
-    if ffn % tp:
-        raise ValueError(f"--target-tensor-parallel-size {tp} does not divide ffn hidden size {ffn}")
-    if args.num_layers % pp:
-        raise ValueError(f"--target-pipeline-parallel-size {pp} does not divide the {args.num_layers} layers")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ decode tokens/s). Under torchrun only rank 0 reads and writes; the world must be
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -26,9 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megapar.arguments import ConfigError  # noqa: E402
 from megapar.checkpointing import CheckpointError  # noqa: E402
 from megapar.generation import (GenerationError, InferenceEngine, SamplingParams, follow,  # noqa: E402
                                 load_inference_model, run_leader, stop_followers, tokenizer_for_checkpoint)
+from megapar.initialize import init_distributed  # noqa: E402
 from megapar.topology import Topology  # noqa: E402
 
 
@@ -83,8 +84,7 @@ def setup(a: argparse.Namespace) -> tuple[int, Topology, torch.device]:
     topo = Topology(tp, pp, 1)
     rank = 0
     if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
-        rank = dist.get_rank()
+        rank, _, _ = init_distributed("nccl" if cuda else "gloo", timeout_minutes=30)
         topo.create_groups(rank)
     return rank, topo, device
 
@@ -206,7 +206,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
         model, ckpt_args = load_inference_model(a.load, topo, rank, device, dtype)
         tok = tokenizer_for_checkpoint(ckpt_args, a.tokenizer_type, a.vocab_file, a.merge_file, a.tokenizer_model)
-    except (GenerationError, CheckpointError) as e:
+    except (GenerationError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     engine = InferenceEngine(model, topo, rank, ckpt_args.vocab_size, tok.eod)

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from ..arguments import check_parallel_shape
+
 from .layout import split, stage_keys, target_padded_vocab
 from .source import ShardedCheckpoint
 
@@ -33,7 +35,11 @@ def bounded_heap(threshold: int = 1 << 20) -> bool:
 
 def target_args(args: argparse.Namespace, vocab_size: Optional[int], tp: int, pp: int,
                 dp: Optional[int] = None, distributed_optimizer: Optional[bool] = None) -> argparse.Namespace:
-    """A copy of a checkpoint's args with the parallel sizes and padded vocabulary of the target."""
+    """A copy of a checkpoint's args with the parallel sizes and padded vocabulary of the target
+    (ConfigError when the model cannot be split that way)."""
+    check_parallel_shape(args.num_layers, args.num_attention_heads,
+                         getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size, tp, pp,
+                         "the target tensor-parallel size", "the target pipeline-parallel size")
     out = copy.deepcopy(args)
     out.tensor_model_parallel_size, out.pipeline_model_parallel_size = tp, pp
     if vocab_size is not None:

@@ -55,8 +55,20 @@ def hf_name_and_tensor(name: str, t: torch.Tensor, heads: int) -> Optional[tuple
     return f"transformer.h.{m.group(1)}.{hf}.{leaf}", t.contiguous()
 
 
+def _eod(args, vocab_size: int) -> int:
+    """The end-of-document id of the checkpoint's tokenizer (its files must be readable); else
+    GPT-2's 50256 for a 50257-token vocabulary, else the last id."""
+    from ..data.tokenizer import build_tokenizer
+    try:
+        return build_tokenizer(args.tokenizer_type, vocab_file=getattr(args, "vocab_file", None),
+                               merge_file=getattr(args, "merge_file", None),
+                               tokenizer_model=getattr(args, "tokenizer_model", None)).eod
+    except Exception:  # noqa: BLE001 (tokenizer files moved or absent: fall back)
+        return 50256 if vocab_size == 50257 else vocab_size - 1
+
+
 def hf_config(args, vocab_size: int) -> dict:
-    eos = 50256 if vocab_size == 50257 else vocab_size - 1
+    eos = _eod(args, vocab_size)
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
             "n_positions": args.max_position_embeddings, "n_ctx": args.max_position_embeddings,
             "n_embd": args.hidden_size, "n_layer": args.num_layers, "n_head": args.num_attention_heads,

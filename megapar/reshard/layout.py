@@ -60,15 +60,6 @@ def stage_keys(names: list[str], num_layers: int, pp: int, pp_rank: int) -> list
     return out
 
 
-def merge(parts: list[torch.Tensor], name: str, vocab_size: Optional[int]) -> torch.Tensor:
-    """TP shards (rank order) -> the full tensor; vocab-parallel tensors trimmed to vocab_size rows."""
-    dim = tp_partition_dim(name)
-    full = parts[0] if dim is None or len(parts) == 1 else torch.cat(parts, dim=dim)
-    if is_vocab_parallel(name) and vocab_size is not None:
-        full = full[:vocab_size]
-    return full.contiguous()
-
-
 def split(full: torch.Tensor, name: str, tp: int, tp_rank: int, padded_vocab: Optional[int]) -> torch.Tensor:
     """The full tensor -> TP rank `tp_rank`'s shard (a fresh contiguous tensor). Vocab-parallel
     tensors are first zero-padded to `padded_vocab` rows. QKV rows are per head [np, 3, hn], so a

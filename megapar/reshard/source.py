@@ -65,11 +65,6 @@ class _ShardFile:
             self._state = load_mmap(self.path)
         return self._state
 
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.clone()
-        self.budget.add(out.numel() * out.element_size())
-        return out
-
     def release(self) -> None:
         self._state = None
 
@@ -94,6 +89,7 @@ class ShardedCheckpoint:
         if not os.path.isdir(self.dir):
             raise CheckpointError(f"checkpoint directory {self.dir} (named by the tracker) does not exist")
         self.tp, self.pp = self._detect_layout()
+        self._distrib_meta: Optional[dict] = None
         self.budget = _Budget(budget_bytes)
         self.shards = {(t, p): _ShardFile(self._path(t, p, MODEL_FILE), self.budget)
                        for t in range(self.tp) for p in range(self.pp)}
@@ -188,18 +184,16 @@ class ShardedCheckpoint:
             return None
         if not self.distributed:
             return self.headers[(0, 0)]["optim_meta"]
-        meta = _optim_meta(self.optim_files[(0, 0)].state())
-        self.optim_files[(0, 0)].release()
-        return meta
-
-    def header(self, tp_rank: int = 0, pp_rank: int = 0) -> dict:
-        return self.headers[(tp_rank, pp_rank)]
+        if self._distrib_meta is None:  # unpickle distrib_optim.pt once, not per caller
+            self._distrib_meta = _optim_meta(self.optim_files[(0, 0)].state())
+            self.optim_files[(0, 0)].release()
+        return self._distrib_meta
 
     # ---- tensors -------------------------------------------------------------------------------
     def full(self, name: str, kind: str = "param") -> torch.Tensor:
         """The full canonical tensor `name` (kind: param | master_param | exp_avg | exp_avg_sq)."""
         p, local = stage_of(name, self.args.num_layers, self.pp)
-        parts = [self._part(t, p, local, kind, copy=False) for t in range(self.tp)]   # mmapped views
+        parts = [self._part(t, p, local, kind) for t in range(self.tp)]   # mmapped views
         shapes = {tuple(x.shape) for x in parts}
         if len(shapes) != 1 or len({x.dtype for x in parts}) != 1:
             raise CheckpointError(f"checkpoint {self.dir}: tensor-parallel shards of {local} ({kind}) on stage {p} "
@@ -234,7 +228,7 @@ class ShardedCheckpoint:
     def spec(self, name: str, kind: str = "param") -> tuple[tuple[int, ...], torch.dtype]:
         """(full canonical shape, dtype) of a tensor, from file metadata (no data is read)."""
         p, local = stage_of(name, self.args.num_layers, self.pp)
-        part = self._part(0, p, local, kind, copy=False)
+        part = self._part(0, p, local, kind)
         shape = list(part.shape)
         dim = tp_partition_dim(name)
         if dim is not None:
@@ -253,14 +247,14 @@ class ShardedCheckpoint:
                 "source_layout": {"tp": self.tp, "pp": self.pp, "dp": getattr(self.args, "data_parallel_size", None)},
                 "rng_states": {k: v["rng_state"] for k, v in self.headers.items() if v["rng_state"] is not None}}
 
-    def _part(self, t: int, p: int, local: str, kind: str, copy: bool = True) -> torch.Tensor:
-        take = (lambda sf, x: sf.take(x)) if copy else (lambda sf, x: x)
+    def _part(self, t: int, p: int, local: str, kind: str) -> torch.Tensor:
+        """Shard (t, p)'s tensor `local` of `kind`: a view into the memory-mapped file."""
         if kind == "param":
             sf = self.shards[(t, p)]
             flat = flatten_model_state(sf.state()["model"])
             if local not in flat:
                 raise CheckpointError(f"checkpoint file {sf.path} lacks model tensor {local}")
-            return take(sf, flat[local])
+            return flat[local]
         if kind not in OPTIM_KINDS:
             raise ValueError(f"unknown tensor kind {kind!r}")
         if not self.has_optim:
@@ -271,7 +265,7 @@ class ShardedCheckpoint:
         entry = st.get("state", {}).get(local)
         if entry is None or kind not in entry:
             raise CheckpointError(f"checkpoint file {sf.path} lacks optimizer state {kind} of {local}")
-        return take(sf, entry[kind])
+        return entry[kind]
 
     def release(self) -> None:
         for sf in list(self.shards.values()) + list(self.optim_files.values()):
