@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .atomic import atomic_write, atomic_write_text
 from .tensor_parallel.random import get_rng_tracker
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -48,21 +49,8 @@ def shard_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_write(path, "wb") as f:
         torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load_file(path: str) -> dict:

@@ -39,7 +39,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 S="$OUT/summaries"
 mkdir -p "$S"
-# A killed earlier run can leave atomic-write temp files (.NAME.XXXX.tmp); they are never outputs.
+# A killed earlier run can leave atomic-write temp files (.NAME.XXXX.tmp; megapar/atomic.py): never outputs.
 find "$OUT" -name '.*.tmp' -type f -delete
 step() {  # step NAME OUTPUT MODULE ARGS...: run unless OUTPUT exists
   local name=$1 output=$2 module=$3; shift 3

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .fetch import FetchConfig, FetchFailure, extract_text, fetch_html, make_pool
-from .io import PipelineError, add_common_args, atomic_write, open_text, progress, remove_stale_temps, report
+from .io import PipelineError, add_common_args, atomic_write, dump_json_line, open_text, progress, report
 from .url_rules import megatron_bad_reason
 
 
@@ -63,10 +63,10 @@ def download_one(pool, url: str, base: Path, cfg: FetchConfig) -> str:
             reason = failure.reason
     if reason:
         with atomic_write(base.with_suffix(".fail")) as out:
-            out.write(json.dumps({"url": url, "reason": reason}, ensure_ascii=False) + "\n")
+            out.write(dump_json_line({"url": url, "reason": reason}))
         return reason
     with atomic_write(base.with_suffix(".json")) as out:
-        out.write(json.dumps({"url": url, "text": text}, ensure_ascii=False) + "\n")
+        out.write(dump_json_line({"url": url, "text": text}))
     base.with_suffix(".fail").unlink(missing_ok=True)
     return "kept"
 
@@ -92,9 +92,6 @@ def pending_urls(url_file: Path, output_dir: Path, max_urls: int, retry_failed: 
 
 def run_downloads(args, cfg: FetchConfig, counts: Counter) -> None:
     """Bounded-window thread pool over the pending URLs."""
-    stale = remove_stale_temps(args.output_dir / "data") if (args.output_dir / "data").is_dir() else 0
-    if stale:
-        counts["stale_temp_files_removed"] = stale
     pool = make_pool(cfg, args.concurrency)
     window = 4 * args.concurrency
     bar = progress(desc="download", unit="url", enabled=not args.no_progress)
@@ -122,7 +119,7 @@ def write_failures(output_dir: Path) -> None:
         for path in sorted((output_dir / "data").glob("*/*.fail")):
             record = json.loads(path.read_text(encoding="utf-8"))
             record["id"] = path.stem
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.write(dump_json_line(record))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .io import PipelineError, add_common_args, atomic_write, progress, report
+from .io import PipelineError, add_common_args, atomic_write, dump_json_line, progress, report
 from .lsh import band_keys, buckets, verify_bucket
 from .minhash import char_ngrams, permutations, signatures
 
@@ -124,7 +124,7 @@ def find(args, sig: np.ndarray, offsets: np.ndarray, counts: Counter) -> None:
                     counts["similar_pairs"] += len(hits)
                     flagged.update(o for o, _ in hits)
                     line = {id_of(main): [{id_of(o): round(s, 6)} for o, s in hits]}
-                    out.write(json.dumps(line, ensure_ascii=False) + "\n")
+                    out.write(dump_json_line(line))
     counts["pairs_compared"] = len(done)
     counts["documents_with_near_duplicate"] = len(flagged)
 

@@ -16,11 +16,10 @@ Upstream (Megatron group_duplicate_url.py) quirk decisions:
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from pathlib import Path
 
-from .io import PipelineError, add_common_args, atomic_write, iter_jsonl, progress, report
+from .io import PipelineError, add_common_args, atomic_write, dump_json_line, iter_jsonl, progress, report
 
 
 class UnionFind:
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     groups = groups_from_pairs(args.input, args.threshold, counts, not args.no_progress)
     with atomic_write(args.output) as out:
         for index, members in enumerate(groups):
-            out.write(json.dumps({str(index): members}, ensure_ascii=False) + "\n")
+            out.write(dump_json_line({str(index): members}))
     counts["groups"] = len(groups)
     counts["to_remove"] = sum(len(g) - 1 for g in groups)
     print(f"out of {counts['ids']} ids, only {counts['ids'] - counts['to_remove']} are unique and "

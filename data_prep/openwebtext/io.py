@@ -2,18 +2,18 @@
 from __future__ import annotations
 
 import bz2
-import contextlib
 import io
 import json
 import lzma
 import os
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import IO, Iterator
 
 from tqdm import tqdm
+
+from megapar.atomic import atomic_write  # noqa: F401 (re-exported to the steps)
 
 
 class PipelineError(SystemExit):
@@ -42,39 +42,6 @@ def open_text(path: str | os.PathLike) -> IO[str]:
         reader = zstandard.ZstdDecompressor(max_window_size=2**31).stream_reader(raw, closefd=True)
         return io.TextIOWrapper(reader, encoding="utf-8", errors="replace")
     return open(path, "r", encoding="utf-8", errors="replace", newline="")
-
-
-@contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
-    """Write to a temp file beside ``path`` and rename it into place only on success.
-
-    An interrupted or failed write leaves no partial ``path`` behind (the temp file is removed).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
-    try:
-        with os.fdopen(fd, mode, **kwargs) as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def remove_stale_temps(folder: str | os.PathLike) -> int:
-    """Delete temp files that ``atomic_write`` left behind when a run was killed (SIGKILL gives
-    it no chance to clean up). They are never valid outputs. Returns how many were removed."""
-    removed = 0
-    for tmp in Path(folder).rglob(".*.tmp"):
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-            removed += 1
-    return removed
 
 
 def progress(iterable=None, desc: str = "", total: int | None = None, unit: str = "doc", enabled: bool = True):

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
-from .io import PipelineError, add_common_args, atomic_write, dump_json_line, open_text, progress, report
+from .io import PipelineError, add_common_args, atomic_write, dump_json_line, iter_jsonl, progress, report
 
 
 def input_files(folders: list[Path]) -> list[Path]:
@@ -40,20 +39,11 @@ def input_files(folders: list[Path]) -> list[Path]:
 def documents(files: list[Path], counts: Counter) -> Iterator[dict]:
     """Every well-formed document of every file, in order."""
     for path in files:
-        with open_text(path) as lines:
-            for line in lines:
-                if not line.strip():
-                    continue
-                try:
-                    doc = json.loads(line)
-                except json.JSONDecodeError:
-                    counts["removed:bad_json"] += 1
-                    continue
-                if not isinstance(doc, dict) or not isinstance(doc.get("text"), str) \
-                        or not isinstance(doc.get("url"), str):
-                    counts["removed:missing_field"] += 1
-                    continue
-                yield doc
+        for doc in iter_jsonl(path, counts):
+            if not isinstance(doc.get("text"), str) or not isinstance(doc.get("url"), str):
+                counts["removed:missing_field"] += 1
+                continue
+            yield doc
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -22,6 +22,8 @@ import sys
 import sysconfig
 from typing import Iterator, Optional
 
+from ..atomic import atomic_write
+
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 MIN_CHARS, MAX_CHARS = 40, 20000
 MANIFEST_VERSION = 1
@@ -74,10 +76,8 @@ def collect_stdlib_docs(max_bytes: int = 4_000_000, root: Optional[str] = None) 
 
 
 def _write_atomic(path: str, lines: list[str]) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_write(path) as f:
         f.writelines(lines)
-    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -110,7 +110,6 @@ def prepare_embedded_dataset(out_dir: str, vocab_file: Optional[str] = None, mer
     """Build (or reuse) the stdlib-docstring dataset in `out_dir`. Returns dict(data_prefix,
     tokenizer_type, vocab_file + merge_file or tokenizer_model, vocab_size, num_docs, num_tokens)."""
     from .preprocess import PreprocessConfig, preprocess
-    from .tokenizer import build_tokenizer
     from .train_tokenizer import train_sentencepiece
 
     out_dir = os.path.abspath(out_dir)
@@ -144,7 +143,7 @@ def prepare_embedded_dataset(out_dir: str, vocab_file: Optional[str] = None, mer
                                append_eod=True, workers=1, quiet=True, **tok_args)
         res = preprocess(cfg)
         info = {"data_prefix": res["text"]["bin"][:-len(".bin")], **tok_args, "corpus": jsonl,
-                "vocab_size": build_tokenizer(**tok_args).vocab_size,
+                "vocab_size": res["vocab_size"],
                 "num_docs": res["text"]["num_docs"], "num_tokens": res["text"]["num_tokens"]}
         _write_atomic(manifest, [json.dumps(info, indent=1) + "\n"])
         _log(f"embedded dataset ready: {info['data_prefix']} ({info['num_docs']} docs, {info['num_tokens']} tokens)")

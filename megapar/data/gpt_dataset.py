@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..atomic import atomic_write
 from .indexed_dataset import IndexedDataset
 from .sample_index import build_blending_indices, build_indices
 
@@ -30,7 +31,8 @@ INDEX_VERSION = 1  # bump when the index algorithm changes
 
 
 def _log(msg: str) -> None:
-    print(f" > {msg}", flush=True)
+    if _dist_rank()[1] == 0:  # once per job, not once per rank
+        print(f" > {msg}", flush=True)
 
 
 def parse_split(split: str, size: int) -> list[int]:
@@ -93,10 +95,8 @@ def _cache_dir(prefix: str, cache_dir: Optional[str]) -> str:
 
 
 def _save_atomic(path: str, arr: np.ndarray) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_write(path, "wb") as f:
         np.save(f, arr)
-    os.replace(tmp, path)
 
 
 def _cached_indices(indexed: IndexedDataset, name: str, lo: int, hi: int, num_samples: int,

@@ -210,6 +210,7 @@ def merge(prefixes: Iterable[str], output_prefix: str) -> None:
     """Concatenate datasets into `output_prefix` (.bin/.idx) streaming in bounded-size chunks,
     so memory does not grow with the data. All inputs must share one dtype."""
     from .validate import validate
+    prefixes = list(prefixes)  # read twice below: a generator would skip validation
     sets = [IndexedDataset(p) for p in prefixes]
     if not sets:
         raise ValueError("merge needs at least one input prefix")

@@ -199,7 +199,8 @@ class _Progress:
 
 
 def preprocess(cfg: PreprocessConfig) -> dict:
-    """Run the conversion; return {key: {"bin", "idx", "num_docs", "num_tokens"}, "bad_lines": n, ...}."""
+    """Run the conversion; return {key: {"bin", "idx", "num_docs", "num_tokens"}, "bad_lines": n,
+    "vocab_size": the tokenizer's, ...}."""
     tok = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model,
                           cfg.tiktoken_name)
     dtype = best_dtype(tok.vocab_size)
@@ -231,4 +232,5 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     if bad_lines and not cfg.quiet:
         print(f"Skipped {len(bad_lines)} malformed lines (first: line {bad_lines[0][0]}: {bad_lines[0][1]})",
               file=sys.stderr)
-    return {**stats, "bad_lines": len(bad_lines), "seconds": time.time() - prog.start, "bytes": prog.bytes}
+    return {**stats, "bad_lines": len(bad_lines), "seconds": time.time() - prog.start, "bytes": prog.bytes,
+            "vocab_size": tok.vocab_size}

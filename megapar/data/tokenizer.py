@@ -4,8 +4,8 @@
     tok.tokenize("Hello world")  # [15496, 995]
     tok.eod                      # 50256
 
-Every tokenizer has `.vocab_size` (true, unpadded), `.eod`, `.tokenize(text) -> list[int]`,
-`.detokenize(ids) -> str` and `.tokenize_batch(texts) -> list[list[int]]`.
+Every tokenizer has `.vocab_size` (true, unpadded), `.eod`, `.tokenize(text) -> list[int]` and
+`.detokenize(ids) -> str`.
 Text is encoded as ordinary text: a literal "<|endoftext|>" inside a document is NOT the special
 token (this matches Megatron's legacy GPT2BPETokenizer).
 """
@@ -94,9 +94,6 @@ class _TiktokenBase:
     def tokenize(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)
 
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self.enc.encode_ordinary(t) for t in texts]
-
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.enc.decode(list(ids))
 
@@ -147,9 +144,6 @@ class SentencePieceTokenizer:
 
     def tokenize(self, text: str) -> list[int]:
         return self.sp.encode(text)
-
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.sp.encode(list(texts))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
