@@ -4,13 +4,11 @@ megapar uses the PyTorch reference implementations (or JIT-builds the kernels on
 when asked for them explicitly on a CUDA machine)."""
 import os
 import shutil
-import sys
 
 from setuptools import find_packages, setup
 
 # Explicit architecture list (Volta..Hopper); override with TORCH_CUDA_ARCH_LIST.
 DEFAULT_ARCH_LIST = "7.0;8.0;8.6;9.0"
-KERNEL_SOURCES = ["csrc/megapar_kernels.cpp", "csrc/softmax.cu", "csrc/layernorm.cu"]
 
 
 def _cuda_extensions():
@@ -29,12 +27,12 @@ def _cuda_extensions():
               "(kernels fall back to the PyTorch reference; --attention-backend fused needs a GPU build)")
         return [], {}
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+    from megapar.kernels import NVCC_FLAGS, SOURCES  # one list for the AOT and the JIT build
     ext = CUDAExtension(
         name="megapar_kernels",
-        sources=KERNEL_SOURCES,
+        sources=[os.path.join("csrc", s) for s in SOURCES],
         include_dirs=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"],
-                            "nvcc": ["-O3", "--use_fast_math", "-lineinfo", "-std=c++17"]},
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": NVCC_FLAGS},
     )
     return [ext], {"build_ext": BuildExtension}
 

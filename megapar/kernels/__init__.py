@@ -27,7 +27,6 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ["megapar_kernels.cpp", "softmax.cu", "layernorm.cu"]
-HEADERS = ["launchers.h", "common.cuh", "softmax_kernels.cuh", "layernorm_kernels.cuh"]
 NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo", "-std=c++17"]
 JIT_NAME = "megapar_kernels_jit"
 
@@ -70,9 +69,9 @@ def fused_kernels_available() -> bool:
 
 def _build_key() -> str:
     h = hashlib.sha256()
-    for name in SOURCES + HEADERS:
-        h.update(name.encode())
-        h.update((CSRC / name).read_bytes())
+    for path in sorted(p for p in CSRC.iterdir() if p.is_file()):  # every source and header
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
     major, minor = torch.cuda.get_device_capability()
     h.update(f"{torch.__version__}|{torch.version.cuda}|sm_{major}{minor}|{NVCC_FLAGS}".encode())
     return h.hexdigest()[:16]
