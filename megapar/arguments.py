@@ -33,12 +33,13 @@ class ModelConfig:
     attention_dropout: float = 0.1
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
-    attention_backend: str = "auto"                # auto | flash | fused | torch
+    attention_backend: str = "auto"                # auto | flash | cudnn | fused | torch
     layernorm_impl: str = "torch"                  # torch | fused
     recompute_granularity: Optional[str] = None    # None | full | selective
     recompute_method: Optional[str] = None         # uniform | block
     recompute_num_layers: int = 1
     torch_compile: bool = False                    # torch.compile each transformer layer
+    gradient_accumulation_fusion: bool = True      # weight-grad GEMMs accumulate into the fp32 main_grad
 
     @property
     def kv_channels(self) -> int:
@@ -170,11 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "torch"], default="auto",
-                   help="flash = torch SDPA (default where available), fused = csrc softmax, torch = reference")
+    g.add_argument("--attention-backend", choices=["auto", "flash", "cudnn", "fused", "torch"], default="auto",
+                   help="flash = torch SDPA (default where available), cudnn = SDPA preferring cuDNN attention, "
+                        "fused = csrc softmax, torch = reference")
     g.add_argument("--layernorm-impl", choices=["torch", "fused"], default="torch")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each transformer layer (fuses LayerNorm, GELU, dropout, residual adds)")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
+                   help="weight-gradient GEMMs write a bf16 grad that a hook adds to the fp32 buffer (default: "
+                        "they accumulate into the fp32 buffer directly)")
     g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)

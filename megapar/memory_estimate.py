@@ -67,9 +67,9 @@ def layer_activation_bytes(cfg: Config) -> float:
     saved = elem * sbh * (4 + (4 + 2 * ffn_ratio) / tp)
     if m.hidden_dropout > 0:
         saved += 2 * sbh                                                   # two bool masks
-    if m.attention_dropout > 0 and m.attention_backend != "flash":
+    if m.attention_dropout > 0 and m.attention_backend not in ("flash", "cudnn"):
         saved += m.num_attention_heads // tp * m.seq_length ** 2 * t.micro_batch_size
-    if m.attention_backend != "flash":                                     # probabilities kept
+    if m.attention_backend not in ("flash", "cudnn"):                      # probabilities kept
         saved += elem * m.num_attention_heads // tp * m.seq_length ** 2 * t.micro_batch_size
     return saved
 

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..arguments import ModelConfig
 from ..kernels.softmax import scaled_masked_softmax
@@ -24,13 +25,22 @@ def make_layernorm(cfg: ModelConfig, device, dtype) -> nn.Module:
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
 
 
+# torch SDPA backends: "flash" = torch's default choice (FlashAttention-2 on GPUs, math on CPU);
+# "cudnn" = cuDNN's fused attention first (Hopper), then torch's default order.
+SDPA_BACKENDS = {"flash": None,
+                 "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                           SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}
+
+
 def core_attention(q, k, v, backend: str, dropout_p: float, causal: bool = True) -> torch.Tensor:
     """softmax(q k^T / sqrt(hn), causal) v with dropout.   q,k,v: [b, np, s, hn] -> [b, np, sq, hn].
 
     Dropout runs on the tracker's model-parallel RNG stream (each TP rank owns other heads)."""
     with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
-        if backend == "flash":
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+        if backend in SDPA_BACKENDS:
+            order = SDPA_BACKENDS[backend]
+            with sdpa_kernel(order, set_priority=True) if order else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
         scale = 1.0 / math.sqrt(q.shape[-1])
         scores = torch.matmul(q, k.transpose(-1, -2))                                  # [b, np, sq, sk]
         probs = scaled_masked_softmax(scores, scale, causal=causal, impl="fused" if backend == "fused" else "torch")
@@ -49,12 +59,12 @@ class ParallelAttention(nn.Module):
         _, tp = tp_rank_size(tp_group)
         self.heads_local, self.hn = cfg.num_attention_heads // tp, cfg.kv_channels
         self.backend, self.dropout = cfg.attention_backend, cfg.attention_dropout
-        self.selective_recompute = cfg.recompute_granularity == "selective" and self.backend != "flash"
+        self.selective_recompute = cfg.recompute_granularity == "selective" and self.backend not in SDPA_BACKENDS
         self.query_key_value = ColumnParallelLinear(
             h, 3 * h, Init(seed, f"{prefix}.query_key_value.weight", cfg.init_method_std), tp_group,
-            device=device, dtype=dtype)
+            device=device, dtype=dtype, fuse_wgrad=cfg.gradient_accumulation_fusion)
         self.dense = RowParallelLinear(h, h, Init(seed, f"{prefix}.dense.weight", out_std), tp_group,
-                                       device=device, dtype=dtype)
+                                       device=device, dtype=dtype, fuse_wgrad=cfg.gradient_accumulation_fusion)
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
         s, b, _ = x.shape
@@ -83,9 +93,10 @@ class ParallelMLP(nn.Module):
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.dense_h_to_4h = ColumnParallelLinear(
             h, f, Init(seed, f"{prefix}.dense_h_to_4h.weight", cfg.init_method_std), tp_group,
-            device=device, dtype=dtype)
+            device=device, dtype=dtype, fuse_wgrad=cfg.gradient_accumulation_fusion)
         self.dense_4h_to_h = RowParallelLinear(f, h, Init(seed, f"{prefix}.dense_4h_to_h.weight", out_std),
-                                               tp_group, device=device, dtype=dtype)
+                                               tp_group, device=device, dtype=dtype,
+                                               fuse_wgrad=cfg.gradient_accumulation_fusion)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))  # GPT-2 tanh GELU

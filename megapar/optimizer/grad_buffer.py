@@ -2,7 +2,8 @@
 
 Each parameter gets `param.main_grad`, a view into the buffer. A hook after each backward
 accumulation adds `param.grad` into `main_grad` (fp32 accumulation across microbatches, whatever
-the parameter dtype) and frees `param.grad`.
+the parameter dtype) and frees `param.grad`; linear weights with gradient-accumulation fusion
+have already been accumulated by their GEMM (tensor_parallel/linear.py), so the hook only frees.
 
 The buffer is cut into buckets (parameters in reverse registration order, roughly the order
 backward produces them). Each bucket is padded to a multiple of dp, so it splits into dp equal
@@ -22,6 +23,8 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from ..tensor_parallel.linear import wgrad_in_main_grad
 
 # torch >= 2.13 renames reduce_scatter_tensor (the old name warns); fall back on older versions.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -95,7 +98,8 @@ class GradBuffer:
     # ---- accumulation and reduction -------------------------------------------------------
     def _hook(self, bucket: Bucket) -> Callable[[nn.Parameter], None]:
         def hook(p: nn.Parameter) -> None:
-            p.main_grad.add_(p.grad)
+            if not wgrad_in_main_grad(p):
+                p.main_grad.add_(p.grad)
             p.grad = None
             if self.sync_enabled and self.overlap and bucket is not self.late_bucket:
                 bucket.pending.discard(id(p))

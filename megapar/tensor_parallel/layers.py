@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .linear import linear
 from .mappings import Group, copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 
 
@@ -50,6 +51,13 @@ def _param(t: torch.Tensor, device, dtype) -> nn.Parameter:
     return nn.Parameter(t.to(device=device, dtype=dtype).contiguous())
 
 
+def _weight(t: torch.Tensor, device, dtype, fuse_wgrad: bool) -> nn.Parameter:
+    """A linear layer's weight; fuse_wgrad: its gradient GEMM accumulates into main_grad (linear.py)."""
+    w = _param(t, device, dtype)
+    w.fuse_wgrad = fuse_wgrad
+    return w
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (output features) across the TP group.
 
@@ -57,17 +65,18 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, init: Init, tp_group: Group = None,
-                 bias: bool = True, gather_output: bool = False, device=None, dtype=torch.float32):
+                 bias: bool = True, gather_output: bool = False, device=None, dtype=torch.float32,
+                 fuse_wgrad: bool = False):
         super().__init__()
         self.tp_group, self.gather_output = tp_group, gather_output
         rank, size = tp_rank_size(tp_group)
         self.out_per_rank = _divide(out_features, size, "output features")
         w = full_normal((out_features, in_features), init).chunk(size, dim=0)[rank]
-        self.weight = _param(w, device, dtype)
+        self.weight = _weight(w, device, dtype, fuse_wgrad)
         self.bias = _param(torch.zeros(self.out_per_rank), device, dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)  # [*, out/tp]
+        y = linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)  # [*, out/tp]
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 
@@ -79,19 +88,20 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, init: Init, tp_group: Group = None,
-                 bias: bool = True, input_is_parallel: bool = True, device=None, dtype=torch.float32):
+                 bias: bool = True, input_is_parallel: bool = True, device=None, dtype=torch.float32,
+                 fuse_wgrad: bool = False):
         super().__init__()
         self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
         rank, size = tp_rank_size(tp_group)
         _divide(in_features, size, "input features")
         w = full_normal((out_features, in_features), init).chunk(size, dim=1)[rank]
-        self.weight = _param(w, device, dtype)
+        self.weight = _weight(w, device, dtype, fuse_wgrad)
         self.bias = _param(torch.zeros(out_features), device, dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)  # [*, out]
+        y = reduce_from_tp(linear(x, self.weight), self.tp_group)  # [*, out]
         return y if self.bias is None else y + self.bias
 
 

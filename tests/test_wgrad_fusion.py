@@ -1,0 +1,77 @@
+"""Gradient-accumulation fusion: weight-grad GEMMs accumulate into the GradBuffer's fp32 main_grad."""
+import pytest
+import torch
+import torch.nn as nn
+
+from megapar.optimizer.grad_buffer import GradBuffer
+from megapar.tensor_parallel.layers import ColumnParallelLinear, Init, RowParallelLinear
+from train_helpers import TINY_TRAIN, run_training
+
+
+def _microbatches(dtype, device, n=3):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(5, 2, 16, generator=gen).to(device=device, dtype=dtype) for _ in range(n)]
+
+
+def _fused_vs_reference(dtype, device):
+    """main_grad after 3 fused microbatches vs the same layers' fp64 gradients summed."""
+    layers = nn.Sequential(ColumnParallelLinear(16, 24, Init(1, "a"), fuse_wgrad=True, device=device, dtype=dtype),
+                           RowParallelLinear(24, 16, Init(1, "b"), fuse_wgrad=True, device=device, dtype=dtype))
+    ref = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16)).double().to(device)
+    with torch.no_grad():
+        for r, l in zip(ref, layers):
+            r.weight.copy_(l.weight)
+            r.bias.copy_(l.bias)
+    buf = GradBuffer(layers.parameters(), None)
+    buf.start_step()
+    for x in _microbatches(dtype, device):
+        hidden = layers[0](x)
+        assert type(hidden.grad_fn).__name__ == "_LinearAccumulateWgradBackward"   # the fused path ran
+        layers[1](hidden).square().sum().backward()
+        ref(x.double()).square().sum().backward()
+    for r, l in zip(ref, layers):
+        assert l.weight.grad is None                          # the hook freed the dummy
+        for mine, want in ((l.weight.main_grad, r.weight.grad), (l.bias.main_grad, r.bias.grad)):
+            assert mine.dtype == torch.float32
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(mine.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_wgrad_accumulates_into_main_grad_cpu(dtype):
+    _fused_vs_reference(dtype, "cpu")
+
+
+def test_unfused_layers_without_buffer_keep_plain_grads():
+    layer = ColumnParallelLinear(16, 24, Init(1, "a"), fuse_wgrad=True)   # no GradBuffer -> no main_grad
+    layer(torch.randn(3, 16)).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
+def test_training_with_and_without_fusion_match(embedded_data):
+    base = TINY_TRAIN + embedded_data + ["--train-iters", "6"]
+    fused = [l for _, l in run_training(base)["losses"]]
+    plain = [l for _, l in run_training(base + ["--no-gradient-accumulation-fusion"])["losses"]]
+    assert fused == pytest.approx(plain, rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_wgrad_accumulates_into_main_grad_cuda(dtype):
+    _fused_vs_reference(dtype, "cuda")
+
+
+@pytest.mark.gpu
+def test_fused_wgrad_under_torch_compile_cuda():
+    layer = ColumnParallelLinear(16, 24, Init(1, "a"), fuse_wgrad=True, device="cuda", dtype=torch.bfloat16)
+    buf = GradBuffer(layer.parameters(), None)
+    buf.start_step()
+    compiled = torch.compile(layer)
+    xs = _microbatches(torch.bfloat16, "cuda")
+    for x in xs:
+        compiled(x).float().square().sum().backward()
+    got = layer.weight.main_grad.clone()
+    buf.start_step()
+    for x in xs:
+        layer(x).float().square().sum().backward()
+    torch.testing.assert_close(got, layer.weight.main_grad, rtol=1e-2, atol=1e-2)
