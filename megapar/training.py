@@ -70,20 +70,24 @@ def schedule_config(run: Run, num_microbatches: int, label: str = "") -> Schedul
         loss_scale=run.optimizer.scaler.scale, no_sync=run.grad_buffer.no_sync)
 
 
-def average_loss(run: Run, logs: list[dict], sched: ScheduleConfig) -> float:
+def average_loss(run: Run, logs: list[dict], sched: ScheduleConfig) -> torch.Tensor:
     """Mean 'lm loss' over microbatches (broadcast from the last stage to the whole pipeline)
-    and over data-parallel ranks: the same value on every rank, so rank 0 can log it."""
-    loss = average_logs(logs, sched).get("lm loss", 0.0)
+    and over data-parallel ranks: the same value on every rank, so rank 0 can log it.
+    A 0-dim float64 device tensor (read back once per step, after the optimizer is launched)."""
+    loss = average_logs(logs, sched).get("lm loss")
+    if loss is None:
+        loss = torch.zeros((), dtype=torch.float64, device=run.device)
     if run.topo.dp > 1:
-        t = torch.tensor([loss], dtype=torch.float64, device=run.device)
-        dist.all_reduce(t, group=run.topo.groups.dp)
-        loss = t.item() / run.topo.dp
+        dist.all_reduce(loss, group=run.topo.groups.dp)
+        loss = loss / run.topo.dp
     return loss
 
 
 # ---- one step ---------------------------------------------------------------------------------
 def train_step(run: Run, dataset, state: TrainState, timers: Timers) -> tuple[float, bool, float]:
-    """One global batch. Returns (lm loss, applied, grad norm)."""
+    """One global batch. Returns (lm loss, applied, grad norm). The host waits for the GPU once,
+    at the end, when everything of the step is queued (a mid-step wait would idle the GPU while
+    the CPU queues the rest)."""
     cfg = run.cfg
     n_micro = cfg.num_microbatches
     run.model.train()
@@ -100,7 +104,8 @@ def train_step(run: Run, dataset, state: TrainState, timers: Timers) -> tuple[fl
     timers.start("optimizer")
     applied, grad_norm = run.optimizer.step()
     timers.stop("optimizer")
-    return average_loss(run, logs, sched), applied, grad_norm
+    loss, grad_norm = torch.stack([average_loss(run, logs, sched), grad_norm.double()]).tolist()
+    return loss, applied, grad_norm
 
 
 def _allreduce_embedding_grads(run: Run) -> None:
@@ -121,7 +126,7 @@ def evaluate(run: Run, dataset, iters: int) -> float:
             data = microbatches(run, dataset, i * cfg.train.global_batch_size)
             sched = schedule_config(run, cfg.num_microbatches, f"evaluation batch {i}")
             logs = schedule(forward_step, data, run.model, sched, forward_only=True)
-            losses.append(average_loss(run, logs, sched))
+            losses.append(average_loss(run, logs, sched).item())
     run.model.train()
     return sum(losses) / max(1, len(losses))
 

@@ -106,7 +106,8 @@ def _toy_body(rank, world_size):
             out[m, schedule] = dict(grads=_grads(model, rank * per), max_alive=STATE["max"], alive=STATE["alive"],
                                     sync=list(STATE["sync"]), logs=[float(d["loss"]) for d in logs],
                                     eval_logs=[float(d["loss"]) for d in eval_logs],
-                                    mean=average_logs(logs, cfg), step=current_step())
+                                    mean={k: float(v) for k, v in average_logs(logs, cfg).items()},
+                                    step=current_step())
     return out
 
 
@@ -187,7 +188,7 @@ def _gpt_and_timeout_body(rank, topo):
     sched = ScheduleConfig(num_microbatches=GPT_M, tensor_shape=(16, 2, 32), pp_group=topo.groups.pp,
                            prev_rank=topo.prev_rank(rank), next_rank=topo.next_rank(rank), p2p_timeout=30)
     logs = get_forward_backward_func(2, "1f1b")(gpt_forward_step, iter(gpt_data()), model, sched)
-    result = {"grads": _gpt_grads(model, 2 * stage), "mean": average_logs(logs, sched)}
+    result = {"grads": _gpt_grads(model, 2 * stage), "mean": {k: float(v) for k, v in average_logs(logs, sched).items()}}
     if topo.coord(rank).dp == 1:
         return result
 

@@ -156,17 +156,18 @@ class DistributedOptimizer:
         return 3 * 4 * shard_numel
 
     # ---- step ------------------------------------------------------------------------------
-    def step(self) -> tuple[bool, float]:
-        """Returns (applied, grad_norm); applied is False when fp16 overflow skipped the step.
+    def step(self) -> tuple[bool, torch.Tensor]:
+        """Returns (applied, grad_norm as a device tensor); applied is False when fp16 overflow
+        skipped the step.
         Call after `grad_buffer.finish()`. Collective over every rank."""
         grads = [self.buffer.data[pt.buf_lo:pt.buf_hi] for pt in self.parts]
         if self.cfg.fp16:
             found_inf = unscale_and_check(grads, self.scaler.scale, self.device, self.inf_group)
             self.scaler.update(found_inf)
             if found_inf:
-                return False, float("nan")
+                return False, torch.full((), float("nan"), device=self.device)
         norm = global_norm([grads[i] for i in self.norm_parts], self.norm_group, self.device)
-        clip_grads_(grads, norm, self.cfg.clip_grad)
+        clip_grads_(grads, norm, self.cfg.clip_grad, self.adam)
         for m, g in zip(self.masters, grads):
             m.grad = g
         self.adam.step()

@@ -60,12 +60,17 @@ def unscale_and_check(grads: list[torch.Tensor], scale: float, device: torch.dev
     return bool(found.item())
 
 
-def clip_grads_(grads: list[torch.Tensor], norm: float, clip_grad: float) -> None:
-    """Scale grads in place so that their global norm `norm` becomes at most clip_grad (0: off)."""
-    if clip_grad > 0 and norm > clip_grad:
-        coef = clip_grad / (norm + 1e-6)
-        if grads:
-            torch._foreach_mul_(grads, coef)
+def clip_grads_(grads: list[torch.Tensor], norm: torch.Tensor, clip_grad: float, adam: torch.optim.AdamW) -> None:
+    """Make the global gradient norm `norm` (a device tensor) at most clip_grad (0: off), without a
+    host sync: grads are divided by max(1, (norm + 1e-6) / clip_grad), inside the fused AdamW
+    kernel (its `grad_scale`, read by the next adam.step()) or by one foreach division."""
+    if clip_grad <= 0:
+        return
+    divisor = ((norm + 1e-6) / clip_grad).clamp(min=1.0)
+    if adam.defaults.get("fused"):
+        adam.grad_scale = divisor
+    elif grads:
+        torch._foreach_div_(grads, divisor)
 
 
 def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fused: bool) -> dict:
@@ -75,14 +80,15 @@ def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fused
             "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
-def global_norm(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup], device) -> float:
-    """L2 norm of all `tensors` of every rank of `group` (one multi-tensor kernel locally)."""
+def global_norm(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup], device) -> torch.Tensor:
+    """L2 norm of all `tensors` of every rank of `group` (one multi-tensor kernel locally), as a
+    0-dim fp32 device tensor (no host sync)."""
     total = torch.zeros(1, dtype=torch.float32, device=device)
     if tensors:
         total += torch.stack(torch._foreach_norm(tensors)).float().square().sum()
     if group is not None:
         dist.all_reduce(total, group=group)
-    return total.sqrt().item()
+    return total.sqrt().reshape(())
 
 
 class MixedPrecisionOptimizer:
@@ -108,15 +114,16 @@ class MixedPrecisionOptimizer:
         return self.adam.param_groups
 
     # ---- step ------------------------------------------------------------------------
-    def step(self) -> tuple[bool, float]:
-        """Returns (applied, grad_norm). applied is False when fp16 overflow skipped the step."""
+    def step(self) -> tuple[bool, torch.Tensor]:
+        """Returns (applied, grad_norm as a device tensor). applied is False when fp16 overflow
+        skipped the step."""
         if self.cfg.fp16:
             found_inf = unscale_and_check(self.grads, self.scaler.scale, self.device, self.inf_group)
             self.scaler.update(found_inf)
             if found_inf:
-                return False, float("nan")
+                return False, torch.full((), float("nan"), device=self.device)
         norm = global_norm(self.norm_grads, self.norm_group, self.device)
-        clip_grads_(self.grads, norm, self.cfg.clip_grad)
+        clip_grads_(self.grads, norm, self.cfg.clip_grad, self.adam)
         self._adam_step()
         return True, norm
 

@@ -220,18 +220,19 @@ def forward_backward_pipelining_1f1b(forward_step: ForwardStep, data_iterator: I
     return run.done()
 
 
-def average_logs(logs: Logs, cfg: ScheduleConfig) -> dict[str, float]:
-    """Mean of each logged value over the microbatches, known to every stage of the pipeline
-    (collective over `cfg.pp_group`: the last stage broadcasts). {} when nothing was logged."""
-    # one device->host copy per key, not one per microbatch
-    mean = {k: torch.stack([torch.as_tensor(log[k]) for log in logs]).double().mean().item() for k in logs[0]} \
-        if logs else {}
+def average_logs(logs: Logs, cfg: ScheduleConfig) -> dict[str, torch.Tensor]:
+    """Mean of each logged value over the microbatches as a 0-dim float64 tensor on cfg.device,
+    known to every stage of the pipeline (collective over `cfg.pp_group`: the last stage
+    broadcasts). {} when nothing was logged. With one stage nothing is read back to the host, so
+    the caller can launch the optimizer before waiting for the loss."""
+    mean = {k: torch.stack([torch.as_tensor(log[k], device=cfg.device) for log in logs]).double().mean()
+            for k in logs[0]} if logs else {}
     if cfg.is_first_stage and cfg.is_last_stage:
         return mean
-    box = [mean]
+    box = [{k: v.item() for k, v in mean.items()}]  # one host copy per key
     dist.broadcast_object_list(box, group=cfg.pp_group, device=cfg.device,
                                group_src=dist.get_world_size(cfg.pp_group) - 1)
-    return box[0]
+    return {k: torch.tensor(v, dtype=torch.float64, device=cfg.device) for k, v in box[0].items()}
 
 
 def get_forward_backward_func(pp: int, schedule: str = "1f1b") -> Callable[..., Logs]:
