@@ -57,14 +57,15 @@ class ParallelAttention(nn.Module):
         super().__init__()
         h, out_std = cfg.hidden_size, cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         _, tp = tp_rank_size(tp_group)
+        fused = cfg.gradient_accumulation_fusion
         self.heads_local, self.hn = cfg.num_attention_heads // tp, cfg.kv_channels
         self.backend, self.dropout = cfg.attention_backend, cfg.attention_dropout
         self.selective_recompute = cfg.recompute_granularity == "selective" and self.backend not in SDPA_BACKENDS
         self.query_key_value = ColumnParallelLinear(
             h, 3 * h, Init(seed, f"{prefix}.query_key_value.weight", cfg.init_method_std), tp_group,
-            device=device, dtype=dtype, fuse_wgrad=cfg.gradient_accumulation_fusion)
+            device=device, dtype=dtype, fused_grad_accumulation=fused)
         self.dense = RowParallelLinear(h, h, Init(seed, f"{prefix}.dense.weight", out_std), tp_group,
-                                       device=device, dtype=dtype, fuse_wgrad=cfg.gradient_accumulation_fusion)
+                                       device=device, dtype=dtype, fused_grad_accumulation=fused)
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
         s, b, _ = x.shape
@@ -91,12 +92,13 @@ class ParallelMLP(nn.Module):
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        fused = cfg.gradient_accumulation_fusion
         self.dense_h_to_4h = ColumnParallelLinear(
             h, f, Init(seed, f"{prefix}.dense_h_to_4h.weight", cfg.init_method_std), tp_group,
-            device=device, dtype=dtype, fuse_wgrad=cfg.gradient_accumulation_fusion)
+            device=device, dtype=dtype, fused_grad_accumulation=fused)
         self.dense_4h_to_h = RowParallelLinear(f, h, Init(seed, f"{prefix}.dense_4h_to_h.weight", out_std),
                                                tp_group, device=device, dtype=dtype,
-                                               fuse_wgrad=cfg.gradient_accumulation_fusion)
+                                               fused_grad_accumulation=fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))  # GPT-2 tanh GELU

@@ -2,8 +2,9 @@
 
 Each parameter gets `param.main_grad`, a view into the buffer. A hook after each backward
 accumulation adds `param.grad` into `main_grad` (fp32 accumulation across microbatches, whatever
-the parameter dtype) and frees `param.grad`; linear weights with gradient-accumulation fusion
-have already been accumulated by their GEMM (tensor_parallel/linear.py), so the hook only frees.
+the parameter dtype) and frees `param.grad`; linear-layer weights and biases with
+gradient-accumulation fusion were accumulated by backward itself (tensor_parallel/linear.py),
+so the hook only frees their dummy.
 
 The buffer is cut into buckets (parameters in reverse registration order, roughly the order
 backward produces them). Each bucket is padded to a multiple of dp, so it splits into dp equal
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..tensor_parallel.linear import wgrad_in_main_grad
+from ..tensor_parallel.linear import fuses
 
 # torch >= 2.13 renames reduce_scatter_tensor (the old name warns); fall back on older versions.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -98,7 +99,7 @@ class GradBuffer:
     # ---- accumulation and reduction -------------------------------------------------------
     def _hook(self, bucket: Bucket) -> Callable[[nn.Parameter], None]:
         def hook(p: nn.Parameter) -> None:
-            if not wgrad_in_main_grad(p):
+            if not fuses(p):  # else backward accumulated it already
                 p.main_grad.add_(p.grad)
             p.grad = None
             if self.sync_enabled and self.overlap and bucket is not self.late_bucket:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .linear import linear
+from .linear import add_bias, linear
 from .mappings import Group, copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 
 
@@ -47,15 +47,11 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-def _param(t: torch.Tensor, device, dtype) -> nn.Parameter:
-    return nn.Parameter(t.to(device=device, dtype=dtype).contiguous())
-
-
-def _weight(t: torch.Tensor, device, dtype, fuse_wgrad: bool) -> nn.Parameter:
-    """A linear layer's weight; fuse_wgrad: its gradient GEMM accumulates into main_grad (linear.py)."""
-    w = _param(t, device, dtype)
-    w.fuse_wgrad = fuse_wgrad
-    return w
+def _param(t: torch.Tensor, device, dtype, fused_grad_accumulation: bool = False) -> nn.Parameter:
+    """fused_grad_accumulation: backward accumulates the gradient into main_grad (linear.py)."""
+    p = nn.Parameter(t.to(device=device, dtype=dtype).contiguous())
+    p.fused_grad_accumulation = fused_grad_accumulation
+    return p
 
 
 class ColumnParallelLinear(nn.Module):
@@ -66,14 +62,14 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, init: Init, tp_group: Group = None,
                  bias: bool = True, gather_output: bool = False, device=None, dtype=torch.float32,
-                 fuse_wgrad: bool = False):
+                 fused_grad_accumulation: bool = False):
         super().__init__()
         self.tp_group, self.gather_output = tp_group, gather_output
         rank, size = tp_rank_size(tp_group)
         self.out_per_rank = _divide(out_features, size, "output features")
         w = full_normal((out_features, in_features), init).chunk(size, dim=0)[rank]
-        self.weight = _weight(w, device, dtype, fuse_wgrad)
-        self.bias = _param(torch.zeros(self.out_per_rank), device, dtype) if bias else None
+        self.weight = _param(w, device, dtype, fused_grad_accumulation)
+        self.bias = _param(torch.zeros(self.out_per_rank), device, dtype, fused_grad_accumulation) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)  # [*, out/tp]
@@ -89,20 +85,20 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, init: Init, tp_group: Group = None,
                  bias: bool = True, input_is_parallel: bool = True, device=None, dtype=torch.float32,
-                 fuse_wgrad: bool = False):
+                 fused_grad_accumulation: bool = False):
         super().__init__()
         self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
         rank, size = tp_rank_size(tp_group)
         _divide(in_features, size, "input features")
         w = full_normal((out_features, in_features), init).chunk(size, dim=1)[rank]
-        self.weight = _weight(w, device, dtype, fuse_wgrad)
-        self.bias = _param(torch.zeros(out_features), device, dtype) if bias else None
+        self.weight = _param(w, device, dtype, fused_grad_accumulation)
+        self.bias = _param(torch.zeros(out_features), device, dtype, fused_grad_accumulation) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
         y = reduce_from_tp(linear(x, self.weight), self.tp_group)  # [*, out]
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else add_bias(y, self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,19 +1,24 @@
-"""F.linear whose weight gradient goes straight into the fp32 gradient buffer.
+"""F.linear whose weight and bias gradients go straight into the fp32 gradient buffer.
 
 Megatron's --gradient-accumulation-fusion, without apex. Unfused, a bf16 weight's gradient takes
 three trips through memory each microbatch: the weight-gradient GEMM writes a bf16 tensor, autograd
 hands it to the parameter, and the GradBuffer hook adds it into the fp32 `main_grad` (345M on an
-H100: 4.8 ms of a 49 ms step). Fused, the GEMM itself accumulates in fp32 into `main_grad`
-(cuBLAS with bf16 inputs, an fp32 C and beta = 1: `torch.addmm(..., out_dtype=float32)`), and
-autograd receives an uninitialised dummy so the GradBuffer's per-parameter hook still fires (it
-drives the bucketed all-reduce) but adds nothing. A weight takes this path only when it is marked
-`fuse_wgrad` by its layer and has a `main_grad` (set by the GradBuffer); the hook reads the same mark.
+H100: 4.8 ms of a 49 ms step), and each bias and weight costs a Python hook call and a kernel
+launch. Fused, the GEMM itself accumulates in fp32 into `main_grad` (cuBLAS with bf16 inputs, an
+fp32 C and beta = 1: `torch.addmm(..., out_dtype=float32)`), the bias gradient is summed in fp32
+into its `main_grad`, and autograd receives uninitialised dummies so the GradBuffer's
+per-parameter hook still fires (it drives the bucketed all-reduce) but adds nothing.
+
+A parameter takes this path only when its layer marked it `fused_grad_accumulation` and it has a
+`main_grad` (set by the GradBuffer); the hook reads the same mark. The accumulations are custom
+ops, so torch.compile keeps them (and their in-place writes) intact.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 
@@ -26,41 +31,80 @@ def accumulate_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.
         main_grad.addmm_(grad_out.t().to(main_grad.dtype), x.to(main_grad.dtype))
 
 
+@torch.library.custom_op("megapar::accumulate_bgrad_", mutates_args=("main_grad",))
+def accumulate_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor) -> None:
+    """main_grad [out] += grad_out [T, out] summed over tokens, in main_grad's dtype."""
+    main_grad.add_(grad_out.sum(0, dtype=main_grad.dtype))
+
+
 @accumulate_wgrad_.register_fake
 def _(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
     return None
 
 
-class _LinearAccumulateWgrad(torch.autograd.Function):
-    """forward: x W^T + b; backward: dx = g W, W.main_grad += g^T x, db = sum(g), dW = dummy."""
+@accumulate_bgrad_.register_fake
+def _(main_grad: torch.Tensor, grad_out: torch.Tensor) -> None:
+    return None
+
+
+class _LinearAccumulateGrad(torch.autograd.Function):
+    """forward: x W^T + b; backward: dx = g W, W.main_grad += g^T x, b.main_grad += sum(g),
+    dW, db = dummies."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                main_grad: torch.Tensor) -> torch.Tensor:
+                weight_main_grad: torch.Tensor, bias_main_grad: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.main_grad = main_grad  # not saved: every accumulation into the buffer bumps its version
-        ctx.has_bias = bias is not None
+        # not saved tensors: every accumulation into the buffer bumps their version
+        ctx.weight_main_grad, ctx.bias_main_grad = weight_main_grad, bias_main_grad
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        main_grad = ctx.main_grad
         grad_x = grad_out.matmul(weight)                                       # [*, in]
         g2d = grad_out.reshape(-1, grad_out.shape[-1])                         # [T, out]
-        accumulate_wgrad_(main_grad, g2d, x.reshape(-1, x.shape[-1]))         # [out, in] += [out, T] @ [T, in]
-        grad_b = g2d.sum(0) if ctx.has_bias else None
-        return grad_x, torch.empty_like(weight), grad_b, None
+        accumulate_wgrad_(ctx.weight_main_grad, g2d, x.reshape(-1, x.shape[-1]))  # [out, in] += [out, T] @ [T, in]
+        grad_b = None
+        if ctx.bias_main_grad is not None:
+            accumulate_bgrad_(ctx.bias_main_grad, g2d)
+            grad_b = torch.empty(g2d.shape[-1], dtype=grad_out.dtype, device=grad_out.device)
+        return grad_x, torch.empty_like(weight), grad_b, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.nn.Parameter, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear, with the weight gradient fused into `weight.main_grad` when the weight allows it."""
-    if getattr(weight, "fuse_wgrad", False) and hasattr(weight, "main_grad") and weight.requires_grad \
-            and torch.is_grad_enabled():
-        return _LinearAccumulateWgrad.apply(x, weight, bias, weight.main_grad)
+class _BiasAddAccumulateGrad(torch.autograd.Function):
+    """forward: y + b; backward: dy = g, b.main_grad += sum(g), db = dummy."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, bias_main_grad: torch.Tensor) -> torch.Tensor:
+        ctx.bias_main_grad = bias_main_grad
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        accumulate_bgrad_(ctx.bias_main_grad, grad_out.reshape(-1, grad_out.shape[-1]))
+        return grad_out, torch.empty_like(ctx.bias_main_grad, dtype=grad_out.dtype), None
+
+
+def fuses(p: Optional[nn.Parameter]) -> bool:
+    """True when backward accumulates p's gradient into p.main_grad itself (p.grad is a dummy)."""
+    return p is not None and getattr(p, "fused_grad_accumulation", False) and hasattr(p, "main_grad")
+
+
+def _active(p: nn.Parameter) -> bool:
+    return fuses(p) and p.requires_grad and torch.is_grad_enabled()
+
+
+def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] = None) -> torch.Tensor:
+    """F.linear, with the gradients accumulated into `main_grad` when the parameters allow it."""
+    if _active(weight) and (bias is None or _active(bias)):
+        return _LinearAccumulateGrad.apply(x, weight, bias, weight.main_grad,
+                                           None if bias is None else bias.main_grad)
     return F.linear(x, weight, bias)
 
 
-def wgrad_in_main_grad(p: torch.nn.Parameter) -> bool:
-    """True when backward accumulates p's gradient into p.main_grad itself (p.grad is a dummy)."""
-    return getattr(p, "fuse_wgrad", False)
+def add_bias(y: torch.Tensor, bias: nn.Parameter) -> torch.Tensor:
+    """y + bias, with the bias gradient accumulated into `bias.main_grad` when it allows it."""
+    if _active(bias):
+        return _BiasAddAccumulateGrad.apply(y, bias, bias.main_grad)
+    return y + bias
