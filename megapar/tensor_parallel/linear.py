@@ -5,8 +5,8 @@ three trips through memory each microbatch: the weight-gradient GEMM writes a bf
 hands it to the parameter, and the GradBuffer hook adds it into the fp32 `main_grad` (345M on an
 H100: 4.8 ms of a 49 ms step), and each bias and weight costs a Python hook call and a kernel
 launch. Fused, the GEMM itself accumulates in fp32 into `main_grad` (cuBLAS with bf16 inputs, an
-fp32 C and beta = 1: `torch.addmm(..., out_dtype=float32)`), the bias gradient is summed in fp32
-into its `main_grad`, and autograd receives uninitialised dummies so the GradBuffer's
+fp32 C and beta = 1: `torch.addmm(..., out_dtype=float32)`), the bias gradient is added to its
+`main_grad` without a hook, and autograd receives uninitialised dummies so the GradBuffer's
 per-parameter hook still fires (it drives the bucketed all-reduce) but adds nothing.
 
 A parameter takes this path only when its layer marked it `fused_grad_accumulation` and it has a
@@ -33,8 +33,9 @@ def accumulate_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.
 
 @torch.library.custom_op("megapar::accumulate_bgrad_", mutates_args=("main_grad",))
 def accumulate_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor) -> None:
-    """main_grad [out] += grad_out [T, out] summed over tokens, in main_grad's dtype."""
-    main_grad.add_(grad_out.sum(0, dtype=main_grad.dtype))
+    """main_grad [out] += grad_out [T, out] summed over tokens (in grad_out's dtype, as autograd's
+    bias gradient: a bf16 sum with an fp32 result measured 2.7x slower on an H100)."""
+    main_grad.add_(grad_out.sum(0))
 
 
 @accumulate_wgrad_.register_fake
