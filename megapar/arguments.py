@@ -40,6 +40,8 @@ class ModelConfig:
     recompute_num_layers: int = 1
     torch_compile: bool = False                    # torch.compile each transformer layer
     gradient_accumulation_fusion: bool = True      # weight-grad GEMMs accumulate into the fp32 main_grad
+    decoder_first_pipeline_num_layers: Optional[int] = None  # uneven pipeline stages (default: even split)
+    decoder_last_pipeline_num_layers: Optional[int] = None
 
     @property
     def kv_channels(self) -> int:
@@ -177,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layernorm-impl", choices=["torch", "fused"], default="torch")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each transformer layer (fuses LayerNorm, GELU, dropout, residual adds)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers on the first pipeline stage (the rest split evenly over the other stages)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers on the last pipeline stage, which also runs the LM head and the loss")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                    help="weight-gradient GEMMs write a bf16 grad that a hook adds to the fp32 buffer (default: "
                         "they accumulate into the fp32 buffer directly)")
@@ -300,7 +306,8 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
     if ns.hidden_size % ns.num_attention_heads:
         _fail(f"--hidden-size {ns.hidden_size} is not divisible by --num-attention-heads "
               f"{ns.num_attention_heads}; pick a head count that divides the hidden size")
-    check_parallel_shape(ns.num_layers, ns.num_attention_heads, ns.ffn_hidden_size, tp, pp)
+    check_parallel_shape(ns.num_layers, ns.num_attention_heads, ns.ffn_hidden_size, tp, pp,
+                         first=ns.decoder_first_pipeline_num_layers, last=ns.decoder_last_pipeline_num_layers)
     if ns.seq_length > ns.max_position_embeddings:
         _fail(f"--seq-length {ns.seq_length} is larger than --max-position-embeddings "
               f"{ns.max_position_embeddings}; raise --max-position-embeddings or shorten --seq-length")
@@ -317,10 +324,11 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
         _fail("--lr-warmup-fraction and --lr-warmup-iters were both given; choose one")
     if ns.recompute_method is not None and ns.recompute_granularity != "full":
         _fail("--recompute-method needs --recompute-granularity full")
-    per_stage = ns.num_layers // pp
+    per_stage = min(pipeline_layer_counts(ns.num_layers, pp, ns.decoder_first_pipeline_num_layers,
+                                          ns.decoder_last_pipeline_num_layers))
     if ns.recompute_granularity == "full" and not 1 <= ns.recompute_num_layers <= per_stage:
-        _fail(f"--recompute-num-layers {ns.recompute_num_layers} must be between 1 and the layers per "
-              f"pipeline stage ({per_stage})")
+        _fail(f"--recompute-num-layers {ns.recompute_num_layers} must be between 1 and the layers of the "
+              f"smallest pipeline stage ({per_stage})")
     for flag in ("micro_batch_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(ns, flag) < 1:
             _fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
@@ -330,7 +338,8 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
 
 def check_parallel_shape(num_layers: int, heads: int, ffn_hidden_size: int, tp: int, pp: int,
                          tp_flag: str = "--tensor-model-parallel-size",
-                         pp_flag: str = "--pipeline-model-parallel-size") -> None:
+                         pp_flag: str = "--pipeline-model-parallel-size",
+                         first: Optional[int] = None, last: Optional[int] = None) -> None:
     """Can a model of this shape be split tp x pp? (training, resharding and inference all ask)"""
     if tp < 1 or pp < 1:
         _fail(f"{tp_flag} ({tp}) and {pp_flag} ({pp}) must be >= 1")
@@ -339,9 +348,40 @@ def check_parallel_shape(num_layers: int, heads: int, ffn_hidden_size: int, tp: 
               f"must hold whole attention heads")
     if ffn_hidden_size % tp:
         _fail(f"--ffn-hidden-size {ffn_hidden_size} is not divisible by {tp_flag} {tp}")
-    if num_layers % pp:
+    pipeline_layer_counts(num_layers, pp, first, last, pp_flag)
+
+
+def layer_counts(model_args, pp: int) -> list[int]:
+    """Layers per pipeline stage for a ModelConfig or a (checkpoint) args namespace."""
+    return pipeline_layer_counts(model_args.num_layers, pp,
+                                 getattr(model_args, "decoder_first_pipeline_num_layers", None),
+                                 getattr(model_args, "decoder_last_pipeline_num_layers", None))
+
+
+def pipeline_layer_counts(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None,
+                          pp_flag: str = "--pipeline-model-parallel-size") -> list[int]:
+    """Transformer layers per pipeline stage: `first` / `last` on the first / last stage when
+    given (--decoder-first/last-pipeline-num-layers), the rest split evenly over the others."""
+    fixed = {0: first, pp - 1: last} if pp > 1 else {}
+    fixed = {stage: n for stage, n in fixed.items() if n is not None}
+    if pp == 1 and (first is not None or last is not None):
+        _fail("--decoder-first/last-pipeline-num-layers need a pipeline-parallel size > 1; drop them")
+    for stage, n in fixed.items():
+        if not 1 <= n <= num_layers:
+            _fail(f"--decoder-{'first' if stage == 0 else 'last'}-pipeline-num-layers {n} must be between 1 and "
+                  f"--num-layers {num_layers}")
+    rest, others = num_layers - sum(fixed.values()), pp - len(fixed)
+    if others == 0 and rest != 0:
+        _fail(f"--decoder-first-pipeline-num-layers {first} + --decoder-last-pipeline-num-layers {last} must equal "
+              f"--num-layers {num_layers} with {pp_flag} 2")
+    if others and not fixed and num_layers % pp:
         _fail(f"--num-layers {num_layers} is not divisible by {pp_flag} {pp}; every pipeline stage must get an "
-              f"equal share of the {num_layers} layers")
+              f"equal share of the {num_layers} layers (or set --decoder-first/last-pipeline-num-layers)")
+    if others and (rest < others or rest % others):
+        _fail(f"the {rest} layers left after --decoder-first/last-pipeline-num-layers cannot be split evenly "
+              f"over the other {others} pipeline stages ({pp_flag} {pp}); pick values that leave a multiple "
+              f"of {others} (at least one layer per stage)")
+    return [fixed.get(stage, rest // others if others else 0) for stage in range(pp)]
 
 
 def _check_batch(ns: argparse.Namespace) -> None:

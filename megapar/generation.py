@@ -362,7 +362,7 @@ def load_inference_model(load_dir: str, topo: Topology, rank: int, device: torch
                               f"processes (got {topo.world_size})")
     args, state = load_model_state(load_dir, topo.tp, topo.pp, c.tp, c.pp, iteration)
     cfg = model_config_from_args(args, device)  # args describe this (possibly resharded) layout
-    model = GPT2Model(cfg, Stage.of(cfg.num_layers, topo.pp, c.pp), seed=0, tp_group=topo.groups.tp,
+    model = GPT2Model(cfg, Stage.for_config(cfg, topo.pp, c.pp), seed=0, tp_group=topo.groups.tp,
                       device=device, dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:

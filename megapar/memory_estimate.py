@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .arguments import Config
+from .arguments import Config, layer_counts
 from .model.sharding import tp_partition_dim
 
 GiB = 2**30
@@ -50,7 +50,7 @@ def stage_params(cfg: Config, stage: int) -> int:
              + split(h * h, "self_attention.dense.weight") + h
              + split(h * f + f, "mlp.dense_h_to_4h.weight")
              + split(f * h, "mlp.dense_4h_to_h.weight") + h)
-    n = layer * (m.num_layers // pp)
+    n = layer * layer_counts(m, pp)[stage]
     if stage == 0:
         n += m.padded_vocab_size * h // tp + m.max_position_embeddings * h
     if stage == pp - 1:
@@ -92,7 +92,6 @@ def estimate(cfg: Config) -> list[StageMemory]:
     pp, dp = p.pipeline_model_parallel_size, p.data_parallel_size
     elem = 4 if not (t.bf16 or t.fp16) else 2
     opt_per_param = 12 if elem == 2 else 8
-    layers = m.num_layers // pp
     per_layer = layer_activation_bytes(cfg)
     sbh = m.seq_length * t.micro_batch_size * m.hidden_size
     out = []
@@ -100,7 +99,7 @@ def estimate(cfg: Config) -> list[StageMemory]:
         n = stage_params(cfg, stage)
         optim = opt_per_param * n / (dp if p.use_distributed_optimizer else 1)
         static = elem * n + 4 * n + optim
-        acts_one = activations_one_microbatch(cfg, layers, per_layer, elem * sbh)
+        acts_one = activations_one_microbatch(cfg, layer_counts(m, pp)[stage], per_layer, elem * sbh)
         in_flight = min(pp - stage, cfg.num_microbatches) if pp > 1 else 1
         head = 0.0
         if stage == pp - 1:

@@ -36,12 +36,12 @@ def _fake_grad(global_name: str, full_shape, step: int) -> torch.Tensor:
     return torch.randn(full_shape, generator=g) * 0.01
 
 
-def _local_grad(name: str, p: torch.Tensor, pp_rank: int, per: int, tp: int, tp_rank: int, step: int):
+def _local_grad(name: str, p: torch.Tensor, layer_start: int, tp: int, tp_rank: int, step: int):
     dim = tp_partition_dim(name)
     shape = list(p.shape)
     if dim is not None:
         shape[dim] *= tp
-    full = _fake_grad(to_global(name, pp_rank, per), shape, step)
+    full = _fake_grad(to_global(name, layer_start), shape, step)
     if "word_embeddings" in name:
         full[VOCAB:] = 0          # dummy vocabulary rows never get gradient (masked in the loss)
     return full if dim is None else full.chunk(tp, dim=dim)[tp_rank]
@@ -57,7 +57,7 @@ def _save_body(rank, world, root, tp, pp, dp, zero, steps, iteration, extra):
         flags.append("--use-distributed-optimizer")
     cfg = tiny_model_config(flags, world_size=world, vocab=VOCAB, tp=tp)
     seed_everything(SEED, c.tp, c.pp)
-    model = GPT2Model(cfg.model, Stage.of(cfg.model.num_layers, pp, c.pp), SEED, topo.groups.tp if tp > 1 else None)
+    model = GPT2Model(cfg.model, Stage.for_config(cfg.model, pp, c.pp), SEED, topo.groups.tp if tp > 1 else None)
     scaler = DynamicGradScaler(initial_scale=2.0 ** 16)
     if zero:
         buf = GradBuffer(model.parameters(), topo.groups.dp, mode="reduce_scatter")
@@ -66,10 +66,9 @@ def _save_body(rank, world, root, tp, pp, dp, zero, steps, iteration, extra):
         buf = GradBuffer(model.parameters(), topo.groups.dp)
         opt = MixedPrecisionOptimizer(model, buf, cfg.train, scaler, c.tp, norm_group=topo.groups.mp, inf_group=None)
     sched = OptimizerParamScheduler(opt, cfg.train.lr, 0.0, 2, 100, "cosine")
-    per = cfg.model.num_layers // pp
     for step in range(steps):
         for name, p in model.named_parameters():
-            p.main_grad.copy_(_local_grad(name, p, c.pp, per, tp, c.tp, step))
+            p.main_grad.copy_(_local_grad(name, p, model.stage.layer_start, tp, c.tp, step))
         opt.step()
         sched.step()
     args = cfg.args

@@ -1,7 +1,7 @@
 import pytest
 import torch.distributed as dist
 
-from megapar.arguments import ConfigError, padded_vocab_size, parse_config
+from megapar.arguments import ConfigError, padded_vocab_size, parse_config, pipeline_layer_counts
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32"]
 
@@ -33,11 +33,23 @@ def test_old_checkpoint_activations_flag():
     (["--recompute-method", "block"], 1, "--recompute-method needs --recompute-granularity full"),
     (["--recompute-granularity", "full", "--recompute-num-layers", "9"], 1, "--recompute-num-layers 9"),
     (["--sequence-parallel"], 1, "--sequence-parallel is not implemented"),
+    (["--decoder-last-pipeline-num-layers", "1"], 1, "need a pipeline-parallel size > 1"),
+    (["--pipeline-parallel", "3", "--decoder-last-pipeline-num-layers", "1"], 3,
+     "the 3 layers left after --decoder-first/last-pipeline-num-layers cannot be split evenly over the other 2"),
+    (["--pipeline-parallel", "2", "--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers",
+      "2"], 2, "must equal --num-layers 4"),
 ])
 def test_invalid_combinations_fail_before_any_process_group(extra, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
         parse_config(BASE + extra, world_size=world)
     assert not dist.is_initialized()
+
+
+def test_pipeline_layer_counts():
+    assert pipeline_layer_counts(24, 4) == [6, 6, 6, 6]
+    assert pipeline_layer_counts(24, 4, last=3) == [7, 7, 7, 3]
+    assert pipeline_layer_counts(24, 4, first=5, last=3) == [5, 8, 8, 3]
+    assert pipeline_layer_counts(24, 2, first=14) == [14, 10]
 
 
 def test_padded_vocab_matches_megatron():

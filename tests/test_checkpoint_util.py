@@ -316,3 +316,29 @@ def test_train_222_convert_111_resume_gives_same_losses(embedded_data, tmp_path)
     assert resumed["iteration"] == continued["iteration"] == 4 and resumed["consumed"] == continued["consumed"]
     got, want = [l for _, l in resumed["losses"]], [l for _, l in continued["losses"]]
     assert len(got) == 2 and got == pytest.approx(want, rel=2e-5), (got, want)
+
+
+def test_uneven_pipeline_stages_convert_to_any_layout(tmp_path):
+    """A pp 2 checkpoint with --decoder-last-pipeline-num-layers 1 (stages of 3 and 1 layers)
+    holds the same model as pp 1 trained alike; it converts to pp 1, to tp 2 (same split) and
+    to pp 4 (even split)."""
+    save_tiny_checkpoint(str(tmp_path / "uneven"), 1, 2, extra=["--decoder-last-pipeline-num-layers", "1"])
+    save_tiny_checkpoint(str(tmp_path / "serial"), 1, 1)
+    layers = [{k.split(".")[3] for k in flatten_model_state(load(_shard_file(tmp_path / "uneven", 0, p))["model"])
+               if ".layers." in k} for p in range(2)]
+    assert layers == [{"0", "1", "2"}, {"0"}]                          # stage-local indices
+    convert(tmp_path / "uneven", tmp_path / "one", "--target-pipeline-parallel-size", 1)
+    got = flatten_model_state(load(tmp_path / "one" / IT / "mp_rank_00" / "model_optim_rng.pt")["model"])
+    want = flatten_model_state(load(tmp_path / "serial" / IT / "mp_rank_00" / "model_optim_rng.pt")["model"])
+    assert got.keys() == want.keys()
+    for k in want:                     # dummy vocabulary rows: zeros after conversion, ignored
+        g, w = (_zero_dummy(t, 0) if is_vocab_parallel(k) else t for t in (got[k], want[k]))
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    convert(tmp_path / "uneven", tmp_path / "same", "--target-tensor-parallel-size", 2)   # same pp: same split
+    same = load(_shard_file(tmp_path / "same", 1, 0))
+    assert same["args"].decoder_last_pipeline_num_layers == 1
+    assert "language_model.encoder.layers.2.input_layernorm.weight" in flatten_model_state(same["model"])
+    convert(tmp_path / "uneven", tmp_path / "pp4", "--target-pipeline-parallel-size", 4)  # other pp: even split
+    pp4 = load(_shard_file(tmp_path / "pp4", 0, 1))
+    assert pp4["args"].decoder_last_pipeline_num_layers is None
+    assert "language_model.encoder.layers.1.input_layernorm.weight" not in flatten_model_state(pp4["model"])

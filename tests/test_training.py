@@ -119,3 +119,10 @@ def test_3d_tp2_pp2_dp2_with_zero1_and_recompute_matches_serial(embedded_data):
     three_d = losses(run_training(base + ["--tensor-parallel", "2", "--pipeline-parallel", "2",
                                           "--use-distributed-optimizer"], 8))
     assert three_d == pytest.approx(serial, rel=2e-5), (serial, three_d)
+
+
+def test_uneven_pipeline_stages_match_serial(embedded_data):
+    base = TINY_TRAIN + embedded_data + ["--train-iters", "4"]
+    serial = losses(run_training(base, 1))
+    uneven = losses(run_training(base + ["--pipeline-parallel", "2", "--decoder-last-pipeline-num-layers", "1"], 2))
+    assert uneven == pytest.approx(serial, rel=2e-5), (serial, uneven)

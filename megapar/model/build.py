@@ -23,7 +23,7 @@ def build_model(cfg: ModelConfig, topo: Topology, rank: int, seed: int, device: 
     """This rank's stage on `device` in `dtype`. cfg.vocab_size must be set (set_vocab).
     Data-parallel rank 0 of each (tensor, pipeline) position prints its parameter count."""
     c = topo.coord(rank)
-    stage = Stage.of(cfg.num_layers, topo.pp, c.pp)
+    stage = Stage.for_config(cfg, topo.pp, c.pp)
     model = GPT2Model(cfg, stage, seed, topo.groups.tp, device=device, dtype=dtype)
     if cfg.torch_compile:
         for layer in model.language_model.encoder.layers:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..arguments import ModelConfig
+from ..arguments import ModelConfig, pipeline_layer_counts
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import Init, VocabParallelEmbedding, full_normal, parallel_lm_logits
 from ..tensor_parallel.random import checkpoint
@@ -39,9 +39,16 @@ class Stage:
     is_last: bool
 
     @staticmethod
-    def of(num_layers: int, pp: int, pp_rank: int) -> "Stage":
-        per = num_layers // pp
-        return Stage(pp_rank * per, (pp_rank + 1) * per, pp_rank == 0, pp_rank == pp - 1)
+    def of(num_layers: int, pp: int, pp_rank: int, first: Optional[int] = None, last: Optional[int] = None) -> "Stage":
+        """Stage pp_rank of a pp-stage pipeline (first/last: --decoder-first/last-pipeline-num-layers)."""
+        counts = pipeline_layer_counts(num_layers, pp, first, last)
+        start = sum(counts[:pp_rank])
+        return Stage(start, start + counts[pp_rank], pp_rank == 0, pp_rank == pp - 1)
+
+    @staticmethod
+    def for_config(cfg: ModelConfig, pp: int, pp_rank: int) -> "Stage":
+        return Stage.of(cfg.num_layers, pp, pp_rank, cfg.decoder_first_pipeline_num_layers,
+                        cfg.decoder_last_pipeline_num_layers)
 
 
 class Embedding(nn.Module):

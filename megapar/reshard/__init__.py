@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..arguments import check_parallel_shape
+from ..arguments import check_parallel_shape, layer_counts
 
 from .layout import split, stage_keys, target_padded_vocab
 from .source import ShardedCheckpoint
@@ -36,11 +36,17 @@ def bounded_heap(threshold: int = 1 << 20) -> bool:
 def target_args(args: argparse.Namespace, vocab_size: Optional[int], tp: int, pp: int,
                 dp: Optional[int] = None, distributed_optimizer: Optional[bool] = None) -> argparse.Namespace:
     """A copy of a checkpoint's args with the parallel sizes and padded vocabulary of the target
-    (ConfigError when the model cannot be split that way)."""
+    (ConfigError when the model cannot be split that way). The pipeline keeps the source's
+    --decoder-first/last-pipeline-num-layers at the same pipeline size; another size gets an
+    even split."""
+    out = copy.deepcopy(args)
+    if pp != args.pipeline_model_parallel_size:
+        out.decoder_first_pipeline_num_layers = out.decoder_last_pipeline_num_layers = None
     check_parallel_shape(args.num_layers, args.num_attention_heads,
                          getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size, tp, pp,
-                         "the target tensor-parallel size", "the target pipeline-parallel size")
-    out = copy.deepcopy(args)
+                         "the target tensor-parallel size", "the target pipeline-parallel size",
+                         getattr(out, "decoder_first_pipeline_num_layers", None),
+                         getattr(out, "decoder_last_pipeline_num_layers", None))
     out.tensor_model_parallel_size, out.pipeline_model_parallel_size = tp, pp
     if vocab_size is not None:
         out.padded_vocab_size = target_padded_vocab(args, vocab_size, tp)
@@ -66,7 +72,7 @@ def load_model_state_for(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank:
     args = target_args(src.args, src.vocab_size, tp, pp)
     padded = args.padded_vocab_size if src.vocab_size is not None else src.args.padded_vocab_size
     state = {}
-    for local, name in stage_keys(src.names, src.args.num_layers, pp, pp_rank):  # one full tensor at a time
+    for local, name in stage_keys(src.names, layer_counts(args, pp), pp_rank):  # one full tensor at a time
         state[local] = split(src.full(name), name, tp, tp_rank, padded)
     src.release()
     return args, state

@@ -22,6 +22,7 @@ from ..checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE,
                              iter_dir, nest_model_state, shard_dir_name)
 from . import target_args
 from .canonical import prepare_output, publish_dir
+from ..arguments import layer_counts
 from .layout import OPTIM_KINDS, split, stage_keys
 from .stream_save import LazyTensor, StreamingSaver
 
@@ -100,7 +101,7 @@ def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None
     shutil.rmtree(staging, ignore_errors=True)
     it_dir = iter_dir(staging, src.iteration)
     for pp_rank in range(pp):
-        keys = stage_keys(src.names, args.num_layers, pp, pp_rank)
+        keys = stage_keys(src.names, layer_counts(args, pp), pp_rank)
         model_savers, optim_savers = [], []
         try:
             for tp_rank in range(tp):

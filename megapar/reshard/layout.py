@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..arguments import padded_vocab_size
+from ..arguments import layer_counts, padded_vocab_size
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 
 WORD = "language_model.embedding.word_embeddings.weight"
@@ -22,40 +22,37 @@ _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
 OPTIM_KINDS = ("master_param", "exp_avg", "exp_avg_sq")
 
 
-def layers_per_stage(num_layers: int, pp: int) -> int:
-    if num_layers % pp:
-        raise ValueError(f"--num-layers {num_layers} is not divisible by pipeline-parallel size {pp}; "
-                         f"pick a target pipeline size that divides it")
-    return num_layers // pp
-
-
-def to_global(local_key: str, pp_rank: int, per_stage: int) -> str:
-    """Stage-local key -> canonical key (head copy maps to the word embeddings)."""
+def to_global(local_key: str, layer_start: int) -> str:
+    """Stage-local key of a stage whose first layer is `layer_start` -> canonical key (the head
+    copy maps to the word embeddings)."""
     if local_key == HEAD:
         return WORD
     m = _LAYER.match(local_key)
     if m is None:
         return local_key
-    return f"language_model.encoder.layers.{int(m.group(1)) + pp_rank * per_stage}.{m.group(2)}"
+    return f"language_model.encoder.layers.{int(m.group(1)) + layer_start}.{m.group(2)}"
 
 
-def stage_of(name: str, num_layers: int, pp: int) -> tuple[int, str]:
-    """Canonical key -> (pp_rank holding it, stage-local key). Non-layer keys: embeddings on
-    stage 0, final LayerNorm on the last stage."""
-    per = layers_per_stage(num_layers, pp)
+def stage_of(name: str, counts: list[int]) -> tuple[int, str]:
+    """Canonical key -> (pp_rank holding it, stage-local key), for stages of counts[i] layers.
+    Non-layer keys: embeddings on stage 0, final LayerNorm on the last stage."""
     m = _LAYER.match(name)
     if m is not None:
         g = int(m.group(1))
-        return g // per, f"language_model.encoder.layers.{g % per}.{m.group(2)}"
+        for stage, n in enumerate(counts):
+            if g < n:
+                return stage, f"language_model.encoder.layers.{g}.{m.group(2)}"
+            g -= n
+        raise ValueError(f"{name}: layer index beyond the {sum(counts)} layers of the layout")
     if name.startswith("language_model.encoder."):
-        return pp - 1, name
+        return len(counts) - 1, name
     return 0, name
 
 
-def stage_keys(names: list[str], num_layers: int, pp: int, pp_rank: int) -> list[tuple[str, str]]:
+def stage_keys(names: list[str], counts: list[int], pp_rank: int) -> list[tuple[str, str]]:
     """[(stage-local key, canonical key)] of stage `pp_rank`, in GPT2Model state-dict order."""
-    out = [(local, n) for n in names for s, local in [stage_of(n, num_layers, pp)] if s == pp_rank]
-    if pp > 1 and pp_rank == pp - 1:
+    out = [(local, n) for n in names for s, local in [stage_of(n, counts)] if s == pp_rank]
+    if len(counts) > 1 and pp_rank == len(counts) - 1:
         out.append((HEAD, WORD))
     return out
 

@@ -18,6 +18,7 @@ import torch
 from ..checkpointing import (DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_state, iter_dir,
                              read_tracker, shard_dir_name)
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
+from ..arguments import layer_counts
 from .layout import HEAD, OPTIM_KINDS, expected_full_shape, stage_of, to_global
 
 _SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
@@ -165,13 +166,13 @@ class ShardedCheckpoint:
                                       f"of its stage ({', '.join(diff[:3])})")
 
     def _canonical_names(self) -> list[str]:
-        per = self.args.num_layers // self.pp
+        counts = layer_counts(self.args, self.pp)
         names: list[str] = []
         for p in range(self.pp):
             for local in self.headers[(0, p)]["keys"]:
                 if local == HEAD:
                     continue
-                names.append(to_global(local, p, per))
+                names.append(to_global(local, sum(counts[:p])))
         if len(set(names)) != len(names):
             raise CheckpointError(f"checkpoint {self.dir}: stages hold overlapping parameters; "
                                   f"is args.num_layers ({self.args.num_layers}) right?")
@@ -192,7 +193,7 @@ class ShardedCheckpoint:
     # ---- tensors -------------------------------------------------------------------------------
     def full(self, name: str, kind: str = "param") -> torch.Tensor:
         """The full canonical tensor `name` (kind: param | master_param | exp_avg | exp_avg_sq)."""
-        p, local = stage_of(name, self.args.num_layers, self.pp)
+        p, local = stage_of(name, layer_counts(self.args, self.pp))
         parts = [self._part(t, p, local, kind) for t in range(self.tp)]   # mmapped views
         shapes = {tuple(x.shape) for x in parts}
         if len(shapes) != 1 or len({x.dtype for x in parts}) != 1:
@@ -227,7 +228,7 @@ class ShardedCheckpoint:
 
     def spec(self, name: str, kind: str = "param") -> tuple[tuple[int, ...], torch.dtype]:
         """(full canonical shape, dtype) of a tensor, from file metadata (no data is read)."""
-        p, local = stage_of(name, self.args.num_layers, self.pp)
+        p, local = stage_of(name, layer_counts(self.args, self.pp))
         part = self._part(0, p, local, kind)
         shape = list(part.shape)
         dim = tp_partition_dim(name)
