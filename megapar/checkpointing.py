@@ -22,7 +22,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .arguments import layer_counts
 from .atomic import atomic_write, atomic_write_text
 from .tensor_parallel.random import get_rng_tracker
 
@@ -187,13 +186,12 @@ def check_args(saved: argparse.Namespace, current: argparse.Namespace, path: str
     """Explain every incompatibility between the checkpoint's arguments and this run's."""
     s_tp, s_pp = saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size
     c_tp, c_pp = current.tensor_model_parallel_size, current.pipeline_model_parallel_size
-    if (s_tp, s_pp) == (c_tp, c_pp) and layer_counts(saved, s_pp) != layer_counts(current, c_pp):
+    split = lambda a: (getattr(a, "decoder_first_pipeline_num_layers", None),  # noqa: E731
+                       getattr(a, "decoder_last_pipeline_num_layers", None))
+    if (s_tp, s_pp) == (c_tp, c_pp) and split(saved) != split(current):
         raise CheckpointError(
-            f"checkpoint {path} splits its {saved.num_layers} layers over the pipeline stages as "
-            f"{layer_counts(saved, s_pp)}, but this run splits them as {layer_counts(current, c_pp)}; use the "
-            f"checkpoint's --decoder-first/last-pipeline-num-layers ("
-            f"{getattr(saved, 'decoder_first_pipeline_num_layers', None)}, "
-            f"{getattr(saved, 'decoder_last_pipeline_num_layers', None)})")
+            f"checkpoint {path} was saved with --decoder-first/last-pipeline-num-layers {split(saved)}, but this "
+            f"run uses {split(current)} (None: an even split); use the checkpoint's values")
     if (s_tp, s_pp) != (c_tp, c_pp):
         raise CheckpointError(
             f"checkpoint {path} was saved with tensor-parallel {s_tp} x pipeline-parallel {s_pp}, but this run "

@@ -342,3 +342,11 @@ def test_uneven_pipeline_stages_convert_to_any_layout(tmp_path):
     pp4 = load(_shard_file(tmp_path / "pp4", 0, 1))
     assert pp4["args"].decoder_last_pipeline_num_layers is None
     assert "language_model.encoder.layers.1.input_layernorm.weight" not in flatten_model_state(pp4["model"])
+
+
+def test_resuming_with_another_pipeline_split_is_refused():
+    from megapar.checkpointing import CheckpointError, check_args
+    layout = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    saved = argparse.Namespace(**layout, decoder_last_pipeline_num_layers=1)
+    with pytest.raises(CheckpointError, match=r"--decoder-first/last-pipeline-num-layers \(None, 1\)"):
+        check_args(saved, argparse.Namespace(**layout), "ck")

@@ -38,6 +38,11 @@ CONFIGS = {
     "345m-tp2": (2, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8", "--tensor-parallel", "2"]),
     "345m-pp2-m8": (2, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64", "--pipeline-parallel", "2"]),
     "345m-pp4-m8": (4, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64", "--pipeline-parallel", "4"]),
+    # the last stage also runs the LM head and the loss: give it fewer layers
+    "345m-pp2-m8-last11": (2, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64", "--pipeline-parallel",
+                                          "2", "--decoder-last-pipeline-num-layers", "11"]),
+    "345m-pp4-m8-last3": (4, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64", "--pipeline-parallel",
+                                         "4", "--decoder-last-pipeline-num-layers", "3"]),
     "345m-tp2-pp2": (4, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64", "--tensor-parallel", "2",
                                     "--pipeline-parallel", "2", "--use-distributed-optimizer"]),
 }
