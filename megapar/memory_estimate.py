@@ -94,12 +94,12 @@ def estimate(cfg: Config) -> list[StageMemory]:
     opt_per_param = 12 if elem == 2 else 8
     per_layer = layer_activation_bytes(cfg)
     sbh = m.seq_length * t.micro_batch_size * m.hidden_size
-    out = []
+    counts, out = layer_counts(m, pp), []
     for stage in range(pp):
         n = stage_params(cfg, stage)
         optim = opt_per_param * n / (dp if p.use_distributed_optimizer else 1)
         static = elem * n + 4 * n + optim
-        acts_one = activations_one_microbatch(cfg, layer_counts(m, pp)[stage], per_layer, elem * sbh)
+        acts_one = activations_one_microbatch(cfg, counts[stage], per_layer, elem * sbh)
         in_flight = min(pp - stage, cfg.num_microbatches) if pp > 1 else 1
         head = 0.0
         if stage == pp - 1:

@@ -67,7 +67,7 @@ class GradBuffer:
             for p in b.params:
                 start, end = self.param_range[id(p)]
                 p.main_grad = self.data[start:end].view_as(p)
-                p.register_post_accumulate_grad_hook(self._hook(b))
+                p.register_post_accumulate_grad_hook(self._hook(b, add_grad=not fuses(p)))
         self.sync_enabled = True
         self.late_bucket = self.buckets[-1] if late else None
 
@@ -97,9 +97,10 @@ class GradBuffer:
         return ranges
 
     # ---- accumulation and reduction -------------------------------------------------------
-    def _hook(self, bucket: Bucket) -> Callable[[nn.Parameter], None]:
+    def _hook(self, bucket: Bucket, add_grad: bool) -> Callable[[nn.Parameter], None]:
+        """add_grad=False: backward accumulates into main_grad itself (fixed once main_grad is set)."""
         def hook(p: nn.Parameter) -> None:
-            if not fuses(p):  # else backward accumulated it already
+            if add_grad:
                 p.main_grad.add_(p.grad)
             p.grad = None
             if self.sync_enabled and self.overlap and bucket is not self.late_bucket:
