@@ -69,7 +69,7 @@ def main() -> None:
     total = sum(by_cat.values())
     for cat, t in sorted(by_cat.items(), key=lambda kv: -kv[1]):
         print(f"| {cat} | {t / 1e3 / n:.2f} | {100 * t / total:.1f}% |")
-    print(f"\n| top kernels | calls/iter | ms/iter |\n|---|---|---|")
+    print("\n| top kernels | calls/iter | ms/iter |\n|---|---|---|")
     for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"| {name[:110]} | {count[name] / n:.0f} | {t / 1e3 / n:.2f} |")
 

@@ -24,7 +24,8 @@ from .layout import HEAD, OPTIM_KINDS, expected_full_shape, stage_of, to_global
 _SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 # args that every shard of one checkpoint must agree on
 _SAME_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-              "padded_vocab_size", "vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+              "padded_vocab_size", "vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+              "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
 
 
 def load_mmap(path: str) -> dict:
@@ -99,6 +100,7 @@ class ShardedCheckpoint:
         first = self.headers[(0, 0)]
         self.args: argparse.Namespace = first["args"]
         self.vocab_size = getattr(self.args, "vocab_size", None)
+        self.layer_counts = layer_counts(self.args, self.pp)      # transformer layers per stage
         self.has_optim = first["has_optim"]
         self.distributed = first["distributed"]
         self.optim_files = {k: _ShardFile(self._path(*k, DISTRIB_OPTIM_FILE), self.budget)
@@ -166,7 +168,7 @@ class ShardedCheckpoint:
                                       f"of its stage ({', '.join(diff[:3])})")
 
     def _canonical_names(self) -> list[str]:
-        counts = layer_counts(self.args, self.pp)
+        counts = self.layer_counts
         names: list[str] = []
         for p in range(self.pp):
             for local in self.headers[(0, p)]["keys"]:
@@ -193,7 +195,7 @@ class ShardedCheckpoint:
     # ---- tensors -------------------------------------------------------------------------------
     def full(self, name: str, kind: str = "param") -> torch.Tensor:
         """The full canonical tensor `name` (kind: param | master_param | exp_avg | exp_avg_sq)."""
-        p, local = stage_of(name, layer_counts(self.args, self.pp))
+        p, local = stage_of(name, self.layer_counts)
         parts = [self._part(t, p, local, kind) for t in range(self.tp)]   # mmapped views
         shapes = {tuple(x.shape) for x in parts}
         if len(shapes) != 1 or len({x.dtype for x in parts}) != 1:
@@ -228,7 +230,7 @@ class ShardedCheckpoint:
 
     def spec(self, name: str, kind: str = "param") -> tuple[tuple[int, ...], torch.dtype]:
         """(full canonical shape, dtype) of a tensor, from file metadata (no data is read)."""
-        p, local = stage_of(name, layer_counts(self.args, self.pp))
+        p, local = stage_of(name, self.layer_counts)
         part = self._part(0, p, local, kind)
         shape = list(part.shape)
         dim = tp_partition_dim(name)
