@@ -88,6 +88,8 @@ class TrainConfig:
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = False
+    enable_cuda_graph: bool = False                # capture the whole step as one CUDA graph
+    cuda_graph_warmup_steps: int = 3               # eager steps before the capture
 
     @property
     def params_dtype_name(self) -> str:
@@ -210,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--enable-cuda-graph", action="store_true",
+                   help="capture the whole training step (forward, backward, gradient reduction, optimizer) as "
+                        "one CUDA graph and replay it every iteration (removes kernel-launch overhead; GPUs, "
+                        "no pipeline parallelism, no fp16, no dropout, no recompute)")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                   help="eager steps before the capture (compilation, cuBLAS autotuning, optimizer state)")
 
     g = p.add_argument_group("mixed precision")
     g.add_argument("--fp16", action="store_true")
@@ -329,11 +337,32 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
     if ns.recompute_granularity == "full" and not 1 <= ns.recompute_num_layers <= per_stage:
         _fail(f"--recompute-num-layers {ns.recompute_num_layers} must be between 1 and the layers of the "
               f"smallest pipeline stage ({per_stage})")
+    if ns.enable_cuda_graph:
+        _check_cuda_graph(ns)
     for flag in ("micro_batch_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(ns, flag) < 1:
             _fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
     if ns.make_vocab_size_divisible_by < 1:
         _fail("--make-vocab-size-divisible-by must be >= 1")
+
+
+def _check_cuda_graph(ns: argparse.Namespace) -> None:
+    """--enable-cuda-graph captures one step whose kernels and addresses never change."""
+    import torch
+    blockers = [
+        (not torch.cuda.is_available() or ns.distributed_backend == "gloo", "it needs CUDA GPUs and NCCL"),
+        (ns.pipeline_model_parallel_size > 1, "pipeline schedules are not captured; use "
+                                              "--pipeline-model-parallel-size 1"),
+        (ns.fp16, "fp16 loss scaling reads the overflow flag back every step; use --bf16"),
+        (ns.hidden_dropout > 0 or ns.attention_dropout > 0,
+         "dropout swaps RNG states, which a capture forbids; set --hidden-dropout 0 --attention-dropout 0"),
+        (ns.recompute_granularity is not None, "recompute swaps RNG states, which a capture forbids; "
+                                               "drop the recompute flags"),
+        (ns.cuda_graph_warmup_steps < 1, "--cuda-graph-warmup-steps must be >= 1"),
+    ]
+    for blocked, why in blockers:
+        if blocked:
+            _fail(f"--enable-cuda-graph: {why} (or drop --enable-cuda-graph)")
 
 
 def check_parallel_shape(num_layers: int, heads: int, ffn_hidden_size: int, tp: int, pp: int,

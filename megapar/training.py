@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpointing import load_checkpoint, save_checkpoint
+from .cuda_graph import GraphedStep
 from .initialize import Run, checkpoint_args, print_rank0, train_iters
 from .pipeline.p2p import current_step
 from .pipeline.schedules import ScheduleConfig, average_logs, get_forward_backward_func
@@ -84,18 +85,15 @@ def average_loss(run: Run, logs: list[dict], sched: ScheduleConfig) -> torch.Ten
 
 
 # ---- one step ---------------------------------------------------------------------------------
-def train_step(run: Run, dataset, state: TrainState, timers: Timers) -> tuple[float, bool, float]:
-    """One global batch. Returns (lm loss, applied, grad norm). The host waits for the GPU once,
-    at the end, when everything of the step is queued (a mid-step wait would idle the GPU while
-    the CPU queues the rest)."""
-    cfg = run.cfg
-    n_micro = cfg.num_microbatches
-    run.model.train()
+def queue_step(run: Run, data: Iterator, label: str, timers: Timers) -> tuple[bool, torch.Tensor]:
+    """Queue one global batch: zero the gradient buffer, forward/backward of every microbatch,
+    gradient reduction, clipping, optimizer. Returns (applied, [lm loss, grad norm] as a float64
+    device tensor). Nothing is read back to the host (except fp16's overflow check), so the whole
+    step can be queued ahead of the GPU, or captured as a CUDA graph."""
     run.grad_buffer.start_step()
-    data = microbatches(run, dataset, state.consumed_samples)
     timers.start("forward-backward")
-    schedule = get_forward_backward_func(run.topo.pp, cfg.parallel.pipeline_schedule)
-    sched = schedule_config(run, n_micro, f"iteration {state.iteration + 1}")
+    schedule = get_forward_backward_func(run.topo.pp, run.cfg.parallel.pipeline_schedule)
+    sched = schedule_config(run, run.cfg.num_microbatches, label)
     logs = schedule(forward_step, data, run.model, sched)
     timers.stop("forward-backward")
     timers.start("grads-sync")
@@ -104,7 +102,32 @@ def train_step(run: Run, dataset, state: TrainState, timers: Timers) -> tuple[fl
     timers.start("optimizer")
     applied, grad_norm = run.optimizer.step()
     timers.stop("optimizer")
-    loss, grad_norm = torch.stack([average_loss(run, logs, sched), grad_norm.double()]).tolist()
+    return applied, torch.stack([average_loss(run, logs, sched), grad_norm.double()])
+
+
+def graphed_step(run: Run) -> Optional[GraphedStep]:
+    """--enable-cuda-graph: the step as one CUDA graph (after --cuda-graph-warmup-steps eager ones)."""
+    if not run.cfg.train.enable_cuda_graph:
+        return None
+    untimed = Timers(0, run.device)  # timers synchronise the device, which a capture forbids
+    return GraphedStep(lambda batches: queue_step(run, iter(batches), "cuda graph", untimed)[1],
+                       run.cfg.train.cuda_graph_warmup_steps, run.device)
+
+
+def train_step(run: Run, dataset, state: TrainState, timers: Timers,
+               graph: Optional[GraphedStep] = None) -> tuple[float, bool, float]:
+    """One global batch. Returns (lm loss, applied, grad norm). The host waits for the GPU once,
+    at the end, when everything of the step is queued (a mid-step wait would idle the GPU while
+    the CPU queues the rest)."""
+    run.model.train()
+    data = microbatches(run, dataset, state.consumed_samples)
+    if graph is None:
+        applied, out = queue_step(run, data, f"iteration {state.iteration + 1}", timers)
+    else:
+        timers.start("step (cuda graph)")
+        applied, out = True, graph(list(data))
+        timers.stop("step (cuda graph)")
+    loss, grad_norm = out.tolist()
     return loss, applied, grad_norm
 
 
@@ -238,11 +261,12 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
     print_rank0(f"> training {total} iterations from iteration {state.iteration}; MFU against {peak_desc}")
     window_start, window_iters, window_loss = time.perf_counter(), 0, 0.0
     profiler = Profiler(run) if cfg.log.profile else None
+    graph = graphed_step(run)
     while state.iteration < total:
         if profiler:
             profiler.before(state.iteration)
         try:
-            loss, applied, grad_norm = train_step(run, train_ds, state, timers)
+            loss, applied, grad_norm = train_step(run, train_ds, state, timers, graph)
         except Exception:  # e.g. a collective timeout: say where this rank was
             print(f"[rank {run.rank}] step failed at iteration {state.iteration + 1}; "
                   f"pipeline position: {current_step() or 'outside the schedule'}", flush=True)

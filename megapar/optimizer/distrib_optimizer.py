@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from .grad_buffer import GradBuffer
 from .optimizer import (adam_state, clip_grads_, counts_for_norm, decay_groups, global_norm, make_adamw,
-                        unscale_and_check)
+                        saved_param_groups, unscale_and_check)
 
 # torch >= 2.13 renames the tensor collectives; fall back to the older names elsewhere.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -219,7 +219,7 @@ class DistributedOptimizer:
             start, end = self.buffer.param_range[id(p)]
             state[n] = {k: f[start:end].view(p.shape).clone() for k, f in fulls.items()}
         return {"state": state, "step": step, "grad_scaler": self.scaler.state_dict(),
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.adam.param_groups]}
+                "param_groups": saved_param_groups(self.adam)}
 
     def _step_count(self) -> int:
         """Completed AdamW steps (every part has the same count; agreed over dp)."""

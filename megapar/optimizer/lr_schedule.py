@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 
 class OptimizerParamScheduler:
     def __init__(self, optimizer, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
@@ -34,7 +36,10 @@ class OptimizerParamScheduler:
         self.num_steps += increment
         lr = self.get_lr()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):  # a captured optimizer reads it in place
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         return lr
 
     def state_dict(self) -> dict:

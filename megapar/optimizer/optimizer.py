@@ -32,12 +32,22 @@ def counts_for_norm(name: str, tp_rank: int) -> bool:
 
 
 def make_adamw(groups: list[dict], cfg, device: torch.device) -> torch.optim.AdamW:
+    """Fused AdamW on GPUs (foreach on CPU). With --enable-cuda-graph it is capturable and its
+    learning rate is a device tensor (the LR scheduler fills it in place; cuda_graph.py)."""
     kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     if device.type == "cuda":
         kw["fused"] = True
     else:
         kw["foreach"] = True
+    if getattr(cfg, "enable_cuda_graph", False):
+        kw.update(capturable=True, lr=torch.tensor(cfg.lr, dtype=torch.float32, device=device))
     return torch.optim.AdamW(groups, **kw)
+
+
+def saved_param_groups(adam: torch.optim.Optimizer) -> list[dict]:
+    """The hyper-parameters of each param group for a checkpoint (plain numbers, no tensors)."""
+    return [{k: (v.item() if torch.is_tensor(v) else v) for k, v in g.items() if k != "params"}
+            for g in adam.param_groups]
 
 
 def decay_groups(items: list[tuple[str, nn.Parameter, torch.Tensor]], cfg) -> list[dict]:
@@ -154,7 +164,7 @@ class MixedPrecisionOptimizer:
                         "exp_avg": s["exp_avg"].cpu().clone() if "exp_avg" in s else torch.zeros_like(m, device="cpu"),
                         "exp_avg_sq": s["exp_avg_sq"].cpu().clone() if "exp_avg_sq" in s else torch.zeros_like(m, device="cpu")}
         return {"state": state, "step": self._step_count(), "grad_scaler": self.scaler.state_dict(),
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.adam.param_groups]}
+                "param_groups": saved_param_groups(self.adam)}
 
     def _step_count(self) -> int:
         for s in self.adam.state.values():
