@@ -12,7 +12,8 @@ Lifecycle (per GraphedStep):
   1. the first `warmup` calls run the step eagerly on a side stream: torch.compile compiles,
      cuBLAS picks its algorithms, AdamW creates its state tensors;
   2. the next call captures the step (capture records kernels and runs none), then replays it;
-  3. every later call copies its microbatches into the graph's static input tensors and replays.
+  3. every later call copies its microbatches into the graph's static input tensors and replays
+     (queued behind the previous replay: the caller need not wait for it).
 What the graph reads must stay at the same address: the parameters, the fp32 masters, the Adam
 moments, the gradient buffer and the learning rate, which the optimizer keeps in a device tensor
 (make_adamw, capturable=True) that the LR scheduler fills in place before each replay.
@@ -51,7 +52,7 @@ class GraphedStep:
             tokens.copy_(t, non_blocking=True)
             labels.copy_(l, non_blocking=True)
         self.graph.replay()
-        return self.output
+        return self.output.clone()  # the next replay overwrites the graph's own output
 
     def _eager(self, batches: list[Batch]) -> torch.Tensor:
         self.stream.wait_stream(torch.cuda.current_stream())

@@ -45,6 +45,8 @@ def microbatches(run: Run, dataset, first_sample: int) -> Iterator[tuple[torch.T
             continue
         start = first_sample + m * micro * dp + run.coord.dp * micro
         sample = torch.stack([torch.as_tensor(dataset[i]) for i in range(start, start + micro)]).long()
+        if device.type == "cuda":  # pinned: the copy is queued, not waited for (the GPU may be busy)
+            sample = sample.pin_memory()
         sample = sample.to(device, non_blocking=True)                                   # [b, s + 1]
         yield sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
 
@@ -115,20 +117,17 @@ def graphed_step(run: Run) -> Optional[GraphedStep]:
 
 
 def train_step(run: Run, dataset, state: TrainState, timers: Timers,
-               graph: Optional[GraphedStep] = None) -> tuple[float, bool, float]:
-    """One global batch. Returns (lm loss, applied, grad norm). The host waits for the GPU once,
-    at the end, when everything of the step is queued (a mid-step wait would idle the GPU while
-    the CPU queues the rest)."""
+               graph: Optional[GraphedStep] = None) -> tuple[bool, torch.Tensor]:
+    """Queue one global batch (eagerly or as a graph replay). Returns (applied, [lm loss, grad
+    norm] on the device); nothing waits for the GPU."""
     run.model.train()
     data = microbatches(run, dataset, state.consumed_samples)
     if graph is None:
-        applied, out = queue_step(run, data, f"iteration {state.iteration + 1}", timers)
-    else:
-        timers.start("step (cuda graph)")
-        applied, out = True, graph(list(data))
-        timers.stop("step (cuda graph)")
-    loss, grad_norm = out.tolist()
-    return loss, applied, grad_norm
+        return queue_step(run, data, f"iteration {state.iteration + 1}", timers)
+    timers.start("step (cuda graph)")
+    out = graph(list(data))
+    timers.stop("step (cuda graph)")
+    return True, out
 
 
 def _allreduce_embedding_grads(run: Run) -> None:
@@ -240,33 +239,95 @@ def load(run: Run, state: TrainState) -> None:
         load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune)
 
 
-def check_finite(run: Run, state: TrainState, loss: float, applied: bool, grad_norm: float) -> None:
+def check_finite(state: TrainState, iteration: int, loss: float, applied: bool, grad_norm: float) -> None:
     if not applied:  # fp16 overflow: skipped on every rank, the scaler backs off
         state.skipped_iters += 1
         return
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         state.nan_iters += 1
-        raise FloatingPointError(f"NaN/Inf at iteration {state.iteration}: lm loss {loss}, grad norm {grad_norm}; "
+        raise FloatingPointError(f"NaN/Inf at iteration {iteration}: lm loss {loss}, grad norm {grad_norm}; "
                                  f"lower --lr, use --bf16 or --fp16 loss scaling, or check the data")
 
 
+@dataclass
+class LaunchedStep:
+    """A queued step whose results are still on the device."""
+    iteration: int
+    consumed_samples: int
+    out: torch.Tensor                  # [lm loss, grad norm], float64
+    applied: bool
+    lr: float
+
+
+class StepLog:
+    """Reads back launched steps in order: checks them, keeps the losses, and prints Megatron's
+    iteration line every --log-interval (times are between read-backs, i.e. step completions)."""
+
+    def __init__(self, run: Run, state: TrainState, total: int, timers: Timers, writer=None):
+        cfg = run.cfg
+        self.run, self.state, self.total, self.timers, self.writer = run, state, total, timers, writer
+        self.fpt = flops_per_token(cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length,
+                                   cfg.model.padded_vocab_size)
+        self.peak, peak_desc = device_peak_tflops(run.device)
+        print_rank0(f"> training {total} iterations from iteration {state.iteration}; MFU against {peak_desc}")
+        self.window_start, self.window_iters, self.window_loss = time.perf_counter(), 0, 0.0
+
+    def record(self, step: LaunchedStep) -> None:
+        loss, grad_norm = step.out.tolist()  # waits for this step only
+        state, log = self.state, self.run.cfg.log
+        check_finite(state, step.iteration, loss, step.applied, grad_norm)
+        state.losses.append((step.iteration, loss))
+        self.window_iters, self.window_loss = self.window_iters + 1, self.window_loss + loss
+        if self.writer is not None:
+            self.writer.add_scalar("lm loss", loss, step.iteration)
+            self.writer.add_scalar("learning rate", step.lr, step.iteration)
+        if step.iteration % log.log_interval == 0 or step.iteration == self.total:
+            elapsed = (time.perf_counter() - self.window_start) / self.window_iters
+            print_rank0(self._line(step, elapsed, self.window_loss / self.window_iters, grad_norm))
+            if step.iteration == min(self.total, log.log_interval):
+                _print_memory(self.run)
+            self.window_start, self.window_iters, self.window_loss = time.perf_counter(), 0, 0.0
+
+    def _line(self, step: LaunchedStep, elapsed: float, loss: float, grad_norm: float) -> str:
+        cfg, state = self.run.cfg, self.state
+        tokens = cfg.train.global_batch_size * cfg.model.seq_length
+        line = (f" iteration {step.iteration:8d}/{self.total:8d} | consumed samples: {step.consumed_samples:12d} | "
+                f"elapsed time per iteration (ms): {elapsed * 1000:.1f} | learning rate: {step.lr:.3E} | "
+                f"global batch size: {cfg.train.global_batch_size:5d} | lm loss: {loss:.6E} | "
+                f"loss scale: {self.run.optimizer.scaler.scale:.1f} | grad norm: {grad_norm:.3f} | "
+                f"number of skipped iterations: {state.skipped_iters:3d} | number of nan iterations: "
+                f"{state.nan_iters:3d} | "
+                f"{throughput_fields(tokens, elapsed, self.fpt, self.run.topo.world_size, self.peak)} |")
+        timing = self.timers.report(self.window_iters)
+        return line + ("\n " + timing if timing else "")
+
+
+def runs_ahead(cfg, iteration: int, total: int) -> bool:
+    """May the next step be queued before this one's results are read? Not when this iteration
+    evaluates, saves or may exit: those need the step finished and recorded."""
+    log, ck, t = cfg.log, cfg.ckpt, cfg.train
+    return not (iteration == total or (log.eval_interval and iteration % log.eval_interval == 0)
+                or (ck.save and ck.save_interval and iteration % ck.save_interval == 0)
+                or (t.exit_interval and iteration % t.exit_interval == 0)
+                or t.exit_signal_handler or t.exit_duration_in_mins is not None)
+
+
 def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> TrainState:
-    """Train until --train-iters (or an exit condition); evaluate and save as configured."""
+    """Train until --train-iters (or an exit condition); evaluate and save as configured.
+    Step i + 1 is queued before step i's loss is read back, so the GPU never waits for the host
+    between steps (except around evaluation, checkpoints and exit checks)."""
     cfg, total = run.cfg, train_iters(run.cfg)
     timers = Timers(cfg.log.timing_log_level, run.device)
     handler, start_time = SignalHandler(cfg.train.exit_signal_handler), time.time()
-    fpt = flops_per_token(cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length,
-                          cfg.model.padded_vocab_size)
-    peak, peak_desc = device_peak_tflops(run.device)
-    print_rank0(f"> training {total} iterations from iteration {state.iteration}; MFU against {peak_desc}")
-    window_start, window_iters, window_loss = time.perf_counter(), 0, 0.0
+    steps = StepLog(run, state, total, timers, writer)
     profiler = Profiler(run) if cfg.log.profile else None
     graph = graphed_step(run)
+    pending: Optional[LaunchedStep] = None
     while state.iteration < total:
         if profiler:
             profiler.before(state.iteration)
         try:
-            loss, applied, grad_norm = train_step(run, train_ds, state, timers, graph)
+            applied, out = train_step(run, train_ds, state, timers, graph)
         except Exception:  # e.g. a collective timeout: say where this rank was
             print(f"[rank {run.rank}] step failed at iteration {state.iteration + 1}; "
                   f"pipeline position: {current_step() or 'outside the schedule'}", flush=True)
@@ -275,24 +336,15 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
             profiler.after(state.iteration + 1)
         state.iteration += 1
         state.consumed_samples += cfg.train.global_batch_size
-        check_finite(run, state, loss, applied, grad_norm)
-        lr = run.scheduler.get_lr()
+        launched = LaunchedStep(state.iteration, state.consumed_samples, out, applied, run.scheduler.get_lr())
         if applied:  # Megatron: a skipped (fp16 overflow) step does not advance the LR schedule
             run.scheduler.step()
-        state.losses.append((state.iteration, loss))
-        window_iters, window_loss = window_iters + 1, window_loss + loss
-        if writer is not None:
-            writer.add_scalar("lm loss", loss, state.iteration)
-            writer.add_scalar("learning rate", lr, state.iteration)
-        if state.iteration % cfg.log.log_interval == 0 or state.iteration == total:
-            if run.device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = (time.perf_counter() - window_start) / window_iters
-            print_rank0(_iteration_line(run, state, total, elapsed, lr, window_loss / window_iters, grad_norm,
-                                        fpt, peak, timers, window_iters))
-            if state.iteration == cfg.log.log_interval or state.iteration == min(total, cfg.log.log_interval):
-                _print_memory(run)
-            window_start, window_iters, window_loss = time.perf_counter(), 0, 0.0
+        if pending is not None:
+            steps.record(pending)
+        pending = launched
+        if not runs_ahead(cfg, state.iteration, total):
+            steps.record(pending)
+            pending = None
         if valid_ds is not None and cfg.log.eval_interval and state.iteration % cfg.log.eval_interval == 0:
             state.valid_losses.append((state.iteration, evaluate(run, valid_ds, cfg.log.eval_iters)))
             log_eval(f"validation loss at iteration {state.iteration}", state.valid_losses[-1][1])
@@ -306,20 +358,6 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
             state.exit_reason = reason
             break
     return state
-
-
-def _iteration_line(run: Run, state: TrainState, total: int, elapsed: float, lr: float, loss: float,
-                    grad_norm: float, fpt: float, peak, timers: Timers, iters: int) -> str:
-    cfg = run.cfg
-    tokens = cfg.train.global_batch_size * cfg.model.seq_length
-    line = (f" iteration {state.iteration:8d}/{total:8d} | consumed samples: {state.consumed_samples:12d} | "
-            f"elapsed time per iteration (ms): {elapsed * 1000:.1f} | learning rate: {lr:.3E} | "
-            f"global batch size: {cfg.train.global_batch_size:5d} | lm loss: {loss:.6E} | "
-            f"loss scale: {run.optimizer.scaler.scale:.1f} | grad norm: {grad_norm:.3f} | "
-            f"number of skipped iterations: {state.skipped_iters:3d} | number of nan iterations: "
-            f"{state.nan_iters:3d} | {throughput_fields(tokens, elapsed, fpt, run.topo.world_size, peak)} |")
-    timing = timers.report(iters)
-    return line + ("\n " + timing if timing else "")
 
 
 def _print_memory(run: Run) -> None:

@@ -126,3 +126,16 @@ def test_uneven_pipeline_stages_match_serial(embedded_data):
     serial = losses(run_training(base, 1))
     uneven = losses(run_training(base + ["--pipeline-parallel", "2", "--decoder-last-pipeline-num-layers", "1"], 2))
     assert uneven == pytest.approx(serial, rel=2e-5), (serial, uneven)
+
+
+def test_nan_stops_training_naming_the_iteration(embedded_data, tmp_path):
+    """Steps are read back one behind the queue; a non-finite loss still stops the run with the
+    iteration that produced it, before any checkpoint of the broken weights is written."""
+    cmd = [sys.executable, "-m", "megapar.pretrain_gpt2", *TINY_TRAIN, *embedded_data, "--train-iters", "6",
+           "--lr", "1e30", "--lr-warmup-iters", "0", "--clip-grad", "0", "--save", str(tmp_path / "ck"),
+           "--save-interval", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "FloatingPointError: NaN/Inf at iteration 2: lm loss" in out, out[-2000:]
+    assert not (tmp_path / "ck").exists()
