@@ -251,12 +251,25 @@ def check_finite(state: TrainState, iteration: int, loss: float, applied: bool, 
 
 @dataclass
 class LaunchedStep:
-    """A queued step whose results are still on the device."""
+    """A queued step whose results are on their way to the host."""
     iteration: int
     consumed_samples: int
-    out: torch.Tensor                  # [lm loss, grad norm], float64
+    out: torch.Tensor                  # [lm loss, grad norm], float64, on the host once `ready`
+    ready: Optional[torch.cuda.Event]  # None on CPU
     applied: bool
     lr: float
+
+
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+    """Queue a copy of device tensor t into pinned host memory right behind the work that made it,
+    so waiting for it (the event) waits for that work only, not for steps queued after it."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 class StepLog:
@@ -273,7 +286,9 @@ class StepLog:
         self.window_start, self.window_iters, self.window_loss = time.perf_counter(), 0, 0.0
 
     def record(self, step: LaunchedStep) -> None:
-        loss, grad_norm = step.out.tolist()  # waits for this step only
+        if step.ready is not None:
+            step.ready.synchronize()  # this step only: the next one may still be running
+        loss, grad_norm = step.out.tolist()
         state, log = self.state, self.run.cfg.log
         check_finite(state, step.iteration, loss, step.applied, grad_norm)
         state.losses.append((step.iteration, loss))
@@ -336,7 +351,8 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
             profiler.after(state.iteration + 1)
         state.iteration += 1
         state.consumed_samples += cfg.train.global_batch_size
-        launched = LaunchedStep(state.iteration, state.consumed_samples, out, applied, run.scheduler.get_lr())
+        launched = LaunchedStep(state.iteration, state.consumed_samples, *to_host(out), applied,
+                                run.scheduler.get_lr())
         if applied:  # Megatron: a skipped (fp16 overflow) step does not advance the LR schedule
             run.scheduler.step()
         if pending is not None:
