@@ -75,3 +75,20 @@ def test_fused_wgrad_under_torch_compile_cuda():
     for x in xs:
         layer(x).float().square().sum().backward()
     torch.testing.assert_close(got, layer.weight.main_grad, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_bias_grad_gemv_inside_cuda_graph():
+    """Captured, the bias gradient is a cuBLAS GEMV accumulating in fp32 (eager: a column sum)."""
+    from megapar.tensor_parallel.linear import accumulate_bgrad_
+    g = torch.randn(64, 48, device="cuda").to(torch.bfloat16)
+    main_grad = torch.zeros(48, device="cuda")
+    accumulate_bgrad_(main_grad, g)                              # eager warm-up (cuBLAS init)
+    torch.testing.assert_close(main_grad.double(), g.double().sum(0), rtol=1e-2, atol=5e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        accumulate_bgrad_(main_grad, g)
+    main_grad.zero_()
+    graph.replay()
+    graph.replay()
+    torch.testing.assert_close(main_grad.double(), 2 * g.double().sum(0), rtol=1e-5, atol=1e-4)
