@@ -7,6 +7,10 @@ the backward of the other.
     reduce_from_tp  forward: all-reduce;            backward: identity
     scatter_to_tp   forward: keep my last-dim slice; backward: all-gather (last dim)
     gather_from_tp  forward: all-gather (last dim);  backward: keep my last-dim slice
+
+Under torch.compile the four run eagerly (a graph break each): traced into a compiled layer, the
+in-place all-reduce inside an autograd.Function crashed the first tp 2 step on 2x H200 with an
+illegal memory access.
 """
 from __future__ import annotations
 
@@ -92,21 +96,25 @@ class _GatherFromTP(torch.autograd.Function):
         return _split_last(grad, ctx.group), None
 
 
+@torch.compiler.disable
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: identity; backward: all-reduce the gradient over `group`."""
     return x if _world(group) == 1 else _CopyToTP.apply(x, group)
 
 
+@torch.compiler.disable
 def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: all-reduce (sum) over `group`; backward: identity."""
     return x if _world(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
+@torch.compiler.disable
 def scatter_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: keep this rank's slice of the last dim; backward: all-gather the last dim."""
     return x if _world(group) == 1 else _ScatterToTP.apply(x, group)
 
 
+@torch.compiler.disable
 def gather_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: all-gather along the last dim; backward: keep this rank's slice."""
     return x if _world(group) == 1 else _GatherFromTP.apply(x, group)
