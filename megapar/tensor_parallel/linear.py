@@ -34,18 +34,18 @@ def accumulate_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.
 
 
 @torch.library.custom_op("megapar::accumulate_bgrad_", mutates_args=("main_grad",))
-def accumulate_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor) -> None:
+def accumulate_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> None:
     """main_grad [out] += grad_out [T, out] summed over tokens.
 
-    Inside a CUDA-graph capture (--enable-cuda-graph) with a bf16/fp16 grad_out this is a GEMV,
-    [1, out] += ones [1, T] @ grad_out [T, out], accumulated in fp32 by cuBLAS: on a 345M H100 step
-    it cut GPU time by 1.3 ms against torch's column sum (grad_out.sum(0), then an fp32 add) and the
-    graphed step from 50.0 to 48.4 ms. Outside graphs the same GEMV made the compiled eager step
-    13 ms slower (66.7 vs 53.4 ms, twice), although the profiler showed it cheaper on the CPU and
-    on the GPU; until that is understood, eager steps keep the column sum."""
-    if main_grad.is_cuda and grad_out.dtype != main_grad.dtype and torch.cuda.is_current_stream_capturing():
+    gemv (GPU, bf16/fp16 grad_out): [1, out] += ones [1, T] @ grad_out [T, out], accumulated in fp32
+    by cuBLAS. On a 345M H100 step it cut GPU time by 1.3 ms against torch's column sum
+    (grad_out.sum(0), then an fp32 add) and the CUDA-graphed step from 50.0 to 48.4 ms. Without a
+    graph it made the compiled step 13 ms slower (66.7 vs 53.4 ms, twice), although the profiler
+    showed it cheaper on the CPU and on the GPU; until that is understood only graphed runs use it
+    (`use_gemv_bias_grads`), in their eager warm-up steps too, so the capture meets no new kernel."""
+    if gemv and main_grad.is_cuda and grad_out.dtype != main_grad.dtype:
         row = main_grad.view(1, -1)
-        ones = torch.ones(1, grad_out.shape[0], dtype=grad_out.dtype, device=grad_out.device)  # filled in the graph
+        ones = torch.ones(1, grad_out.shape[0], dtype=grad_out.dtype, device=grad_out.device)
         torch.addmm(row, ones, grad_out, out_dtype=main_grad.dtype, out=row)
     else:
         main_grad.add_(grad_out.sum(0))
@@ -57,7 +57,7 @@ def _(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
 
 
 @accumulate_bgrad_.register_fake
-def _(main_grad: torch.Tensor, grad_out: torch.Tensor) -> None:
+def _(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> None:
     return None
 
 
@@ -67,10 +67,10 @@ class _LinearAccumulateGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                weight_main_grad: torch.Tensor, bias_main_grad: Optional[torch.Tensor]) -> torch.Tensor:
+                weight_main_grad: torch.Tensor, bias_main_grad: Optional[torch.Tensor], gemv: bool) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         # not saved tensors: every accumulation into the buffer bumps their version
-        ctx.weight_main_grad, ctx.bias_main_grad = weight_main_grad, bias_main_grad
+        ctx.weight_main_grad, ctx.bias_main_grad, ctx.gemv = weight_main_grad, bias_main_grad, gemv
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -81,28 +81,38 @@ class _LinearAccumulateGrad(torch.autograd.Function):
         accumulate_wgrad_(ctx.weight_main_grad, g2d, x.reshape(-1, x.shape[-1]))  # [out, in] += [out, T] @ [T, in]
         grad_b = None
         if ctx.bias_main_grad is not None:
-            accumulate_bgrad_(ctx.bias_main_grad, g2d)
+            accumulate_bgrad_(ctx.bias_main_grad, g2d, ctx.gemv)
             grad_b = torch.empty(g2d.shape[-1], dtype=grad_out.dtype, device=grad_out.device)
-        return grad_x, torch.empty_like(weight), grad_b, None, None
+        return grad_x, torch.empty_like(weight), grad_b, None, None, None
 
 
 class _BiasAddAccumulateGrad(torch.autograd.Function):
     """forward: y + b; backward: dy = g, b.main_grad += sum(g), db = dummy."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, bias_main_grad: torch.Tensor) -> torch.Tensor:
-        ctx.bias_main_grad = bias_main_grad
+    def forward(ctx, y: torch.Tensor, bias: torch.Tensor, bias_main_grad: torch.Tensor, gemv: bool) -> torch.Tensor:
+        ctx.bias_main_grad, ctx.gemv = bias_main_grad, gemv
         return y + bias
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        accumulate_bgrad_(ctx.bias_main_grad, grad_out.reshape(-1, grad_out.shape[-1]))
-        return grad_out, torch.empty_like(ctx.bias_main_grad, dtype=grad_out.dtype), None
+        accumulate_bgrad_(ctx.bias_main_grad, grad_out.reshape(-1, grad_out.shape[-1]), ctx.gemv)
+        return grad_out, torch.empty_like(ctx.bias_main_grad, dtype=grad_out.dtype), None, None
 
 
 def fuses(p: Optional[nn.Parameter]) -> bool:
     """True when backward accumulates p's gradient into p.main_grad itself (p.grad is a dummy)."""
     return p is not None and getattr(p, "fused_grad_accumulation", False) and hasattr(p, "main_grad")
+
+
+def use_gemv_bias_grads(params) -> None:
+    """Accumulate these biases' gradients with a GEMV (accumulate_bgrad_): for CUDA-graphed steps."""
+    for p in params:
+        p.bias_grad_gemv = True
+
+
+def _gemv(bias: Optional[nn.Parameter]) -> bool:
+    return getattr(bias, "bias_grad_gemv", False)
 
 
 def _active(p: nn.Parameter) -> bool:
@@ -113,12 +123,12 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] =
     """F.linear, with the gradients accumulated into `main_grad` when the parameters allow it."""
     if _active(weight) and (bias is None or _active(bias)):
         return _LinearAccumulateGrad.apply(x, weight, bias, weight.main_grad,
-                                           None if bias is None else bias.main_grad)
+                                           None if bias is None else bias.main_grad, _gemv(bias))
     return F.linear(x, weight, bias)
 
 
 def add_bias(y: torch.Tensor, bias: nn.Parameter) -> torch.Tensor:
     """y + bias, with the bias gradient accumulated into `bias.main_grad` when it allows it."""
     if _active(bias):
-        return _BiasAddAccumulateGrad.apply(y, bias, bias.main_grad)
+        return _BiasAddAccumulateGrad.apply(y, bias, bias.main_grad, _gemv(bias))
     return y + bias
