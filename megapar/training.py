@@ -16,8 +16,8 @@ from .checkpointing import load_checkpoint, save_checkpoint
 from .cuda_graph import GraphedStep
 from .initialize import Run, checkpoint_args, print_rank0, train_iters
 from .pipeline.p2p import current_step
-from .tensor_parallel.linear import use_gemv_bias_grads
 from .pipeline.schedules import ScheduleConfig, average_logs, get_forward_backward_func
+from .tensor_parallel.linear import use_gemv_bias_grads
 from .throughput import device_peak_tflops, flops_per_token, memory_fields, throughput_fields
 from .timers import Timers
 
