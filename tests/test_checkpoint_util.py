@@ -344,6 +344,26 @@ def test_uneven_pipeline_stages_convert_to_any_layout(tmp_path):
     assert "language_model.encoder.layers.1.input_layernorm.weight" not in flatten_model_state(pp4["model"])
 
 
+def test_target_pipeline_split(tmp_path, capsys):
+    """--target-decoder-first/last-pipeline-num-layers choose the target's stages: [3, 1] -> [1, 3]
+    -> [3, 1] gives back the original shards bitwise (but the dummy vocabulary rows); a split that cannot be made is refused."""
+    save_tiny_checkpoint(str(tmp_path / "uneven"), 1, 2, extra=["--decoder-last-pipeline-num-layers", "1"])
+    convert(tmp_path / "uneven", tmp_path / "first1", "--target-decoder-first-pipeline-num-layers", 1)
+    first1 = [load(_shard_file(tmp_path / "first1", 0, p)) for p in range(2)]
+    assert [a["args"].decoder_first_pipeline_num_layers for a in first1] == [1, 1]
+    assert [a["args"].decoder_last_pipeline_num_layers for a in first1] == [None, None]
+    layers = [{k.split(".")[3] for k in flatten_model_state(a["model"]) if ".layers." in k} for a in first1]
+    assert layers == [{"0"}, {"0", "1", "2"}]
+    convert(tmp_path / "first1", tmp_path / "back", "--target-decoder-last-pipeline-num-layers", 1)
+    for p in range(2):
+        compare_shards(load(_shard_file(tmp_path / "uneven", 0, p)), load(_shard_file(tmp_path / "back", 0, p)),
+                       0, f"stage {p}")
+    rc = checkpoint_util.main(["--load-dir", str(tmp_path / "uneven"), "--save-dir", str(tmp_path / "bad"),
+                               "--target-decoder-last-pipeline-num-layers", "5"])
+    assert rc == 1 and "--decoder-last-pipeline-num-layers 5 must be between 1 and --num-layers 4" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_resuming_with_another_pipeline_split_is_refused():
     from megapar.checkpointing import CheckpointError, check_args
     layout = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)

@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-pipeline-parallel-size", type=int, default=None)
     p.add_argument("--target-data-parallel-size", type=int, default=None,
                    help="recorded in args; ZeRO-1 state is stored full over dp and sliced at load time")
+    p.add_argument("--target-decoder-first-pipeline-num-layers", dest="target_first", type=int, default=None,
+                   help="layers on the target's first pipeline stage (the rest split evenly over the others)")
+    p.add_argument("--target-decoder-last-pipeline-num-layers", dest="target_last", type=int, default=None,
+                   help="layers on the target's last pipeline stage (default: the source's split at the same "
+                        "pipeline size, else an even split)")
     p.add_argument("--iteration", default=None, help="iteration to convert (default: the tracker's)")
     p.add_argument("--no-optim", action="store_true", help="convert model weights only")
     g = p.add_mutually_exclusive_group()
@@ -67,8 +72,9 @@ def main(argv=None) -> int:
         else:
             tp = a.target_tensor_parallel_size or src.args.tensor_model_parallel_size
             pp = a.target_pipeline_parallel_size or src.args.pipeline_model_parallel_size
+            split = None if a.target_first is None and a.target_last is None else (a.target_first, a.target_last)
             write_sharded(src, a.save_dir, tp, pp, a.target_data_parallel_size, a.distributed,
-                          with_optim=not a.no_optim, force=a.force)
+                          with_optim=not a.no_optim, force=a.force, split=split)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -34,13 +34,16 @@ def bounded_heap(threshold: int = 1 << 20) -> bool:
 
 
 def target_args(args: argparse.Namespace, vocab_size: Optional[int], tp: int, pp: int,
-                dp: Optional[int] = None, distributed_optimizer: Optional[bool] = None) -> argparse.Namespace:
+                dp: Optional[int] = None, distributed_optimizer: Optional[bool] = None,
+                split: Optional[tuple[Optional[int], Optional[int]]] = None) -> argparse.Namespace:
     """A copy of a checkpoint's args with the parallel sizes and padded vocabulary of the target
-    (ConfigError when the model cannot be split that way). The pipeline keeps the source's
-    --decoder-first/last-pipeline-num-layers at the same pipeline size; another size gets an
-    even split."""
+    (ConfigError when the model cannot be split that way). split = (first, last) sets the target's
+    --decoder-first/last-pipeline-num-layers; without it the pipeline keeps the source's at the
+    same pipeline size, and another size gets an even split."""
     out = copy.deepcopy(args)
-    if pp != args.pipeline_model_parallel_size:
+    if split is not None:
+        out.decoder_first_pipeline_num_layers, out.decoder_last_pipeline_num_layers = split
+    elif pp != args.pipeline_model_parallel_size:
         out.decoder_first_pipeline_num_layers = out.decoder_last_pipeline_num_layers = None
     check_parallel_shape(args.num_layers, args.num_attention_heads,
                          getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size, tp, pp,

@@ -88,13 +88,14 @@ def _feed(src, savers: list[StreamingSaver], tp: int, padded) -> None:
 
 def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None,
                   distributed: Optional[bool] = None, with_optim: bool = True, force: bool = False,
-                  log=print) -> None:
+                  log=print, split: Optional[tuple[Optional[int], Optional[int]]] = None) -> None:
     """Write `src` as a megapar checkpoint at (tp, pp) into `save_dir` (legacy layout + tracker).
     dp only updates args (ZeRO-1 state is stored full over dp); distributed=None keeps the
-    source's optimizer storage, True/False forces distrib_optim.pt / model_optim_rng.pt."""
+    source's optimizer storage, True/False forces distrib_optim.pt / model_optim_rng.pt;
+    split = (first, last) layers of the first / last pipeline stage (target_args)."""
     with_optim = with_optim and src.has_optim
     distributed = src.distributed if distributed is None else distributed
-    args = target_args(src.args, src.vocab_size, tp, pp, dp, distributed if with_optim else None)
+    args = target_args(src.args, src.vocab_size, tp, pp, dp, distributed if with_optim else None, split)
     prepare_output(save_dir, force)
     padded = args.padded_vocab_size if src.vocab_size is not None else src.args.padded_vocab_size
     staging = save_dir.rstrip("/") + ".partial"
