@@ -60,6 +60,7 @@ class GraphedStep:
         with torch.cuda.stream(self.stream):
             out = self.step(batches)
         torch.cuda.current_stream().wait_stream(self.stream)
+        out.record_stream(torch.cuda.current_stream())  # made on the side stream, read on this one
         return out
 
     def _capture(self, batches: list[Batch]) -> None:
