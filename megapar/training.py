@@ -283,8 +283,7 @@ class StepLog:
         self.run, self.state, self.total, self.timers, self.writer = run, state, total, timers, writer
         self.fpt = flops_per_token(cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length,
                                    cfg.model.padded_vocab_size)
-        self.peak, peak_desc = device_peak_tflops(run.device)
-        print_rank0(f"> training {total} iterations from iteration {state.iteration}; MFU against {peak_desc}")
+        self.peak, self.peak_desc = device_peak_tflops(run.device)
         self.window_start, self.window_iters, self.window_loss = time.perf_counter(), 0, 0.0
 
     def record(self, step: LaunchedStep) -> None:
@@ -319,12 +318,19 @@ class StepLog:
         return line + ("\n " + timing if timing else "")
 
 
+def _evaluates_at(cfg, iteration: int) -> bool:
+    return bool(cfg.log.eval_interval) and iteration % cfg.log.eval_interval == 0
+
+
+def _saves_at(cfg, iteration: int) -> bool:
+    return bool(cfg.ckpt.save and cfg.ckpt.save_interval) and iteration % cfg.ckpt.save_interval == 0
+
+
 def runs_ahead(cfg, iteration: int, total: int) -> bool:
     """May the next step be queued before this one's results are read? Not when this iteration
     evaluates, saves or may exit: those need the step finished and recorded."""
-    log, ck, t = cfg.log, cfg.ckpt, cfg.train
-    return not (iteration == total or (log.eval_interval and iteration % log.eval_interval == 0)
-                or (ck.save and ck.save_interval and iteration % ck.save_interval == 0)
+    t = cfg.train
+    return not (iteration == total or _evaluates_at(cfg, iteration) or _saves_at(cfg, iteration)
                 or (t.exit_interval and iteration % t.exit_interval == 0)
                 or t.exit_signal_handler or t.exit_duration_in_mins is not None)
 
@@ -337,6 +343,7 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
     timers = Timers(cfg.log.timing_log_level, run.device)
     handler, start_time = SignalHandler(cfg.train.exit_signal_handler), time.time()
     steps = StepLog(run, state, total, timers, writer)
+    print_rank0(f"> training {total} iterations from iteration {state.iteration}; MFU against {steps.peak_desc}")
     profiler = Profiler(run) if cfg.log.profile else None
     graph = graphed_step(run)
     pending: Optional[LaunchedStep] = None
@@ -363,14 +370,14 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
         if not runs_ahead(cfg, state.iteration, total):
             steps.record(pending)
             pending = None
-        if valid_ds is not None and cfg.log.eval_interval and state.iteration % cfg.log.eval_interval == 0:
+        if valid_ds is not None and _evaluates_at(cfg, state.iteration):
             state.valid_losses.append((state.iteration, evaluate(run, valid_ds, cfg.log.eval_iters)))
             log_eval(f"validation loss at iteration {state.iteration}", state.valid_losses[-1][1])
-        if cfg.ckpt.save and cfg.ckpt.save_interval and state.iteration % cfg.ckpt.save_interval == 0:
+        if _saves_at(cfg, state.iteration):
             save(run, state)
         reason = exit_reason(run, state, handler, start_time)
         if reason:
-            if cfg.ckpt.save and not (cfg.ckpt.save_interval and state.iteration % cfg.ckpt.save_interval == 0):
+            if cfg.ckpt.save and not _saves_at(cfg, state.iteration):
                 save(run, state)
             print_rank0(reason)
             state.exit_reason = reason
