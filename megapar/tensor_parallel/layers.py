@@ -72,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param(torch.zeros(self.out_per_rank), device, dtype, fused_grad_accumulation) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)  # [*, out/tp]
+        y = linear(x, self.weight, self.bias, grad_x_group=self.tp_group)  # [*, out/tp]
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 

@@ -14,14 +14,22 @@ run-to-run spread (it is partly launch-bound; README performance log).
 A parameter takes this path only when its layer marked it `fused_grad_accumulation` and it has a
 `main_grad` (set by the GradBuffer); the hook reads the same mark. The accumulations are custom
 ops, so torch.compile keeps them (and their in-place writes) intact.
+
+Column-parallel layers pass their TP group (`grad_x_group`): backward then all-reduces the input
+gradient asynchronously and computes the weight gradient while it travels (Megatron's async
+tensor-parallel all-reduce), instead of a separate all-reduce after the whole backward of the layer
+(mappings.copy_to_tp), which also cloned the gradient first.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .mappings import Group, copy_to_tp, tp_world
 
 
 @torch.library.custom_op("megapar::accumulate_wgrad_", mutates_args=("main_grad",))
@@ -62,28 +70,35 @@ def _(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> None:
 
 
 class _LinearAccumulateGrad(torch.autograd.Function):
-    """forward: x W^T + b; backward: dx = g W, W.main_grad += g^T x, b.main_grad += sum(g),
-    dW, db = dummies."""
+    """forward: x W^T + b; backward: dx = g W (all-reduced over grad_x_group, overlapping the
+    next two), W.main_grad += g^T x, b.main_grad += sum(g), dW, db = dummies."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                weight_main_grad: torch.Tensor, bias_main_grad: Optional[torch.Tensor], gemv: bool) -> torch.Tensor:
+                weight_main_grad: torch.Tensor, bias_main_grad: Optional[torch.Tensor], gemv: bool,
+                grad_x_group: Group) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         # not saved tensors: every accumulation into the buffer bumps their version
         ctx.weight_main_grad, ctx.bias_main_grad, ctx.gemv = weight_main_grad, bias_main_grad, gemv
+        ctx.grad_x_group = grad_x_group
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight)                                       # [*, in]
+        pending = None
+        if tp_world(ctx.grad_x_group) > 1:  # grad_x is ours alone: reduce it in place, in the background
+            pending = dist.all_reduce(grad_x, group=ctx.grad_x_group, async_op=True)
         g2d = grad_out.reshape(-1, grad_out.shape[-1])                         # [T, out]
         accumulate_wgrad_(ctx.weight_main_grad, g2d, x.reshape(-1, x.shape[-1]))  # [out, in] += [out, T] @ [T, in]
         grad_b = None
         if ctx.bias_main_grad is not None:
             accumulate_bgrad_(ctx.bias_main_grad, g2d, ctx.gemv)
             grad_b = torch.empty(g2d.shape[-1], dtype=grad_out.dtype, device=grad_out.device)
-        return grad_x, torch.empty_like(weight), grad_b, None, None, None
+        if pending is not None:
+            pending.wait()
+        return grad_x, torch.empty_like(weight), grad_b, None, None, None, None
 
 
 class _BiasAddAccumulateGrad(torch.autograd.Function):
@@ -119,12 +134,26 @@ def _active(p: nn.Parameter) -> bool:
     return fuses(p) and p.requires_grad and torch.is_grad_enabled()
 
 
-def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] = None) -> torch.Tensor:
-    """F.linear, with the gradients accumulated into `main_grad` when the parameters allow it."""
+def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] = None,
+           grad_x_group: Group = None) -> torch.Tensor:
+    """F.linear, with the gradients accumulated into `main_grad` when the parameters allow it.
+
+    grad_x_group: x is replicated over this TP group, so its gradient is all-reduced over it
+    (copy_to_tp's backward, overlapped with the weight gradient on the fused path)."""
     if _active(weight) and (bias is None or _active(bias)):
+        if tp_world(grad_x_group) > 1:
+            return _tp_linear_accumulate(x, weight, bias, grad_x_group)
         return _LinearAccumulateGrad.apply(x, weight, bias, weight.main_grad,
-                                           None if bias is None else bias.main_grad, _gemv(bias))
-    return F.linear(x, weight, bias)
+                                           None if bias is None else bias.main_grad, _gemv(bias), None)
+    return F.linear(copy_to_tp(x, grad_x_group), weight, bias)
+
+
+@torch.compiler.disable
+def _tp_linear_accumulate(x, weight, bias, group: Group) -> torch.Tensor:
+    """Eager under torch.compile, like the collectives of mappings.py (a collective inside a
+    compiled autograd.Function crashed a tp 2 step)."""
+    return _LinearAccumulateGrad.apply(x, weight, bias, weight.main_grad,
+                                       None if bias is None else bias.main_grad, _gemv(bias), group)
 
 
 def add_bias(y: torch.Tensor, bias: nn.Parameter) -> torch.Tensor:

@@ -22,12 +22,12 @@ import torch.distributed as dist
 Group = Optional[dist.ProcessGroup]
 
 
-def _world(group: Group) -> int:
+def tp_world(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    if _world(group) == 1:
+    if tp_world(group) == 1:
         return x
     x = x.contiguous()
     dist.all_reduce(x, group=group)
@@ -35,7 +35,7 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
-    n = _world(group)
+    n = tp_world(group)
     if n == 1:
         return x
     if x.shape[-1] % n:
@@ -44,7 +44,7 @@ def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
-    n = _world(group)
+    n = tp_world(group)
     if n == 1:
         return x
     x = x.contiguous()
@@ -67,7 +67,10 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        if not x.is_contiguous():
+            return _all_reduce(x, group)  # a contiguous copy, reduced
+        ctx.mark_dirty(x)
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -99,22 +102,24 @@ class _GatherFromTP(torch.autograd.Function):
 @torch.compiler.disable
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: identity; backward: all-reduce the gradient over `group`."""
-    return x if _world(group) == 1 else _CopyToTP.apply(x, group)
+    return x if tp_world(group) == 1 else _CopyToTP.apply(x, group)
 
 
 @torch.compiler.disable
 def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """forward: all-reduce (sum) over `group`; backward: identity."""
-    return x if _world(group) == 1 else _ReduceFromTP.apply(x, group)
+    """forward: all-reduce (sum) over `group`, in place when x is contiguous (pass a fresh tensor,
+    such as a GEMM output, that nothing else reads; autograd refuses one saved for backward);
+    backward: identity."""
+    return x if tp_world(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
 @torch.compiler.disable
 def scatter_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: keep this rank's slice of the last dim; backward: all-gather the last dim."""
-    return x if _world(group) == 1 else _ScatterToTP.apply(x, group)
+    return x if tp_world(group) == 1 else _ScatterToTP.apply(x, group)
 
 
 @torch.compiler.disable
 def gather_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: all-gather along the last dim; backward: keep this rank's slice."""
-    return x if _world(group) == 1 else _GatherFromTP.apply(x, group)
+    return x if tp_world(group) == 1 else _GatherFromTP.apply(x, group)
