@@ -42,6 +42,7 @@ class ModelConfig:
     gradient_accumulation_fusion: bool = True      # weight-grad GEMMs accumulate into the fp32 main_grad
     decoder_first_pipeline_num_layers: Optional[int] = None  # uneven pipeline stages (default: even split)
     decoder_last_pipeline_num_layers: Optional[int] = None
+    sequence_parallel: bool = False                # split LayerNorm/dropout/residual work along the sequence (tp > 1)
 
     @property
     def kv_channels(self) -> int:
@@ -153,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", "--pipeline-parallel", type=int, default=1)
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with tp > 1: split LayerNorm, dropout and residual work (and their activations) along "
+                        "the sequence; all-reduces become reduce-scatter + all-gather")
     g.add_argument("--pipeline-schedule", choices=["1f1b", "afab"], default="1f1b",
                    help="1f1b (default) or all-forward-all-backward (reference)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
@@ -281,6 +284,8 @@ def _normalise(ns: argparse.Namespace) -> None:
         ns.attention_backend = "flash"
     ns.ffn_hidden_size = ns.ffn_hidden_size or 4 * ns.hidden_size
     ns.max_position_embeddings = ns.max_position_embeddings or ns.seq_length
+    if ns.tensor_model_parallel_size == 1:  # nothing to split (Megatron also turns it off)
+        ns.sequence_parallel = False
 
 
 def config_from_namespace(ns: argparse.Namespace, world_size: int) -> Config:
@@ -323,9 +328,9 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
         _fail("--fp16 and --bf16 were both given; choose one precision")
     if ns.tokenizer_type not in TOKENIZER_TYPES:
         _fail(f"unknown --tokenizer-type {ns.tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
-    if ns.sequence_parallel:
-        _fail("--sequence-parallel is not implemented in megapar yet; drop the flag "
-              "(tensor parallelism works without it)")
+    if ns.sequence_parallel and tp > 1 and ns.seq_length % tp:
+        _fail(f"--sequence-parallel splits the sequence over tensor parallelism: --seq-length {ns.seq_length} "
+              f"is not divisible by --tensor-model-parallel-size {tp}; pick a multiple of {tp}")
     if ns.train_iters is not None and ns.train_samples is not None:
         _fail("--train-iters and --train-samples were both given; choose one")
     if ns.lr_warmup_fraction is not None and ns.lr_warmup_iters:

@@ -336,14 +336,15 @@ def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int
 
 
 def model_config_from_args(args, device: torch.device) -> ModelConfig:
-    """An inference ModelConfig from a checkpoint's args: no dropout, no recompute, reference
-    kernels where the fused ones cannot run."""
+    """An inference ModelConfig from a checkpoint's args: no dropout, no recompute, no sequence
+    parallelism (a decoded token cannot be split), reference kernels where the fused ones cannot run."""
     cfg = ModelConfig(**{f.name: getattr(args, f.name) for f in fields(ModelConfig)
                          if getattr(args, f.name, None) is not None})
     cfg.ffn_hidden_size = cfg.ffn_hidden_size or 4 * cfg.hidden_size
     cfg.max_position_embeddings = cfg.max_position_embeddings or cfg.seq_length
     cfg.hidden_dropout = cfg.attention_dropout = 0.0
     cfg.recompute_granularity, cfg.recompute_method = None, None
+    cfg.sequence_parallel = False
     if cfg.attention_backend == "auto" or (cfg.attention_backend == "fused" and device.type != "cuda"):
         cfg.attention_backend = "flash"
     if device.type != "cuda":

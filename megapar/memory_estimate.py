@@ -9,6 +9,9 @@
                     q, k, v + attention output (split over TP)              8 s·b·h / tp
                     MLP input of GELU + its output (4h each, split over TP) 16 s·b·h / tp
                   (+ dropout masks, 1 B per element, when dropout is on)
+                  --sequence-parallel splits the LayerNorm inputs and dropout masks over TP; the
+                  LayerNorm outputs are kept all-gathered (the weight gradients of the QKV and
+                  h->4h GEMMs read them: gathered once, not again in backward)
                   full recompute keeps only each checkpointed layer's input (2 s·b·h) plus one
                   layer's activations during its recompute
     in flight   = microbatches whose activations a stage holds: 1F1B stage k keeps min(pp − k, m)
@@ -64,9 +67,10 @@ def layer_activation_bytes(cfg: Config) -> float:
     sbh = m.seq_length * t.micro_batch_size * m.hidden_size
     elem = 4 if not (t.bf16 or t.fp16) else 2
     ffn_ratio = m.ffn_hidden_size / m.hidden_size
-    saved = elem * sbh * (4 + (4 + 2 * ffn_ratio) / tp)
+    sp = tp if m.sequence_parallel else 1
+    saved = elem * sbh * (2 + 2 / sp + (4 + 2 * ffn_ratio) / tp)
     if m.hidden_dropout > 0:
-        saved += 2 * sbh                                                   # two bool masks
+        saved += 2 * sbh / sp                                              # two bool masks
     if m.attention_dropout > 0 and m.attention_backend not in ("flash", "cudnn"):
         saved += m.num_attention_heads // tp * m.seq_length ** 2 * t.micro_batch_size
     if m.attention_backend not in ("flash", "cudnn"):                      # probabilities kept
@@ -99,7 +103,8 @@ def estimate(cfg: Config) -> list[StageMemory]:
         n = stage_params(cfg, stage)
         optim = opt_per_param * n / (dp if p.use_distributed_optimizer else 1)
         static = elem * n + 4 * n + optim
-        acts_one = activations_one_microbatch(cfg, counts[stage], per_layer, elem * sbh)
+        layer_input = elem * sbh / (p.tensor_model_parallel_size if m.sequence_parallel else 1)
+        acts_one = activations_one_microbatch(cfg, counts[stage], per_layer, layer_input)
         in_flight = min(pp - stage, cfg.num_microbatches) if pp > 1 else 1
         head = 0.0
         if stage == pp - 1:

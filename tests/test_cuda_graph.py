@@ -108,7 +108,8 @@ def test_graph_matches_eager(gpu_data, tmp_path, precision, extra, rel):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", [["--tensor-parallel", "2"], ["--use-distributed-optimizer"],
-                                    ["--tensor-parallel", "2", "--torch-compile"]])
+                                    ["--tensor-parallel", "2", "--torch-compile"],
+                                    ["--tensor-parallel", "2", "--sequence-parallel", "--torch-compile"]])
 def test_graph_matches_eager_two_gpus(gpu_data, layout):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

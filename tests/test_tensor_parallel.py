@@ -8,7 +8,7 @@ from distributed import run_distributed
 from megapar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapar.tensor_parallel.layers import (ColumnParallelLinear, Init, RowParallelLinear, VocabParallelEmbedding,
                                             full_normal)
-from megapar.tensor_parallel.mappings import gather_from_tp
+from megapar.tensor_parallel.mappings import gather_from_sp, gather_from_tp, reduce_scatter_to_sp, scatter_to_sp
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32; only summation order differs between tp sizes
 
@@ -78,9 +78,58 @@ def _cross_entropy(rank, tp, group):
     return [_err(loss, ref), _err(local.grad, grad_ref)]
 
 
+def _sequence_parallel(rank, tp, group):
+    """Column (input: my sequence part, all-gathered) -> row (output: reduce-scattered) at sequence
+    parallelism, with and without fused grad accumulation (main_grad), against the serial twin."""
+    x_full = torch.randn(8, 3, 16, generator=torch.Generator().manual_seed(5))               # [s, b, h]
+    col = ColumnParallelLinear(16, 24, Init(7, "col"), group, sequence_parallel=True, fused_grad_accumulation=True)
+    row = RowParallelLinear(24, 16, Init(7, "row"), group, sequence_parallel=True, fused_grad_accumulation=True)
+    w1, w2 = full_normal((24, 16), Init(7, "col")).requires_grad_(), full_normal((16, 24), Init(7, "row")).requires_grad_()
+    x_ref = x_full.clone().requires_grad_()
+    y_ref = F.linear(F.linear(x_ref, w1), w2)                                                 # biases are 0
+    weight = torch.linspace(-1, 1, 16)
+    (y_ref * weight).sum().backward()
+    errors = []
+    for fused in (False, True):
+        for p in (*col.parameters(), *row.parameters()):
+            if fused:
+                p.main_grad = torch.zeros_like(p)
+            p.grad = None
+        x = scatter_to_sp(x_full.clone().requires_grad_(), group)                              # [s/tp, b, h]
+        x.retain_grad()
+        y = row(col(x))                                                                       # [s/tp, b, h]
+        (y * weight).sum().backward()
+        w1g = col.weight.main_grad if fused else col.weight.grad
+        w2g, b2g = (row.weight.main_grad, row.bias.main_grad) if fused else (row.weight.grad, row.bias.grad)
+        b2g = b2g.clone()
+        dist.all_reduce(b2g, group=group)               # a sequence_parallel bias: summed over TP by training
+        errors += [_err(y, y_ref.chunk(tp)[rank]), _err(x.grad, x_ref.grad.chunk(tp)[rank]),
+                   _err(w1g, w1.grad.chunk(tp)[rank]), _err(w2g, w2.grad.chunk(tp, dim=1)[rank]),
+                   _err(b2g, weight * 24)]
+        for p in (*col.parameters(), *row.parameters()):
+            if fused:
+                del p.main_grad
+    return errors
+
+
+def _sp_mappings(rank, tp, group):
+    """gather_from_sp / reduce_scatter_to_sp against plain tensor algebra, forward and backward."""
+    full = torch.randn(4 * tp, 2, 3, generator=torch.Generator().manual_seed(6))
+    mine = full.chunk(tp)[rank].clone().requires_grad_()
+    gathered = gather_from_sp(mine, group)
+    (gathered * full).sum().backward()                  # every rank: d/dmine = tp * my slice of full
+    partial = (full * (rank + 1)).requires_grad_()
+    reduced = reduce_scatter_to_sp(partial, group)      # sum over ranks of (r + 1) * full, my slice
+    reduced.sum().backward()
+    total = sum(range(1, tp + 1))
+    return [_err(gathered, full), _err(mine.grad, tp * full.chunk(tp)[rank]),
+            _err(reduced, total * full.chunk(tp)[rank]), _err(partial.grad, torch.ones_like(full))]
+
+
 def _all_layers_body(rank, world_size):
     group = dist.group.WORLD
-    return {"column": _column(rank, world_size, group, False), "column_gather": _column(rank, world_size, group, True),
+    return {"sequence_parallel": _sequence_parallel(rank, world_size, group),
+            "sp_mappings": _sp_mappings(rank, world_size, group),"column": _column(rank, world_size, group, False), "column_gather": _column(rank, world_size, group, True),
             "row_parallel_in": _row(rank, world_size, group, True), "row_scatter": _row(rank, world_size, group, False),
             "embedding": _embedding(rank, world_size, group), "cross_entropy": _cross_entropy(rank, world_size, group)}
 

@@ -26,6 +26,29 @@ def test_tp2_dp2_matches_serial(embedded_data):
     parallel = losses(run_training(base + ["--tensor-parallel", "2"], 4))   # tp 2 x dp 2
     assert serial[-1] < serial[0] - 0.05, serial                             # it learns
     assert parallel == pytest.approx(serial, rel=2e-5), (serial, parallel)
+    # sequence parallelism with ZeRO-1: its LayerNorm/bias gradients are summed over TP after the
+    # data-parallel reduce-scatter
+    sp = losses(run_training(base + ["--tensor-parallel", "2", "--sequence-parallel", "--use-distributed-optimizer"], 4))
+    assert sp == pytest.approx(serial, rel=2e-5), (serial, sp)
+
+
+def test_sequence_parallel_pipeline_matches_serial(embedded_data):
+    """tp 2 x pp 2 with --sequence-parallel (stages exchange [s/tp, b, h]) and full recompute."""
+    base = TINY_TRAIN + embedded_data + ["--train-iters", "4"]
+    serial = losses(run_training(base, 1))
+    sp = losses(run_training(base + ["--tensor-parallel", "2", "--pipeline-parallel", "2", "--sequence-parallel",
+                                     "--recompute-granularity", "full"], 4))
+    assert sp == pytest.approx(serial, rel=2e-5), (serial, sp)
+
+
+def test_sequence_parallel_dropout_is_replayed_by_recompute(embedded_data):
+    """With dropout each TP rank draws its tokens' masks from its own RNG stream; recompute must
+    replay them exactly, so checkpointed and plain runs give the same losses."""
+    base = TINY_TRAIN + embedded_data + ["--train-iters", "4", "--hidden-dropout", "0.2", "--tensor-parallel", "2",
+                                         "--sequence-parallel"]
+    plain = losses(run_training(base, 2))
+    recomputed = losses(run_training(base + ["--recompute-granularity", "full"], 2))
+    assert recomputed == pytest.approx(plain, rel=1e-6), (plain, recomputed)
 
 
 def test_exact_resume(embedded_data, tmp_path):

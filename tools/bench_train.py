@@ -40,6 +40,8 @@ CONFIGS = {
     "345m-dp4-zero1": (4, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "32",
                                       "--use-distributed-optimizer"]),
     "345m-tp2": (2, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8", "--tensor-parallel", "2"]),
+    "345m-tp2-sp": (2, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8", "--tensor-parallel", "2",
+                                   "--sequence-parallel"]),
     "345m-pp2-m8": (2, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64", "--pipeline-parallel", "2"]),
     "345m-pp4-m8": (4, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64", "--pipeline-parallel", "4"]),
     # the last stage also runs the LM head and the loss: give it fewer layers

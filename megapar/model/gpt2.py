@@ -18,14 +18,14 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..arguments import ModelConfig, pipeline_layer_counts
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import Init, VocabParallelEmbedding, full_normal, parallel_lm_logits
+from ..tensor_parallel.mappings import scatter_to_sp
 from ..tensor_parallel.random import checkpoint
 from .kv_cache import KVCache
-from .transformer import TransformerLayer, make_layernorm
+from .transformer import TransformerLayer, make_layernorm, sp_dropout
 
 WORD_EMB = "language_model.embedding.word_embeddings.weight"
 
@@ -63,12 +63,14 @@ class Embedding(nn.Module):
                                                 device=device, dtype=dtype)
         with torch.no_grad():
             self.position_embeddings.weight.copy_(pos)
-        self.dropout = cfg.hidden_dropout
+        self.dropout, self.sequence_parallel, self.tp_group = cfg.hidden_dropout, cfg.sequence_parallel, tp_group
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(ids) + self.position_embeddings(position_ids)          # [b, s, h]
         x = x.transpose(0, 1).contiguous()                                              # [s, b, h]
-        return F.dropout(x, p=self.dropout, training=self.training)
+        if self.sequence_parallel:
+            x = scatter_to_sp(x, self.tp_group)                                         # [s/tp, b, h]
+        return sp_dropout(x, self.dropout, self.training, self.sequence_parallel)
 
 
 class Encoder(nn.Module):
@@ -123,7 +125,8 @@ class GPT2Model(nn.Module):
     """One pipeline stage of GPT-2 on one tensor-parallel rank.
 
     forward(input_ids [b, s], position_ids [b, s], labels [b, s] | None):
-      first stage reads input_ids; later stages read the tensor given to `set_input_tensor`.
+      first stage reads input_ids; later stages read the tensor given to `set_input_tensor`
+      ([s, b, h], or [s/tp, b, h] under sequence parallelism).
       last stage returns per-token loss [b, s] (fp32) with labels, else vocab-parallel logits
       [b, s, V_padded/tp]; other stages return hidden states [s, b, h].
     """
@@ -161,7 +164,8 @@ class GPT2Model(nn.Module):
         x = self.language_model.encoder(x, kv_cache)
         if not self.stage.is_last:
             return x
-        logits = parallel_lm_logits(x, self.output_embedding_weight(), self.tp_group)     # [s, b, V/tp]
+        logits = parallel_lm_logits(x, self.output_embedding_weight(), self.tp_group,
+                                    sequence_parallel=self.cfg.sequence_parallel)          # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()                                     # [b, s, V/tp]
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.cfg.vocab_size, self.tp_group)

@@ -18,11 +18,27 @@ from .kv_cache import LayerKVCache
 
 
 def make_layernorm(cfg: ModelConfig, device, dtype) -> nn.Module:
-    """torch.nn.LayerNorm (reference) or the fused csrc kernel, by --layernorm-impl."""
+    """torch.nn.LayerNorm (reference) or the fused csrc kernel, by --layernorm-impl. Under sequence
+    parallelism its parameters are marked `sequence_parallel` (each TP rank normalises other tokens,
+    so their gradients are summed over TP: training._allreduce_sequence_parallel_grads)."""
     if cfg.layernorm_impl == "fused":
         from ..kernels.layernorm import LayerNorm
-        return LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, impl="fused").to(device=device, dtype=dtype)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
+        ln = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, impl="fused").to(device=device, dtype=dtype)
+    else:
+        ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
+    for p in ln.parameters():
+        p.sequence_parallel = cfg.sequence_parallel
+    return ln
+
+
+def sp_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
+    """Dropout on activations outside the TP region: on the default RNG stream (the same on every TP
+    rank, which hold the same tokens), or, under sequence parallelism (each rank holds other
+    tokens), on the tracker's model-parallel stream, as Megatron does."""
+    if not (training and p > 0):
+        return x
+    with get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext():
+        return F.dropout(x, p=p, training=True)
 
 
 # torch SDPA backends: "flash" = torch's default choice (FlashAttention-2 on GPUs, math on CPU);
@@ -57,19 +73,20 @@ class ParallelAttention(nn.Module):
         super().__init__()
         h, out_std = cfg.hidden_size, cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         _, tp = tp_rank_size(tp_group)
-        fused = cfg.gradient_accumulation_fusion
+        fused, sp = cfg.gradient_accumulation_fusion, cfg.sequence_parallel
         self.heads_local, self.hn = cfg.num_attention_heads // tp, cfg.kv_channels
         self.backend, self.dropout = cfg.attention_backend, cfg.attention_dropout
         self.selective_recompute = cfg.recompute_granularity == "selective" and self.backend not in SDPA_BACKENDS
         self.query_key_value = ColumnParallelLinear(
             h, 3 * h, Init(seed, f"{prefix}.query_key_value.weight", cfg.init_method_std), tp_group,
-            device=device, dtype=dtype, fused_grad_accumulation=fused)
+            device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp)
         self.dense = RowParallelLinear(h, h, Init(seed, f"{prefix}.dense.weight", out_std), tp_group,
-                                       device=device, dtype=dtype, fused_grad_accumulation=fused)
+                                       device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
-        s, b, _ = x.shape
-        qkv = self.query_key_value(x).view(s, b, self.heads_local, 3, self.hn)        # [s, b, np, 3, hn]
+        qkv = self.query_key_value(x)                                                  # [s, b, 3h/tp]
+        s, b, _ = qkv.shape                           # x is [s/tp, b, h] under sequence parallelism
+        qkv = qkv.view(s, b, self.heads_local, 3, self.hn)                             # [s, b, np, 3, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))                   # [b, np, s, hn]
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)                                               # [b, np, sk, hn]
@@ -92,20 +109,21 @@ class ParallelMLP(nn.Module):
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        fused = cfg.gradient_accumulation_fusion
+        fused, sp = cfg.gradient_accumulation_fusion, cfg.sequence_parallel
         self.dense_h_to_4h = ColumnParallelLinear(
             h, f, Init(seed, f"{prefix}.dense_h_to_4h.weight", cfg.init_method_std), tp_group,
-            device=device, dtype=dtype, fused_grad_accumulation=fused)
+            device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp)
         self.dense_4h_to_h = RowParallelLinear(f, h, Init(seed, f"{prefix}.dense_4h_to_h.weight", out_std),
                                                tp_group, device=device, dtype=dtype,
-                                               fused_grad_accumulation=fused)
+                                               fused_grad_accumulation=fused, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))  # GPT-2 tanh GELU
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LayerNorm block: x + drop(attn(ln(x))); x + drop(mlp(ln(x)))."""
+    """Pre-LayerNorm block: x + drop(attn(ln(x))); x + drop(mlp(ln(x))).
+    x is [s, b, h], or [s/tp, b, h] under sequence parallelism."""
 
     def __init__(self, cfg: ModelConfig, global_index: int, seed: int, tp_group, device, dtype):
         super().__init__()
@@ -114,9 +132,9 @@ class TransformerLayer(nn.Module):
         self.self_attention = ParallelAttention(cfg, f"{prefix}.self_attention", seed, tp_group, device, dtype)
         self.post_attention_layernorm = make_layernorm(cfg, device, dtype)
         self.mlp = ParallelMLP(cfg, f"{prefix}.mlp", seed, tp_group, device, dtype)
-        self.hidden_dropout = cfg.hidden_dropout
+        self.hidden_dropout, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
-        p = self.hidden_dropout if self.training else 0.0
-        x = x + F.dropout(self.self_attention(self.input_layernorm(x), kv_cache), p=p, training=self.training)
-        return x + F.dropout(self.mlp(self.post_attention_layernorm(x)), p=p, training=self.training)
+        p, sp = self.hidden_dropout, self.sequence_parallel
+        x = x + sp_dropout(self.self_attention(self.input_layernorm(x), kv_cache), p, self.training, sp)
+        return x + sp_dropout(self.mlp(self.post_attention_layernorm(x)), p, self.training, sp)

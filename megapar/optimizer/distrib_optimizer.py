@@ -36,12 +36,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..tensor_parallel.mappings import all_gather_tensor
 from .grad_buffer import GradBuffer
 from .optimizer import (adam_state, clip_grads_, counts_for_norm, decay_groups, global_norm, make_adamw,
                         saved_param_groups, unscale_and_check)
 
-# torch >= 2.13 renames the tensor collectives; fall back to the older names elsewhere.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -184,7 +183,7 @@ class DistributedOptimizer:
             if self.master_shard is not None:
                 self.param_buf[lo:hi].copy_(self._master_of_bucket(i))
             if self.dp > 1:
-                handles.append(_all_gather(self.param_buf[b.start:b.end], self.param_buf[lo:hi],
+                handles.append(all_gather_tensor(self.param_buf[b.start:b.end], self.param_buf[lo:hi],
                                            group=self.dp_group, async_op=True))
         for h in handles:
             h.wait()
@@ -199,7 +198,7 @@ class DistributedOptimizer:
             shard = shard.float().contiguous()
             if self.dp > 1:
                 out = torch.empty(b.end - b.start, dtype=torch.float32, device=self.device)
-                _all_gather(out, shard, group=self.dp_group)
+                all_gather_tensor(out, shard, group=self.dp_group)
             else:
                 out = shard
             if full is not None:

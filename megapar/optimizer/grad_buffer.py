@@ -26,9 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..tensor_parallel.linear import fuses
-
-# torch >= 2.13 renames reduce_scatter_tensor (the old name warns); fall back on older versions.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from ..tensor_parallel.mappings import reduce_scatter_tensor
 
 
 @dataclass
@@ -134,7 +132,7 @@ class GradBuffer:
             bucket.handle = dist.all_reduce(view, group=self.dp_group, async_op=async_op)
         else:
             lo, hi = bucket.shard(self.dp_rank, self.dp)
-            bucket.handle = _reduce_scatter(self.data[lo:hi], view, group=self.dp_group, async_op=async_op)
+            bucket.handle = reduce_scatter_tensor(self.data[lo:hi], view, group=self.dp_group, async_op=async_op)
         bucket.handle = bucket.handle or "done"
 
     def finish(self, before_late: Optional[Callable[[], None]] = None) -> None:

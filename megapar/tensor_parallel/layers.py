@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .linear import add_bias, linear
-from .mappings import Group, copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from .mappings import Group, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp
 
 
 @dataclass(frozen=True)
@@ -58,13 +58,16 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by rows (output features) across the TP group.
 
     Input [*, in] (replicated) -> output [*, out/tp], or [*, out] with gather_output=True.
+    sequence_parallel: input [s/tp, b, in], this rank's part of the sequence, all-gathered first.
     """
 
     def __init__(self, in_features: int, out_features: int, init: Init, tp_group: Group = None,
                  bias: bool = True, gather_output: bool = False, device=None, dtype=torch.float32,
-                 fused_grad_accumulation: bool = False):
+                 fused_grad_accumulation: bool = False, sequence_parallel: bool = False):
         super().__init__()
-        self.tp_group, self.gather_output = tp_group, gather_output
+        if sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel cannot be combined")
+        self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
         rank, size = tp_rank_size(tp_group)
         self.out_per_rank = _divide(out_features, size, "output features")
         w = full_normal((out_features, in_features), init).chunk(size, dim=0)[rank]
@@ -72,7 +75,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param(torch.zeros(self.out_per_rank), device, dtype, fused_grad_accumulation) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, grad_x_group=self.tp_group)  # [*, out/tp]
+        y = linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)  # [*, out/tp]
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 
@@ -81,23 +84,33 @@ class RowParallelLinear(nn.Module):
 
     Input [*, in/tp] (input_is_parallel) or [*, in] (scattered here) -> output [*, out],
     all-reduced over the TP group; the bias is replicated and added after the reduction.
+    sequence_parallel: the output is reduce-scattered along the sequence instead, [s/tp, b, out],
+    and the bias is marked `sequence_parallel` (its gradient is summed over TP after
+    backward: training._allreduce_sequence_parallel_grads).
     """
 
     def __init__(self, in_features: int, out_features: int, init: Init, tp_group: Group = None,
                  bias: bool = True, input_is_parallel: bool = True, device=None, dtype=torch.float32,
-                 fused_grad_accumulation: bool = False):
+                 fused_grad_accumulation: bool = False, sequence_parallel: bool = False):
         super().__init__()
-        self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel")
+        self.tp_group, self.input_is_parallel, self.sequence_parallel = tp_group, input_is_parallel, sequence_parallel
         rank, size = tp_rank_size(tp_group)
         _divide(in_features, size, "input features")
         w = full_normal((out_features, in_features), init).chunk(size, dim=1)[rank]
         self.weight = _param(w, device, dtype, fused_grad_accumulation)
         self.bias = _param(torch.zeros(out_features), device, dtype, fused_grad_accumulation) if bias else None
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        y = reduce_from_tp(linear(x, self.weight), self.tp_group)  # [*, out]
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sp(linear(x, self.weight), self.tp_group)  # [s/tp, b, out]
+        else:
+            y = reduce_from_tp(linear(x, self.weight), self.tp_group)  # [*, out]
         return y if self.bias is None else add_bias(y, self.bias)
 
 
@@ -128,8 +141,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor, tp_group: Group,
-                       gather: bool = False) -> torch.Tensor:
-    """Output layer tied to the (vocab-parallel) input embedding: [*, h] -> [*, V/tp] ([*, V])."""
-    logits = F.linear(copy_to_tp(hidden, tp_group), word_embeddings)
+                       gather: bool = False, sequence_parallel: bool = False) -> torch.Tensor:
+    """Output layer tied to the (vocab-parallel) input embedding: [*, h] -> [*, V/tp] ([*, V]).
+    sequence_parallel: hidden is [s/tp, b, h], all-gathered along the sequence first."""
+    hidden = gather_from_sp(hidden, tp_group) if sequence_parallel else copy_to_tp(hidden, tp_group)
+    logits = F.linear(hidden, word_embeddings)                                     # [s, b, V/tp]
     return gather_from_tp(logits, tp_group) if gather else logits
 

@@ -18,7 +18,10 @@ ops, so torch.compile keeps them (and their in-place writes) intact.
 Column-parallel layers pass their TP group (`grad_x_group`): backward then all-reduces the input
 gradient asynchronously and computes the weight gradient while it travels (Megatron's async
 tensor-parallel all-reduce), instead of a separate all-reduce after the whole backward of the layer
-(mappings.copy_to_tp), which also cloned the gradient first.
+(mappings.copy_to_tp), which also cloned the gradient first. On 2x H200, GPT-2 345M tp 2
+(compiled, CUDA graph) went from 35.8 to 34.4 ms per step. With sequence parallelism forward
+all-gathers the input's sequence first and backward reduce-scatters the input gradient instead
+(both Megatron's; the gathered input is kept for the weight gradient, not gathered again).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .mappings import Group, copy_to_tp, tp_world
+from .mappings import Group, all_gather_dim0, copy_to_tp, gather_from_sp, reduce_scatter_tensor, tp_world
 
 
 @torch.library.custom_op("megapar::accumulate_wgrad_", mutates_args=("main_grad",))
@@ -70,26 +73,33 @@ def _(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> None:
 
 
 class _LinearAccumulateGrad(torch.autograd.Function):
-    """forward: x W^T + b; backward: dx = g W (all-reduced over grad_x_group, overlapping the
-    next two), W.main_grad += g^T x, b.main_grad += sum(g), dW, db = dummies."""
+    """forward: x W^T + b (x all-gathered along dim 0 first with sequence_parallel);
+    backward: dx = g W (all-reduced, or reduce-scattered with sequence_parallel, over grad_x_group,
+    overlapping the next two), W.main_grad += g^T x, b.main_grad += sum(g), dW, db = dummies."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 weight_main_grad: torch.Tensor, bias_main_grad: Optional[torch.Tensor], gemv: bool,
-                grad_x_group: Group) -> torch.Tensor:
+                grad_x_group: Group, sequence_parallel: bool) -> torch.Tensor:
+        if sequence_parallel:
+            x = all_gather_dim0(x, grad_x_group)                                  # [s/tp, b, in] -> [s, b, in]
         ctx.save_for_backward(x, weight)
         # not saved tensors: every accumulation into the buffer bumps their version
         ctx.weight_main_grad, ctx.bias_main_grad, ctx.gemv = weight_main_grad, bias_main_grad, gemv
-        ctx.grad_x_group = grad_x_group
+        ctx.grad_x_group, ctx.sequence_parallel = grad_x_group, sequence_parallel
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight)                                       # [*, in]
-        pending = None
-        if tp_world(ctx.grad_x_group) > 1:  # grad_x is ours alone: reduce it in place, in the background
-            pending = dist.all_reduce(grad_x, group=ctx.grad_x_group, async_op=True)
+        pending, group = None, ctx.grad_x_group
+        if tp_world(group) > 1:  # grad_x is ours alone: reduce it in place, in the background
+            if ctx.sequence_parallel:
+                full, grad_x = grad_x, grad_x.new_empty((grad_x.shape[0] // tp_world(group), *grad_x.shape[1:]))
+                pending = reduce_scatter_tensor(grad_x, full, group=group, async_op=True)  # [s/tp, b, in]
+            else:
+                pending = dist.all_reduce(grad_x, group=group, async_op=True)
         g2d = grad_out.reshape(-1, grad_out.shape[-1])                         # [T, out]
         accumulate_wgrad_(ctx.weight_main_grad, g2d, x.reshape(-1, x.shape[-1]))  # [out, in] += [out, T] @ [T, in]
         grad_b = None
@@ -98,7 +108,7 @@ class _LinearAccumulateGrad(torch.autograd.Function):
             grad_b = torch.empty(g2d.shape[-1], dtype=grad_out.dtype, device=grad_out.device)
         if pending is not None:
             pending.wait()
-        return grad_x, torch.empty_like(weight), grad_b, None, None, None, None
+        return grad_x, torch.empty_like(weight), grad_b, None, None, None, None, None
 
 
 class _BiasAddAccumulateGrad(torch.autograd.Function):
@@ -135,25 +145,28 @@ def _active(p: nn.Parameter) -> bool:
 
 
 def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] = None,
-           grad_x_group: Group = None) -> torch.Tensor:
+           grad_x_group: Group = None, sequence_parallel: bool = False) -> torch.Tensor:
     """F.linear, with the gradients accumulated into `main_grad` when the parameters allow it.
 
     grad_x_group: x is replicated over this TP group, so its gradient is all-reduced over it
-    (copy_to_tp's backward, overlapped with the weight gradient on the fused path)."""
+    (copy_to_tp's backward, overlapped with the weight gradient on the fused path); with
+    sequence_parallel x is this rank's part of the sequence, all-gathered first (gather_from_sp)."""
+    tp = tp_world(grad_x_group)
     if _active(weight) and (bias is None or _active(bias)):
-        if tp_world(grad_x_group) > 1:
-            return _tp_linear_accumulate(x, weight, bias, grad_x_group)
+        if tp > 1:
+            return _tp_linear_accumulate(x, weight, bias, grad_x_group, sequence_parallel)
         return _LinearAccumulateGrad.apply(x, weight, bias, weight.main_grad,
-                                           None if bias is None else bias.main_grad, _gemv(bias), None)
-    return F.linear(copy_to_tp(x, grad_x_group), weight, bias)
+                                           None if bias is None else bias.main_grad, _gemv(bias), None, False)
+    x = gather_from_sp(x, grad_x_group) if sequence_parallel else copy_to_tp(x, grad_x_group)
+    return F.linear(x, weight, bias)
 
 
 @torch.compiler.disable
-def _tp_linear_accumulate(x, weight, bias, group: Group) -> torch.Tensor:
+def _tp_linear_accumulate(x, weight, bias, group: Group, sequence_parallel: bool) -> torch.Tensor:
     """Eager under torch.compile, like the collectives of mappings.py (a collective inside a
     compiled autograd.Function crashed a tp 2 step)."""
-    return _LinearAccumulateGrad.apply(x, weight, bias, weight.main_grad,
-                                       None if bias is None else bias.main_grad, _gemv(bias), group)
+    return _LinearAccumulateGrad.apply(x, weight, bias, weight.main_grad, None if bias is None else bias.main_grad,
+                                       _gemv(bias), group, sequence_parallel)
 
 
 def add_bias(y: torch.Tensor, bias: nn.Parameter) -> torch.Tensor:
