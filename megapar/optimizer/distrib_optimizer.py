@@ -42,7 +42,6 @@ from .optimizer import (adam_state, clip_grads_, counts_for_norm, decay_groups, 
                         saved_param_groups, unscale_and_check)
 
 
-
 @dataclass
 class Part:
     """The piece of parameter `name` this dp rank owns: [p_lo, p_hi) of the flattened
@@ -184,7 +183,7 @@ class DistributedOptimizer:
                 self.param_buf[lo:hi].copy_(self._master_of_bucket(i))
             if self.dp > 1:
                 handles.append(all_gather_tensor(self.param_buf[b.start:b.end], self.param_buf[lo:hi],
-                                           group=self.dp_group, async_op=True))
+                                                 group=self.dp_group, async_op=True))
         for h in handles:
             h.wait()
 

@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .linear import add_bias, linear
-from .mappings import Group, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp
+from .mappings import (Group, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp,
+                       scatter_to_tp)
 
 
 @dataclass(frozen=True)
