@@ -11,7 +11,6 @@ from __future__ import annotations
 import zlib
 
 import torch
-import torch.distributed as dist
 
 from distributed import run_distributed
 from gpt_helpers import tiny_model_config

@@ -1,10 +1,7 @@
 """CPU tests of megapar.kernels: the PyTorch references against naive math (forward, backward,
 gradcheck in float64), the no-silent-fallback rule, and an nvcc compile of every .cu file."""
-import math
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
