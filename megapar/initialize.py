@@ -97,7 +97,9 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
     zero = cfg.parallel.use_distributed_optimizer
     grad_buffer = GradBuffer(model.parameters(), topo.groups.dp, mode="reduce_scatter" if zero else "all_reduce",
                              bucket_numel=GRAD_BUCKET_NUMEL if device.type == "cuda" else None,
-                             overlap=device.type == "cuda", late_params=embedding_params(model, topo))
+                             overlap=device.type == "cuda", late_params=embedding_params(model, topo),
+                             tp_summed=[p for p in model.parameters() if getattr(p, "sequence_parallel", False)],
+                             tp_group=topo.groups.tp)
     t = cfg.train
     scaler = (ConstantGradScaler(t.loss_scale or 1.0) if not t.fp16 or t.loss_scale else
               DynamicGradScaler(t.initial_loss_scale, t.min_loss_scale, growth_interval=t.loss_scale_window,

@@ -102,7 +102,6 @@ def queue_step(run: Run, data: Iterator, label: str, timers: Timers) -> tuple[bo
     timers.stop("forward-backward")
     timers.start("grads-sync")
     run.grad_buffer.finish(before_late=lambda: _allreduce_embedding_grads(run))
-    _allreduce_sequence_parallel_grads(run)
     timers.stop("grads-sync")
     timers.start("optimizer")
     applied, grad_norm = run.optimizer.step()
@@ -132,19 +131,6 @@ def train_step(run: Run, dataset, state: TrainState, timers: Timers,
     out = graph(list(data))
     timers.stop("step (cuda graph)")
     return True, out
-
-
-def _allreduce_sequence_parallel_grads(run: Run) -> None:
-    """--sequence-parallel: each TP rank saw other tokens, so the gradients of the parameters
-    applied outside the TP region (LayerNorms, row-parallel biases) are partial: sum them over TP,
-    as one flat all-reduce. After the data-parallel reduction, which commutes with this sum (with
-    ZeRO-1 only the owned ranges were reduced, and only those are read)."""
-    if not run.cfg.model.sequence_parallel:
-        return
-    grads = [p.main_grad for p in run.model.parameters() if getattr(p, "sequence_parallel", False)]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=run.topo.groups.tp)
-    torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
 def _allreduce_embedding_grads(run: Run) -> None:

@@ -20,7 +20,7 @@ from .kv_cache import LayerKVCache
 def make_layernorm(cfg: ModelConfig, device, dtype) -> nn.Module:
     """torch.nn.LayerNorm (reference) or the fused csrc kernel, by --layernorm-impl. Under sequence
     parallelism its parameters are marked `sequence_parallel` (each TP rank normalises other tokens,
-    so their gradients are summed over TP: training._allreduce_sequence_parallel_grads)."""
+    so their gradients are summed over TP: GradBuffer tp_summed)."""
     if cfg.layernorm_impl == "fused":
         from ..kernels.layernorm import LayerNorm
         ln = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, impl="fused").to(device=device, dtype=dtype)

@@ -14,6 +14,11 @@ bucket the buffer is simply cut into dp equal ranges). Reduction per bucket is e
   * reduce_scatter  (ZeRO-1: each rank gets the averaged gradient of the shard it owns).
 With `overlap=True` a bucket's collective starts asynchronously as soon as its last gradient
 arrives during the final microbatch's backward; `finish()` waits for all of them.
+
+`tp_summed` parameters (sequence parallelism: LayerNorms and row-parallel biases, which each TP rank
+applied to other tokens) hold partial gradients: `finish()` then sums them over `tp_group` as one
+flat all-reduce, after the data-parallel reduction, which commutes with it (with ZeRO-1 only the
+owned ranges were reduced, and only those are read).
 """
 from __future__ import annotations
 
@@ -46,7 +51,8 @@ class Bucket:
 class GradBuffer:
     def __init__(self, params: Iterable[nn.Parameter], dp_group: Optional[dist.ProcessGroup],
                  mode: str = "all_reduce", bucket_numel: Optional[int] = None, overlap: bool = False,
-                 late_params: Iterable[nn.Parameter] = ()):
+                 late_params: Iterable[nn.Parameter] = (), tp_summed: Iterable[nn.Parameter] = (),
+                 tp_group: Optional[dist.ProcessGroup] = None):
         """late_params go into a final bucket that is only reduced in `finish()`, after its
         `before_late` callback (used to sum the tied embedding over the embedding group first)."""
         if mode not in ("all_reduce", "reduce_scatter"):
@@ -68,6 +74,8 @@ class GradBuffer:
                 p.register_post_accumulate_grad_hook(self._hook(b, add_grad=not fuses(p)))
         self.sync_enabled = True
         self.late_bucket = self.buckets[-1] if late else None
+        self.tp_summed = [self.data[slice(*self.param_range[id(p)])] for p in tp_summed]  # flat main_grad views
+        self.tp_group = tp_group
 
     # ---- layout ------------------------------------------------------------------------
     def _plan_buckets(self, params: list[nn.Parameter], bucket_numel: Optional[int]) -> list[Bucket]:
@@ -146,3 +154,7 @@ class GradBuffer:
             if b.handle not in (None, "done"):
                 b.handle.wait()
             b.handle = "done"
+        if self.tp_summed:
+            flat = torch.cat(self.tp_summed)
+            dist.all_reduce(flat, group=self.tp_group)
+            torch._foreach_copy_(self.tp_summed, list(flat.split([g.numel() for g in self.tp_summed])))

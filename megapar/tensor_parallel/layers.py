@@ -87,7 +87,7 @@ class RowParallelLinear(nn.Module):
     all-reduced over the TP group; the bias is replicated and added after the reduction.
     sequence_parallel: the output is reduce-scattered along the sequence instead, [s/tp, b, out],
     and the bias is marked `sequence_parallel` (its gradient is summed over TP after
-    backward: training._allreduce_sequence_parallel_grads).
+    backward: GradBuffer tp_summed).
     """
 
     def __init__(self, in_features: int, out_features: int, init: Init, tp_group: Group = None,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .mappings import Group, all_gather_dim0, copy_to_tp, gather_from_sp, reduce_scatter_tensor, tp_world
+from .mappings import Group, all_gather_dim0, copy_to_tp, gather_from_sp, reduce_scatter_dim0, tp_world
 
 
 @torch.library.custom_op("megapar::accumulate_wgrad_", mutates_args=("main_grad",))
@@ -94,12 +94,10 @@ class _LinearAccumulateGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight)                                       # [*, in]
         pending, group = None, ctx.grad_x_group
-        if tp_world(group) > 1:  # grad_x is ours alone: reduce it in place, in the background
-            if ctx.sequence_parallel:
-                full, grad_x = grad_x, grad_x.new_empty((grad_x.shape[0] // tp_world(group), *grad_x.shape[1:]))
-                pending = reduce_scatter_tensor(grad_x, full, group=group, async_op=True)  # [s/tp, b, in]
-            else:
-                pending = dist.all_reduce(grad_x, group=group, async_op=True)
+        if ctx.sequence_parallel:  # reduced in the background                 # [s/tp, b, in]
+            grad_x, pending = reduce_scatter_dim0(grad_x, group, async_op=True)
+        elif tp_world(group) > 1:  # grad_x is ours alone: reduced in place, in the background
+            pending = dist.all_reduce(grad_x, group=group, async_op=True)
         g2d = grad_out.reshape(-1, grad_out.shape[-1])                         # [T, out]
         accumulate_wgrad_(ctx.weight_main_grad, g2d, x.reshape(-1, x.shape[-1]))  # [out, in] += [out, T] @ [T, in]
         grad_b = None
@@ -153,20 +151,20 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] =
     sequence_parallel x is this rank's part of the sequence, all-gathered first (gather_from_sp)."""
     tp = tp_world(grad_x_group)
     if _active(weight) and (bias is None or _active(bias)):
-        if tp > 1:
-            return _tp_linear_accumulate(x, weight, bias, grad_x_group, sequence_parallel)
-        return _LinearAccumulateGrad.apply(x, weight, bias, weight.main_grad,
-                                           None if bias is None else bias.main_grad, _gemv(bias), None, False)
+        accumulate = _linear_accumulate_eager if tp > 1 else _linear_accumulate
+        return accumulate(x, weight, bias, grad_x_group, sequence_parallel and tp > 1)
     x = gather_from_sp(x, grad_x_group) if sequence_parallel else copy_to_tp(x, grad_x_group)
     return F.linear(x, weight, bias)
 
 
-@torch.compiler.disable
-def _tp_linear_accumulate(x, weight, bias, group: Group, sequence_parallel: bool) -> torch.Tensor:
-    """Eager under torch.compile, like the collectives of mappings.py (a collective inside a
-    compiled autograd.Function crashed a tp 2 step)."""
+def _linear_accumulate(x, weight, bias, group: Group, sequence_parallel: bool) -> torch.Tensor:
     return _LinearAccumulateGrad.apply(x, weight, bias, weight.main_grad, None if bias is None else bias.main_grad,
                                        _gemv(bias), group, sequence_parallel)
+
+
+# With TP collectives inside: eager under torch.compile, like those of mappings.py (a collective
+# inside a compiled autograd.Function crashed a tp 2 step).
+_linear_accumulate_eager = torch.compiler.disable(_linear_accumulate)
 
 
 def add_bias(y: torch.Tensor, bias: nn.Parameter) -> torch.Tensor:

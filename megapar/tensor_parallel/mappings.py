@@ -38,37 +38,43 @@ def tp_world(group: Group) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    if tp_world(group) == 1:
-        return x
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
 
 
+def _all_reduce_copy(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _all_reduce(x.clone(), group)
+
+
+def _identity(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x
+
+
 def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     n = tp_world(group)
-    if n == 1:
-        return x
     if x.shape[-1] % n:
         raise ValueError(f"last dim {x.shape[-1]} not divisible by tensor-parallel size {n}")
     return x.chunk(n, dim=-1)[dist.get_rank(group)].contiguous()
 
 
 def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
-    n = tp_world(group)
-    if n == 1:
-        return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(n)]
+    parts = [torch.empty_like(x) for _ in range(tp_world(group))]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
 
 
-def _split_first(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _sequence_part(x: torch.Tensor, group: Group) -> int:
+    """Length of one rank's part of dim 0 (the sequence)."""
     n = tp_world(group)
     if x.shape[0] % n:
         raise ValueError(f"sequence length {x.shape[0]} not divisible by tensor-parallel size {n}")
-    return x.chunk(n, dim=0)[dist.get_rank(group)].contiguous()
+    return x.shape[0] // n
+
+
+def _split_first(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x.split(_sequence_part(x, group), dim=0)[dist.get_rank(group)].contiguous()
 
 
 def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -79,66 +85,53 @@ def all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-def _reduce_scatter_first(x: torch.Tensor, group: Group) -> torch.Tensor:
-    n = tp_world(group)
-    if x.shape[0] % n:
-        raise ValueError(f"sequence length {x.shape[0]} not divisible by tensor-parallel size {n}")
+def reduce_scatter_dim0(x: torch.Tensor, group: Group, async_op: bool = False):
+    """[s, ...] summed over the ranks, this rank's [s/tp, ...] part (no autograd).
+    Returns (out, work): work is the pending collective with async_op, else None."""
     x = x.contiguous()
-    out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-    reduce_scatter_tensor(out, x, group=group)
-    return out
+    out = x.new_empty((_sequence_part(x, group), *x.shape[1:]))
+    return out, reduce_scatter_tensor(out, x, group=group, async_op=async_op)
 
 
-class _CopyToTP(torch.autograd.Function):
+def _reduce_scatter_first(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return reduce_scatter_dim0(x, group)[0]
+
+
+class _Conjugate(torch.autograd.Function):
+    """forward: fwd(x, group); backward: bwd(grad, group). One class for every pair below."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+    def forward(ctx, x, group, fwd, bwd):
+        ctx.group, ctx.bwd = group, bwd
+        return fwd(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group), None
+        return ctx.bwd(grad, ctx.group), None, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
+    """forward: all-reduce, in place on a contiguous x; backward: identity."""
+
     @staticmethod
     def forward(ctx, x, group):
-        if not x.is_contiguous():
-            return _all_reduce(x, group)  # a contiguous copy, reduced
-        ctx.mark_dirty(x)
-        return _all_reduce(x, group)
+        if x.is_contiguous():
+            ctx.mark_dirty(x)
+        return _all_reduce(x, group)  # in place, or on a contiguous copy
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None
 
 
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
+def _conjugate(x: torch.Tensor, group: Group, fwd, bwd) -> torch.Tensor:
+    return x if tp_world(group) == 1 else _Conjugate.apply(x, group, fwd, bwd)
 
 
 @torch.compiler.disable
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: identity; backward: all-reduce the gradient over `group`."""
-    return x if tp_world(group) == 1 else _CopyToTP.apply(x, group)
+    return _conjugate(x, group, _identity, _all_reduce_copy)
 
 
 @torch.compiler.disable
@@ -152,62 +145,29 @@ def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
 @torch.compiler.disable
 def scatter_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: keep this rank's slice of the last dim; backward: all-gather the last dim."""
-    return x if tp_world(group) == 1 else _ScatterToTP.apply(x, group)
+    return _conjugate(x, group, _split_last, _gather_last)
 
 
 @torch.compiler.disable
 def gather_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: all-gather along the last dim; backward: keep this rank's slice."""
-    return x if tp_world(group) == 1 else _GatherFromTP.apply(x, group)
-
-
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_first(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_dim0(grad, ctx.group), None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_first(grad, ctx.group), None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_dim0(grad, ctx.group), None
+    return _conjugate(x, group, _gather_last, _split_last)
 
 
 @torch.compiler.disable
 def scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: keep this rank's slice of dim 0 (the sequence); backward: all-gather dim 0."""
-    return x if tp_world(group) == 1 else _ScatterToSP.apply(x, group)
+    return _conjugate(x, group, _split_first, all_gather_dim0)
 
 
 @torch.compiler.disable
 def gather_from_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: all-gather dim 0 (the sequence); backward: reduce-scatter dim 0 (sums the gradients
     of the TP ranks, which each used the whole sequence)."""
-    return x if tp_world(group) == 1 else _GatherFromSP.apply(x, group)
+    return _conjugate(x, group, all_gather_dim0, _reduce_scatter_first)
 
 
 @torch.compiler.disable
 def reduce_scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: sum over `group` and keep this rank's slice of dim 0; backward: all-gather dim 0."""
-    return x if tp_world(group) == 1 else _ReduceScatterToSP.apply(x, group)
+    return _conjugate(x, group, _reduce_scatter_first, all_gather_dim0)
