@@ -35,6 +35,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     attention_backend: str = "auto"                # auto | flash | cudnn | fused | torch
     layernorm_impl: str = "torch"                  # torch | fused
+    mlp_impl: str = "torch"                        # torch | fused (GELU in cuBLASLt GEMM epilogues)
     recompute_granularity: Optional[str] = None    # None | full | selective
     recompute_method: Optional[str] = None         # uniform | block
     recompute_num_layers: int = 1
@@ -78,6 +79,7 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    adam_impl: str = "torch"                       # torch | fused (csrc multi-tensor AdamW + param copy)
     seed: int = 1234
     fp16: bool = False
     bf16: bool = False
@@ -182,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flash = torch SDPA (default where available), cudnn = SDPA preferring cuDNN attention, "
                         "fused = csrc softmax, torch = reference")
     g.add_argument("--layernorm-impl", choices=["torch", "fused"], default="torch")
+    g.add_argument("--mlp-impl", choices=["torch", "fused"], default="torch",
+                   help="fused: the MLP's bias + GELU (forward) and GELU gradient + bias gradient (backward) in "
+                        "cuBLASLt GEMM epilogues (csrc; bf16/fp16 on GPUs, needs gradient-accumulation fusion)")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each transformer layer (fuses LayerNorm, GELU, dropout, residual adds)")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
@@ -214,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--adam-impl", choices=["torch", "fused"], default="torch",
+                   help="torch: torch's fused (GPU) / foreach (CPU) AdamW, then a copy into the bf16/fp16 params; "
+                        "fused: csrc's one-launch AdamW that also writes the bf16/fp16 params (GPU only)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--enable-cuda-graph", action="store_true",
                    help="capture the whole training step (forward, backward, gradient reduction, optimizer) as "

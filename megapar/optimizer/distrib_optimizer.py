@@ -38,8 +38,8 @@ import torch.nn as nn
 
 from ..tensor_parallel.mappings import all_gather_tensor
 from .grad_buffer import GradBuffer
-from .optimizer import (adam_state, clip_grads_, counts_for_norm, decay_groups, global_norm, make_adamw,
-                        saved_param_groups, unscale_and_check)
+from .optimizer import (adam_state, clip_grads_, counts_for_norm, decay_groups, fused_adamw, fused_step,
+                        global_norm, make_adamw, saved_param_groups, unscale_and_check)
 
 
 @dataclass
@@ -139,6 +139,7 @@ class DistributedOptimizer:
 
     def _reset_moments(self, step: int) -> None:
         """Seed torch's AdamW state with views of the flat moment shards."""
+        self.fused_adam = None  # --adam-impl fused: (re)built at the next step over the new state
         for pt, m in zip(self.parts, self.masters):
             self.adam.state[m] = adam_state(step, self.exp_avg[pt.lo:pt.hi],
                                                            self.exp_avg_sq[pt.lo:pt.hi], self._fused)
@@ -166,20 +167,28 @@ class DistributedOptimizer:
                 return False, torch.full((), float("nan"), device=self.device)
         norm = global_norm([grads[i] for i in self.norm_parts], self.norm_group, self.device)
         clip_grads_(grads, norm, self.cfg.clip_grad, self.adam)
-        for m, g in zip(self.masters, grads):
-            m.grad = g
-        self.adam.step()
-        for m in self.masters:
-            m.grad = None
-        self._publish_params()
+        if self.cfg.adam_impl == "fused":  # also writes the owned bf16/fp16 ranges of the param buffer
+            if self.fused_adam is None:
+                low = self.master_shard is not None
+                self.fused_adam = fused_adamw(self.adam, {id(m): (g, self.param_buf[pt.buf_lo:pt.buf_hi] if low else None)
+                                                          for pt, m, g in zip(self.parts, self.masters, grads)})
+            fused_step(self.fused_adam, self.adam)
+        else:
+            for m, g in zip(self.masters, grads):
+                m.grad = g
+            self.adam.step()
+            for m in self.masters:
+                m.grad = None
+        self._publish_params(copy=self.cfg.adam_impl != "fused")
         return True, norm
 
     @torch.no_grad()
-    def _publish_params(self) -> None:
-        """Owned masters -> param buffer (model dtype), then all-gather every bucket."""
+    def _publish_params(self, copy: bool = True) -> None:
+        """Owned masters -> param buffer (model dtype) unless the optimizer wrote it (copy=False),
+        then all-gather every bucket."""
         handles = []
         for i, (b, (lo, hi, _)) in enumerate(zip(self.buffer.buckets, self.shards)):
-            if self.master_shard is not None:
+            if copy and self.master_shard is not None:
                 self.param_buf[lo:hi].copy_(self._master_of_bucket(i))
             if self.dp > 1:
                 handles.append(all_gather_tensor(self.param_buf[b.start:b.end], self.param_buf[lo:hi],

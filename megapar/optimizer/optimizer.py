@@ -83,6 +83,34 @@ def clip_grads_(grads: list[torch.Tensor], norm: torch.Tensor, clip_grad: float,
         torch._foreach_div_(grads, divisor)
 
 
+def fused_adamw(adam: torch.optim.AdamW, grad_and_param: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]]):
+    """csrc's one-launch AdamW (--adam-impl fused) over `adam`'s param groups; torch's AdamW object
+    keeps the groups (LR schedule) and the state (checkpoints). grad_and_param[id(master)]: the
+    master's gradient and the model tensor to write (None: the master is the parameter). Moments
+    missing from the state start at zero; every parameter's state then shares one step tensor."""
+    from ..kernels.adamw import MultiTensorAdamW
+    masters = [m for g in adam.param_groups for m in g["params"]]
+    seen = [adam.state[m]["step"] for m in masters if "step" in adam.state.get(m, {})]
+    step = torch.tensor(float(seen[0]) if seen else 0.0, dtype=torch.float32, device=masters[0].device)
+    groups = []
+    for g in adam.param_groups:
+        entries = []
+        for m in g["params"]:
+            s = adam.state[m]
+            if "exp_avg" not in s:
+                s.update(exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
+            s["step"] = step
+            grad, param = grad_and_param[id(m)]
+            entries.append((m, grad, s["exp_avg"], s["exp_avg_sq"], param))
+        groups.append((entries, g["weight_decay"]))
+    return MultiTensorAdamW(groups, adam.defaults["betas"], adam.defaults["eps"], step)
+
+
+def fused_step(fused, adam: torch.optim.AdamW) -> None:
+    """One update by fused_adamw's kernel, with the groups' current LRs and the clip factor."""
+    fused.step([g["lr"] for g in adam.param_groups], getattr(adam, "grad_scale", None))
+
+
 def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fused: bool) -> dict:
     """One parameter's torch AdamW state (the step tensor lives where torch expects it)."""
     device = exp_avg.device if fused else "cpu"
@@ -118,6 +146,7 @@ class MixedPrecisionOptimizer:
         self.grads = [p.main_grad for _, p in self.named]
         self.norm_grads = [p.main_grad for n, p in self.named if counts_for_norm(n, tp_rank)]
         self.copies = [(p, self.masters[n]) for n, p in self.named if self.masters[n] is not p]
+        self.fused_adam = None  # --adam-impl fused: built at the first step (after a checkpoint load)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -143,6 +172,12 @@ class MixedPrecisionOptimizer:
         return sum(3 * 4 * p.numel() for _, p in self.named)
 
     def _adam_step(self) -> None:
+        if self.cfg.adam_impl == "fused":
+            if self.fused_adam is None:
+                self.fused_adam = fused_adamw(self.adam, {id(self.masters[n]): (p.main_grad, None if self.masters[n] is p else p)
+                                                     for n, p in self.named})
+            fused_step(self.fused_adam, self.adam)
+            return
         # .grad is attached only for the step: with fp32 models the master *is* the parameter,
         # and a standing .grad would make autograd accumulate into it
         for (n, _), g in zip(self.named, self.grads):
@@ -172,6 +207,7 @@ class MixedPrecisionOptimizer:
         return 0
 
     def load_saved_state(self, saved: dict, load_moments: bool = True) -> None:
+        self.fused_adam = None  # its tables point at the moments replaced below
         missing = [n for n, _ in self.named if n not in saved["state"]]
         if missing:
             raise ValueError(f"optimizer state in checkpoint lacks parameters {missing[:3]}...")

@@ -1,0 +1,104 @@
+"""--adam-impl fused: the PyTorch reference of csrc's AdamW against torch.optim.AdamW (CPU), the
+kernel against the reference over aligned and unaligned views (GPU), and training with it
+against training with torch's AdamW (GPU, also under a CUDA graph, with ZeRO-1 and a resume)."""
+import pytest
+import torch
+
+from megapar.kernels import fused_kernels_available
+from megapar.kernels.adamw import MultiTensorAdamW, adamw_reference
+from test_cuda_graph import GPU_TRAIN, _assert_close, _train, gpu_data  # noqa: F401 (fixture)
+
+BETAS, EPS, WDS = (0.9, 0.95), 1e-8, (0.1, 0.0)
+
+
+def _entries(device, sizes, param_dtype, offset=0):
+    """(master, grad, exp_avg, exp_avg_sq, param) per size; views start `offset` elements into
+    flat buffers, so offset 1 makes every pointer unaligned."""
+    total = sum(sizes) + offset
+    flats = [torch.zeros(total, device=device) for _ in range(4)]
+    flats[0].normal_()
+    flats[1].normal_()
+    low = torch.zeros(total, device=device, dtype=param_dtype) if param_dtype is not None else None
+    out, at = [], offset
+    for n in sizes:
+        views = [f[at:at + n] for f in flats]
+        out.append((*views, None if low is None else low[at:at + n]))
+        at += n
+    return out
+
+
+def _clone(entries):
+    return [tuple(None if t is None else t.clone() for t in e) for e in entries]
+
+
+def test_reference_matches_torch_adamw():
+    torch.manual_seed(0)
+    groups = [_entries("cpu", [5, 12], torch.bfloat16), _entries("cpu", [3], torch.bfloat16)]
+    masters = [[e[0].clone().requires_grad_() for e in g] for g in groups]
+    adam = torch.optim.AdamW([{"params": m, "weight_decay": wd} for m, wd in zip(masters, WDS)],
+                             lr=1e-2, betas=BETAS, eps=EPS, foreach=False)
+    step, scale = torch.zeros(()), torch.tensor(3.0)
+    for it in range(4):
+        for g, ms in zip(groups, masters):
+            for e, m in zip(g, ms):
+                e[1].normal_()
+                m.grad = e[1] / scale
+        adam.step()
+        step += 1
+        adamw_reference(list(zip(groups, WDS)), [1e-2, 1e-2], step, scale, *BETAS, EPS)
+    for g, ms in zip(groups, masters):
+        for e, m in zip(g, ms):
+            torch.testing.assert_close(e[0], m.detach(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(e[2], adam.state[m]["exp_avg"], rtol=1e-6, atol=1e-7)
+            assert torch.equal(e[4], e[0].to(torch.bfloat16))
+
+
+@pytest.mark.skipif(fused_kernels_available(), reason="checks the error on a machine without the kernels")
+def test_fused_adamw_without_kernels_says_what_to_do():
+    with pytest.raises(RuntimeError, match="--adam-impl torch"):
+        MultiTensorAdamW([(_entries("cpu", [4], None), 0.0)], BETAS, EPS, torch.zeros(()))
+
+
+# ---- GPU --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16, None])
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("lr_tensor", [False, True])
+def test_kernel_matches_reference(param_dtype, offset, lr_tensor):
+    torch.manual_seed(0)
+    sizes = [[1024 * 1024 + 3, 7, 65536], [50000, 1]]  # chunk boundaries, tails, tiny tensors
+    groups = [_entries("cuda", s, param_dtype, offset) for s in sizes]
+    ref = [_clone(g) for g in groups]
+    fused = MultiTensorAdamW(list(zip(groups, WDS)), BETAS, EPS, torch.zeros((), device="cuda"))
+    ref_step = torch.zeros(())
+    lrs = [torch.tensor(1e-3, device="cuda"), torch.tensor(2e-3, device="cuda")] if lr_tensor else [1e-3, 2e-3]
+    for it in range(3):
+        scale = torch.tensor(2.0 + it, device="cuda") if it != 1 else None
+        fused.step(lrs, scale)
+        ref_step += 1
+        adamw_reference(list(zip(ref, WDS)), lrs, ref_step, scale, *BETAS, EPS)
+    assert fused.step_count.item() == 3
+    for g, r in zip(groups, ref):
+        for e, f in zip(g, r):
+            torch.testing.assert_close(e[0], f[0], rtol=2e-5, atol=2e-6)   # masters
+            torch.testing.assert_close(e[2], f[2], rtol=2e-5, atol=1e-7)   # exp_avg
+            torch.testing.assert_close(e[3], f[3], rtol=2e-5, atol=1e-9)   # exp_avg_sq
+            assert torch.equal(e[1], f[1])                                 # grads are not written
+            if param_dtype is not None:
+                assert torch.equal(e[4], e[0].to(param_dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [["--bf16"], ["--bf16", "--enable-cuda-graph"],
+                                   ["--bf16", "--use-distributed-optimizer"], ["--fp16"], []])
+def test_training_matches_torch_adamw(gpu_data, tmp_path, extra):
+    argv = GPU_TRAIN + gpu_data + extra
+    torch_run, fused = _train(argv), _train(argv + ["--adam-impl", "fused"])
+    rel = 2e-5 if extra == [] else 2e-3
+    _assert_close(fused["loss"], torch_run["loss"], rel)
+    _assert_close(fused["norm"], torch_run["norm"], 10 * rel)
+    # stop at 4 and resume: the moments and the step count come back from the checkpoint
+    ck = ["--adam-impl", "fused", "--save", str(tmp_path / "ck")]
+    _train(argv + ck + ["--exit-interval", "4"])
+    resumed = _train(argv + ck + ["--load", str(tmp_path / "ck")])
+    _assert_close(resumed["loss"], {k: v for k, v in fused["loss"].items() if k > 4}, 1e-6)
