@@ -27,14 +27,12 @@ def _cuda_extensions():
               "(kernels fall back to the PyTorch reference; --attention-backend fused needs a GPU build)")
         return [], {}
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
-    from megapar.kernels import NVCC_FLAGS, SOURCES, cublas_build_flags  # one list for the AOT and the JIT build
-    cflags, ldflags = cublas_build_flags()  # fused_mlp.cu calls cuBLASLt
+    from megapar.kernels import NVCC_FLAGS, SOURCES  # one list for the AOT and the JIT build
     ext = CUDAExtension(
         name="megapar_kernels",
         sources=[os.path.join("csrc", s) for s in SOURCES],
         include_dirs=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17", *cflags], "nvcc": NVCC_FLAGS + cflags},
-        extra_link_args=ldflags,
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": NVCC_FLAGS},
     )
     return [ext], {"build_ext": BuildExtension}
 

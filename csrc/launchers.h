@@ -6,12 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include <cstddef>
 #include <cstdint>
-
-// cublasLt.h's handle type, declared here so that this header needs no cuBLAS headers (only
-// fused_mlp.cu and its binding include cublasLt.h); repeating the identical typedef is legal C++.
-typedef struct cublasLtContext* cublasLtHandle_t;
 
 namespace megapar {
 
@@ -57,24 +52,5 @@ int adamw_table_cols();
 const char* adamw_step(const int64_t* tensors, const int64_t* chunks, int64_t n_chunks, const float* hyper,
                        const float* step, const float* grad_scale, float beta1, float beta2, float eps,
                        DType param_dtype, cudaStream_t stream);
-
-// Fused MLP GEMMs (fused_mlp.cu): one cublasLtMatmul each, fp32 accumulation, fp16/bf16 only
-// (dt must not be kFloat32). All matrices are contiguous row-major, all pointers 16-byte aligned;
-// the GELU input `pre` is cuBLASLt's epilogue aux matrix, whose leading dimension (out, f) must
-// be a multiple of 8. workspace: device scratch of workspace_bytes (may be 0) that no other work
-// uses meanwhile except in stream order on `stream` (torch's cuBLASLt workspace qualifies).
-//
-// pre = x @ w^T + b and h = gelu_tanh(pre): x [tokens, in], w [out, in], b [out], h and pre
-// [tokens, out], all of dtype dt.
-const char* linear_gelu_forward(const void* x, const void* w, const void* b, void* h, void* pre, int64_t tokens,
-                                int64_t in, int64_t out, DType dt, cublasLtHandle_t handle, void* workspace,
-                                size_t workspace_bytes, cudaStream_t stream);
-
-// grad_pre = gelu_tanh'(pre) * (grad @ w2) and bias_grad = grad_pre summed over tokens: grad
-// [tokens, o2], w2 [o2, f], pre and grad_pre [tokens, f], bias_grad [f], all of dtype dt (cuBLASLt
-// writes the bias gradient in the output type; the binding converts it to fp32).
-const char* linear_dgelu_backward(const void* grad, const void* w2, const void* pre, void* grad_pre, void* bias_grad,
-                                  int64_t tokens, int64_t f, int64_t o2, DType dt, cublasLtHandle_t handle,
-                                  void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace megapar

@@ -14,7 +14,6 @@
 #include "launchers.h"
 
 void register_adamw(pybind11::module_& m);  // adamw_binding.cpp
-void register_fused_mlp(pybind11::module_& m);  // fused_mlp_binding.cpp
 
 namespace {
 
@@ -181,5 +180,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_backward", &ln_bwd, "LayerNorm backward -> (dx, dweight, dbias)", py::arg("grad"),
         py::arg("input"), py::arg("mean"), py::arg("rstd"), py::arg("weight"), py::arg("residual_grad") = py::none());
   register_adamw(m);
-  register_fused_mlp(m);
 }

@@ -35,7 +35,6 @@ class ModelConfig:
     init_method_std: float = 0.02
     attention_backend: str = "auto"                # auto | flash | cudnn | fused | torch
     layernorm_impl: str = "torch"                  # torch | fused
-    mlp_impl: str = "torch"                        # torch | fused (GELU in cuBLASLt GEMM epilogues)
     recompute_granularity: Optional[str] = None    # None | full | selective
     recompute_method: Optional[str] = None         # uniform | block
     recompute_num_layers: int = 1
@@ -184,9 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flash = torch SDPA (default where available), cudnn = SDPA preferring cuDNN attention, "
                         "fused = csrc softmax, torch = reference")
     g.add_argument("--layernorm-impl", choices=["torch", "fused"], default="torch")
-    g.add_argument("--mlp-impl", choices=["torch", "fused"], default="torch",
-                   help="fused: the MLP's bias + GELU (forward) and GELU gradient + bias gradient (backward) in "
-                        "cuBLASLt GEMM epilogues (csrc; bf16/fp16 on GPUs, needs gradient-accumulation fusion)")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each transformer layer (fuses LayerNorm, GELU, dropout, residual adds)")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,

@@ -104,7 +104,7 @@ def pretrain(cfg: Config) -> TrainState:
                 f"on {device.type} ({dist.get_backend()}); {cfg.num_microbatches} microbatches of "
                 f"{cfg.train.micro_batch_size}; precision {cfg.train.params_dtype_name}; "
                 f"attention {cfg.model.attention_backend}, layernorm {cfg.model.layernorm_impl}")
-    if "fused" in (cfg.model.attention_backend, cfg.model.layernorm_impl, cfg.model.mlp_impl, cfg.train.adam_impl):
+    if "fused" in (cfg.model.attention_backend, cfg.model.layernorm_impl, cfg.train.adam_impl):
         from .kernels import fused_kernels_source, load_fused_kernels
         load_fused_kernels()  # an explicit request never falls back: this raises without CUDA/nvcc
         print_rank0(f"> fused kernels: {fused_kernels_source()}")

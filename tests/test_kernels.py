@@ -108,29 +108,15 @@ def _nvcc():
     return shutil.which("nvcc")
 
 
-def _has_cublaslt_header(cflags):
-    """cublasLt.h is in nvcc's toolkit, CUDA_HOME or one of the -isystem dirs of cublas_build_flags()."""
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    dirs = [Path(_nvcc()).resolve().parents[1] / "include", *([Path(CUDA_HOME) / "include"] if CUDA_HOME else []),
-            *(Path(f) for f in cflags if f != "-isystem")]
-    return any((d / "cublasLt.h").exists() for d in dirs)
-
-
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not on PATH: the .cu syntax check needs it")
 @pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cu")))
 def test_cuda_sources_compile(source, tmp_path):
     # One arch, PTX only (-arch=compute_90 skips ptxas): checks syntax and every template
     # instantiation in a few seconds. The .cu files include no torch headers by design, but
-    # torch's include dirs (and the cuBLAS header dirs) are passed as for the real build.
+    # torch's include dirs are passed as for the real build.
     from torch.utils.cpp_extension import include_paths
 
-    from megapar.kernels import cublas_build_flags
-
-    cflags = cublas_build_flags()[0]
-    if "<cublasLt.h>" in (CSRC / source).read_text() and not _has_cublaslt_header(cflags):
-        pytest.skip("cublasLt.h not found (no cuBLAS in nvcc's toolkit, CUDA_HOME or an nvidia pip wheel)")
     cmd = [_nvcc(), "-c", "-std=c++17", "-O1", "-arch=compute_90", f"-I{CSRC}",
-           *[f"-I{p}" for p in include_paths()], *cflags, str(CSRC / source), "-o", str(tmp_path / "out.o")]
+           *[f"-I{p}" for p in include_paths()], str(CSRC / source), "-o", str(tmp_path / "out.o")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -26,8 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ["megapar_kernels.cpp", "softmax.cu", "layernorm.cu", "adamw.cu", "adamw_binding.cpp", "fused_mlp.cu",
-           "fused_mlp_binding.cpp"]
+SOURCES = ["megapar_kernels.cpp", "softmax.cu", "layernorm.cu", "adamw.cu", "adamw_binding.cpp"]
 NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo", "-std=c++17"]
 JIT_NAME = "megapar_kernels_jit"
 
@@ -50,57 +49,6 @@ def _nvcc() -> Optional[str]:
         if os.path.exists(cand):
             return cand
     return shutil.which("nvcc")
-
-
-# cuBLAS headers csrc/ needs (fused_mlp.cu; torch's ATen/cuda/CUDAContextLight.h in its binding).
-_CUBLAS_HEADERS = ("cublasLt.h", "cublas_v2.h", "cusparse.h", "cusolverDn.h")
-
-
-def _nvidia_wheel_dirs() -> list[Path]:
-    """site-packages/nvidia/* of the pip CUDA wheels torch depends on (nvidia/cublas, ... or nvidia/cu13)."""
-    spec = importlib.util.find_spec("nvidia")
-    locs = list(spec.submodule_search_locations or []) if spec is not None else []
-    return sorted(p for loc in locs if Path(loc).is_dir() for p in Path(loc).iterdir() if p.is_dir())
-
-
-def _loaded_cublaslt() -> Optional[Path]:
-    """The libcublasLt that torch has loaded into this process (Linux), if any."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    for line in maps.splitlines():
-        fields = line.split(None, 5)
-        if len(fields) == 6 and "/libcublasLt.so" in fields[5]:
-            return Path(fields[5].strip())
-    return None
-
-
-def cublas_build_flags() -> tuple[list[str], list[str]]:
-    """(compiler flags, linker flags) for the cuBLASLt calls in csrc/.
-
-    Links the libcublasLt torch itself loaded (by path: pip wheels ship only libcublasLt.so.N,
-    which `-lcublasLt` does not find), else one under CUDA_HOME or a pip wheel, else plain
-    `-lcublasLt`. Headers missing from CUDA_HOME/include (a toolkit without cuBLAS) are taken
-    from the library's own include dir or the wheels, as -isystem dirs searched after CUDA_HOME's."""
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    home = [Path(CUDA_HOME)] if CUDA_HOME else []
-    lib = _loaded_cublaslt()
-    if lib is None:
-        libs = [p for root in home + _nvidia_wheel_dirs() for sub in ("lib64", "lib")
-                for p in sorted((root / sub).glob("libcublasLt.so*"))]
-        lib = libs[0] if libs else None
-    ldflags = [str(lib)] if lib is not None else ["-lcublasLt"]
-    cflags: list[str] = []
-    dirs = ([lib.parent.parent / "include"] if lib is not None else []) + [d / "include" for d in _nvidia_wheel_dirs()]
-    for header in _CUBLAS_HEADERS:
-        if any((root / "include" / header).exists() for root in home):
-            continue
-        found = next((str(d) for d in dirs if (d / header).exists()), None)
-        if found is not None and found not in cflags:
-            cflags += ["-isystem", found]
-    return cflags, ldflags
 
 
 def _missing_reason() -> Optional[str]:
@@ -126,7 +74,6 @@ def _build_key() -> str:
         h.update(path.read_bytes())
     major, minor = torch.cuda.get_device_capability()
     h.update(f"{torch.__version__}|{torch.version.cuda}|sm_{major}{minor}|{NVCC_FLAGS}".encode())
-    h.update(repr(cublas_build_flags()).encode())  # which cuBLAS the extension links
     return h.hexdigest()[:16]
 
 
@@ -154,10 +101,8 @@ def _jit_build() -> ModuleType:
     tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.building-", dir=final.parent))
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
     try:
-        cflags, ldflags = cublas_build_flags()
-        mod = load(name=JIT_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3", *cflags],
-             extra_cuda_cflags=NVCC_FLAGS + cflags, extra_ldflags=ldflags, extra_include_paths=[str(CSRC)],
-             build_directory=str(tmp),
+        mod = load(name=JIT_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=["-O3"],
+             extra_cuda_cflags=NVCC_FLAGS, extra_include_paths=[str(CSRC)], build_directory=str(tmp),
              verbose=os.environ.get("MEGAPAR_KERNEL_VERBOSE") == "1", is_python_module=True)
         try:
             os.replace(tmp, final)  # atomic publish; a concurrent winner keeps its copy
@@ -180,8 +125,7 @@ def load_fused_kernels() -> ModuleType:
         reason = _missing_reason()
         if reason is not None:
             raise RuntimeError(f"megapar: the fused CUDA kernels were requested but cannot run: {reason}. "
-                               "Use --attention-backend flash|torch / --layernorm-impl torch / --mlp-impl torch / "
-                               "--adam-impl torch instead.")
+                               "Use --attention-backend flash|torch / --layernorm-impl torch / --adam-impl torch instead.")
         if os.environ.get("MEGAPAR_FORCE_JIT") != "1" and importlib.util.find_spec("megapar_kernels") is not None:
             import megapar_kernels as mod  # type: ignore[import-not-found]
             _module, _source = mod, "aot"

@@ -12,7 +12,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..arguments import ModelConfig
 from ..kernels.softmax import scaled_masked_softmax
-from ..tensor_parallel.fused_mlp import can_fuse, gelu_mlp
 from ..tensor_parallel.layers import ColumnParallelLinear, Init, RowParallelLinear, tp_rank_size
 from ..tensor_parallel.random import checkpoint, get_rng_tracker
 from .kv_cache import LayerKVCache
@@ -117,13 +116,9 @@ class ParallelMLP(nn.Module):
         self.dense_4h_to_h = RowParallelLinear(f, h, Init(seed, f"{prefix}.dense_4h_to_h.weight", out_std),
                                                tp_group, device=device, dtype=dtype,
                                                fused_grad_accumulation=fused, sequence_parallel=sp)
-        self.fused_gelu = cfg.mlp_impl == "fused"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fc1, fc2 = self.dense_h_to_4h, self.dense_4h_to_h
-        if self.fused_gelu and can_fuse(fc1, fc2):  # GELU inside the GEMMs' epilogues (training)
-            return fc2.reduce_and_bias(gelu_mlp(x, fc1, fc2))
-        return fc2(F.gelu(fc1(x), approximate="tanh"))  # GPT-2's tanh GELU
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))  # GPT-2 tanh GELU
 
 
 class TransformerLayer(nn.Module):

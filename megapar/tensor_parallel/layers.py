@@ -108,15 +108,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
-        return self.reduce_and_bias(linear(x, self.weight))
-
-    def reduce_and_bias(self, partial: torch.Tensor) -> torch.Tensor:
-        """This rank's partial product X_i A_i^T -> summed over TP (reduce-scattered along the
-        sequence under sequence parallelism) + bias."""
         if self.sequence_parallel:
-            y = reduce_scatter_to_sp(partial, self.tp_group)  # [s/tp, b, out]
+            y = reduce_scatter_to_sp(linear(x, self.weight), self.tp_group)  # [s/tp, b, out]
         else:
-            y = reduce_from_tp(partial, self.tp_group)  # [*, out]
+            y = reduce_from_tp(linear(x, self.weight), self.tp_group)  # [*, out]
         return y if self.bias is None else add_bias(y, self.bias)
 
 

@@ -72,17 +72,6 @@ def _(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> None:
     return None
 
 
-def start_grad_x_reduction(grad_x: torch.Tensor, group: Group, sequence_parallel: bool):
-    """Start reducing the gradient of a TP-replicated input over `group` in the background:
-    all-reduce in place, or reduce-scatter along dim 0 under sequence parallelism.
-    Returns (grad_x, work to wait for, or None at tp 1)."""
-    if sequence_parallel:                                                       # [s/tp, b, in]
-        return reduce_scatter_dim0(grad_x, group, async_op=True)
-    if tp_world(group) > 1:  # grad_x is ours alone: reduced in place
-        return grad_x, dist.all_reduce(grad_x, group=group, async_op=True)
-    return grad_x, None
-
-
 class _LinearAccumulateGrad(torch.autograd.Function):
     """forward: x W^T + b (x all-gathered along dim 0 first with sequence_parallel);
     backward: dx = g W (all-reduced, or reduce-scattered with sequence_parallel, over grad_x_group,
@@ -103,7 +92,12 @@ class _LinearAccumulateGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        grad_x, pending = start_grad_x_reduction(grad_out.matmul(weight), ctx.grad_x_group, ctx.sequence_parallel)
+        grad_x = grad_out.matmul(weight)                                       # [*, in]
+        pending, group = None, ctx.grad_x_group
+        if ctx.sequence_parallel:  # reduced in the background                 # [s/tp, b, in]
+            grad_x, pending = reduce_scatter_dim0(grad_x, group, async_op=True)
+        elif tp_world(group) > 1:  # grad_x is ours alone: reduced in place, in the background
+            pending = dist.all_reduce(grad_x, group=group, async_op=True)
         g2d = grad_out.reshape(-1, grad_out.shape[-1])                         # [T, out]
         accumulate_wgrad_(ctx.weight_main_grad, g2d, x.reshape(-1, x.shape[-1]))  # [out, in] += [out, T] @ [T, in]
         grad_b = None
@@ -144,8 +138,7 @@ def _gemv(bias: Optional[nn.Parameter]) -> bool:
     return getattr(bias, "bias_grad_gemv", False)
 
 
-def active(p: nn.Parameter) -> bool:
-    """p's gradient goes straight into p.main_grad on this call (see `fuses`)."""
+def _active(p: nn.Parameter) -> bool:
     return fuses(p) and p.requires_grad and torch.is_grad_enabled()
 
 
@@ -157,7 +150,7 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] =
     (copy_to_tp's backward, overlapped with the weight gradient on the fused path); with
     sequence_parallel x is this rank's part of the sequence, all-gathered first (gather_from_sp)."""
     tp = tp_world(grad_x_group)
-    if active(weight) and (bias is None or active(bias)):
+    if _active(weight) and (bias is None or _active(bias)):
         accumulate = _linear_accumulate_eager if tp > 1 else _linear_accumulate
         return accumulate(x, weight, bias, grad_x_group, sequence_parallel and tp > 1)
     x = gather_from_sp(x, grad_x_group) if sequence_parallel else copy_to_tp(x, grad_x_group)
@@ -176,6 +169,6 @@ _linear_accumulate_eager = torch.compiler.disable(_linear_accumulate)
 
 def add_bias(y: torch.Tensor, bias: nn.Parameter) -> torch.Tensor:
     """y + bias, with the bias gradient accumulated into `bias.main_grad` when it allows it."""
-    if active(bias):
+    if _active(bias):
         return _BiasAddAccumulateGrad.apply(y, bias, bias.main_grad, _gemv(bias))
     return y + bias
