@@ -78,7 +78,7 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    adam_impl: str = "torch"                       # torch | fused (csrc multi-tensor AdamW + param copy)
+    adam_impl: str = "auto"                        # auto | torch | fused (csrc one-launch AdamW + param copy)
     seed: int = 1234
     fp16: bool = False
     bf16: bool = False
@@ -215,9 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--adam-impl", choices=["torch", "fused"], default="torch",
-                   help="torch: torch's fused (GPU) / foreach (CPU) AdamW, then a copy into the bf16/fp16 params; "
-                        "fused: csrc's one-launch AdamW that also writes the bf16/fp16 params (GPU only)")
+    g.add_argument("--adam-impl", choices=["auto", "torch", "fused"], default="auto",
+                   help="fused: csrc's one-launch AdamW that also writes the bf16/fp16 params (GPUs; JIT-built on "
+                        "first use when not built at install); torch: torch's fused (GPU) / foreach (CPU) AdamW, "
+                        "then a copy into the bf16/fp16 params; auto: fused on GPUs when setup.py built the "
+                        "kernels, else torch")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--enable-cuda-graph", action="store_true",
                    help="capture the whole training step (forward, backward, gradient reduction, optimizer) as "

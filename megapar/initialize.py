@@ -111,6 +111,8 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
     else:
         optimizer = MixedPrecisionOptimizer(model, grad_buffer, t, scaler, c.tp, norm_group=topo.groups.mp,
                                             inf_group=None)
+    log(f"> optimizer: AdamW ({'csrc fused, one launch' if optimizer.adam_impl == 'fused' else 'torch'}"
+        f"{', ZeRO-1' if zero else ''})")
     scheduler = build_scheduler(cfg, optimizer)
     return Run(cfg, topo, rank, device, model, grad_buffer, optimizer, scheduler)
 

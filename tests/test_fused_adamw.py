@@ -6,6 +6,7 @@ import torch
 
 from megapar.kernels import fused_kernels_available
 from megapar.kernels.adamw import MultiTensorAdamW, adamw_reference
+from megapar.optimizer.optimizer import resolve_adam_impl
 from test_cuda_graph import GPU_TRAIN, _assert_close, _train, gpu_data  # noqa: F401 (fixture)
 
 BETAS, EPS, WDS = (0.9, 0.95), 1e-8, (0.1, 0.0)
@@ -53,6 +54,11 @@ def test_reference_matches_torch_adamw():
             assert torch.equal(e[4], e[0].to(torch.bfloat16))
 
 
+def test_auto_picks_torch_without_a_gpu():
+    assert resolve_adam_impl("auto", torch.device("cpu")) == "torch"
+    assert resolve_adam_impl("fused", torch.device("cpu")) == "fused"  # an explicit choice stays (and fails loudly)
+
+
 @pytest.mark.skipif(fused_kernels_available(), reason="checks the error on a machine without the kernels")
 def test_fused_adamw_without_kernels_says_what_to_do():
     with pytest.raises(RuntimeError, match="--adam-impl torch"):
@@ -89,11 +95,14 @@ def test_kernel_matches_reference(param_dtype, offset, lr_tensor):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra, rel", [([], 2e-5), (["--bf16", "--enable-cuda-graph"], 2e-3),
-                                        (["--bf16", "--use-distributed-optimizer"], 2e-3)])
-def test_training_matches_torch_adamw(gpu_data, tmp_path, extra, rel):
+@pytest.mark.parametrize("extra, rel, gpus", [([], 2e-5, 1), (["--bf16", "--enable-cuda-graph"], 2e-3, 1),
+                                              (["--bf16", "--use-distributed-optimizer"], 2e-3, 2)])
+def test_training_matches_torch_adamw(gpu_data, tmp_path, extra, rel, gpus):
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
     argv = GPU_TRAIN + gpu_data + extra
-    torch_run, fused = _train(argv), _train(argv + ["--adam-impl", "fused"])
+    torch_run, fused = _train(argv + ["--adam-impl", "torch"], gpus), _train(argv + ["--adam-impl", "fused"], gpus)
+    assert "AdamW (csrc fused" in fused["out"] and "AdamW (torch" in torch_run["out"]
     _assert_close(fused["loss"], torch_run["loss"], rel)
     _assert_close(fused["norm"], torch_run["norm"], 10 * rel)
     if "--enable-cuda-graph" in extra:  # stop at 4 and resume: moments and step count come back

@@ -57,9 +57,14 @@ def _missing_reason() -> Optional[str]:
         return f"this torch ({torch.__version__}) is built without CUDA"
     if not torch.cuda.is_available():
         return "no CUDA device is visible"
-    if importlib.util.find_spec("megapar_kernels") is None and _nvcc() is None:
+    if not aot_kernels_installed() and _nvcc() is None:
         return "the extension was not built ahead of time and nvcc (CUDA_HOME) was not found for a JIT build"
     return None
+
+
+def aot_kernels_installed() -> bool:
+    """True when setup.py built the extension ahead of time (a CUDA torch and nvcc at install)."""
+    return importlib.util.find_spec("megapar_kernels") is not None
 
 
 def fused_kernels_available() -> bool:
@@ -126,7 +131,7 @@ def load_fused_kernels() -> ModuleType:
         if reason is not None:
             raise RuntimeError(f"megapar: the fused CUDA kernels were requested but cannot run: {reason}. "
                                "Use --attention-backend flash|torch / --layernorm-impl torch / --adam-impl torch instead.")
-        if os.environ.get("MEGAPAR_FORCE_JIT") != "1" and importlib.util.find_spec("megapar_kernels") is not None:
+        if os.environ.get("MEGAPAR_FORCE_JIT") != "1" and aot_kernels_installed():
             import megapar_kernels as mod  # type: ignore[import-not-found]
             _module, _source = mod, "aot"
         else:
@@ -146,4 +151,4 @@ def check_impl(impl: str, what: str) -> None:
         raise ValueError(f"megapar: unknown {what} implementation {impl!r} (expected 'torch' or 'fused')")
 
 
-__all__ = ["fused_kernels_available", "load_fused_kernels", "fused_kernels_source", "cache_dir"]
+__all__ = ["aot_kernels_installed", "fused_kernels_available", "load_fused_kernels", "fused_kernels_source", "cache_dir"]

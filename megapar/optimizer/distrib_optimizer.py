@@ -39,7 +39,7 @@ import torch.nn as nn
 from ..tensor_parallel.mappings import all_gather_tensor
 from .grad_buffer import GradBuffer
 from .optimizer import (adam_state, clip_grads_, counts_for_norm, decay_groups, fused_adamw, fused_step,
-                        global_norm, make_adamw, saved_param_groups, unscale_and_check)
+                        global_norm, make_adamw, resolve_adam_impl, saved_param_groups, unscale_and_check)
 
 
 @dataclass
@@ -89,6 +89,7 @@ class DistributedOptimizer:
         self.adam = make_adamw(decay_groups([(pt.name, pt.param, m) for pt, m in zip(self.parts, self.masters)], cfg),
                                cfg, self.device)
         self._fused = bool(self.adam.defaults.get("fused"))
+        self.adam_impl = resolve_adam_impl(cfg.adam_impl, self.device)
         self._reset_moments(step=0)
 
     # ---- layout --------------------------------------------------------------------------
@@ -167,7 +168,7 @@ class DistributedOptimizer:
                 return False, torch.full((), float("nan"), device=self.device)
         norm = global_norm([grads[i] for i in self.norm_parts], self.norm_group, self.device)
         clip_grads_(grads, norm, self.cfg.clip_grad, self.adam)
-        if self.cfg.adam_impl == "fused":  # also writes the owned bf16/fp16 ranges of the param buffer
+        if self.adam_impl == "fused":  # also writes the owned bf16/fp16 ranges of the param buffer
             if self.fused_adam is None:
                 low = self.master_shard is not None
                 self.fused_adam = fused_adamw(self.adam, {id(m): (g, self.param_buf[pt.buf_lo:pt.buf_hi] if low else None)
@@ -179,7 +180,7 @@ class DistributedOptimizer:
             self.adam.step()
             for m in self.masters:
                 m.grad = None
-        self._publish_params(copy=self.cfg.adam_impl != "fused")
+        self._publish_params(copy=self.adam_impl != "fused")
         return True, norm
 
     @torch.no_grad()

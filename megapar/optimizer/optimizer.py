@@ -83,6 +83,15 @@ def clip_grads_(grads: list[torch.Tensor], norm: torch.Tensor, clip_grad: float,
         torch._foreach_div_(grads, divisor)
 
 
+def resolve_adam_impl(impl: str, device: torch.device) -> str:
+    """--adam-impl auto -> "fused" on GPUs when the csrc kernels were built at install (as Megatron
+    takes apex's FusedAdam when it is importable), else "torch"; an explicit choice stays."""
+    if impl != "auto":
+        return impl
+    from ..kernels import aot_kernels_installed
+    return "fused" if device.type == "cuda" and aot_kernels_installed() else "torch"
+
+
 def fused_adamw(adam: torch.optim.AdamW, grad_and_param: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]]):
     """csrc's one-launch AdamW (--adam-impl fused) over `adam`'s param groups; torch's AdamW object
     keeps the groups (LR schedule) and the state (checkpoints). grad_and_param[id(master)]: the
@@ -146,6 +155,7 @@ class MixedPrecisionOptimizer:
         self.grads = [p.main_grad for _, p in self.named]
         self.norm_grads = [p.main_grad for n, p in self.named if counts_for_norm(n, tp_rank)]
         self.copies = [(p, self.masters[n]) for n, p in self.named if self.masters[n] is not p]
+        self.adam_impl = resolve_adam_impl(cfg.adam_impl, self.device)
         self.fused_adam = None  # --adam-impl fused: built at the first step (after a checkpoint load)
 
     @property
@@ -172,7 +182,7 @@ class MixedPrecisionOptimizer:
         return sum(3 * 4 * p.numel() for _, p in self.named)
 
     def _adam_step(self) -> None:
-        if self.cfg.adam_impl == "fused":
+        if self.adam_impl == "fused":
             if self.fused_adam is None:
                 self.fused_adam = fused_adamw(self.adam, {id(self.masters[n]): (p.main_grad, None if self.masters[n] is p else p)
                                                      for n, p in self.named})
