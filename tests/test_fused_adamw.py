@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megapar.kernels import fused_kernels_available
-from megapar.kernels.adamw import MultiTensorAdamW, adamw_reference
+from megapar.kernels.adamw import MultiTensorAdamW, _check, adamw_reference
 from megapar.optimizer.optimizer import resolve_adam_impl
 from test_cuda_graph import GPU_TRAIN, _assert_close, _train, gpu_data  # noqa: F401 (fixture)
 
@@ -59,6 +59,15 @@ def test_auto_picks_torch_without_a_gpu():
     assert resolve_adam_impl("fused", torch.device("cpu")) == "fused"  # an explicit choice stays (and fails loudly)
 
 
+def test_table_entries_are_checked():
+    good = _entries("cpu", [8], torch.bfloat16)[0]
+    _check(good, torch.device("cpu"))
+    with pytest.raises(ValueError, match="exp_avg must be a contiguous float32 tensor .* with 8 elements"):
+        _check((good[0], good[1], good[2].double(), good[3], good[4]), torch.device("cpu"))
+    with pytest.raises(ValueError, match="model parameter must be a contiguous bf16/fp16 tensor"):
+        _check((*good[:4], good[4][:4]), torch.device("cpu"))
+
+
 @pytest.mark.skipif(fused_kernels_available(), reason="checks the error on a machine without the kernels")
 def test_fused_adamw_without_kernels_says_what_to_do():
     with pytest.raises(RuntimeError, match="--adam-impl torch"):
@@ -95,8 +104,10 @@ def test_kernel_matches_reference(param_dtype, offset, lr_tensor):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra, rel, gpus", [([], 2e-5, 1), (["--bf16", "--enable-cuda-graph"], 2e-3, 1),
-                                              (["--bf16", "--use-distributed-optimizer"], 2e-3, 2)])
+@pytest.mark.parametrize("extra, rel, gpus", [
+    pytest.param([], 2e-5, 1, id="fp32"),
+    pytest.param(["--bf16", "--enable-cuda-graph"], 2e-3, 1, id="bf16-graph-resume"),
+    pytest.param(["--bf16", "--use-distributed-optimizer"], 2e-3, 2, id="bf16-zero1-dp2")])
 def test_training_matches_torch_adamw(gpu_data, tmp_path, extra, rel, gpus):
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
