@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -44,3 +45,16 @@ def embedded_data(tmp_path_factory):
     info = prepare_embedded_dataset(str(tmp_path_factory.mktemp("embedded")))
     return ["--data-path", info["data_prefix"], "--tokenizer-type", "SentencePieceTokenizer",
             "--tokenizer-model", info["tokenizer_model"]]
+
+
+@pytest.fixture(scope="session")
+def gpu_data(tmp_path_factory):
+    """The embedded corpus tokenised with the GPT-2 BPE files in $GPT2_DIR (default .gpu/)."""
+    from megapar.data.embedded import prepare_embedded_dataset
+    d = os.environ.get("GPT2_DIR", str(ROOT / ".gpu"))
+    vocab, merges = os.path.join(d, "encoder.json"), os.path.join(d, "vocab.bpe")
+    if not os.path.exists(vocab):
+        pytest.skip(f"GPT-2 BPE files not found in {d}")
+    info = prepare_embedded_dataset(str(tmp_path_factory.mktemp("embedded")), vocab_file=vocab, merge_file=merges)
+    return ["--data-path", info["data_prefix"], "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
+            "--merge-file", merges]

@@ -58,19 +58,6 @@ LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ .*? lm loss: ([-\d.E+]+) .*? grad
 VALID_RE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([-\d.E+]+)")
 
 
-@pytest.fixture(scope="module")
-def gpu_data(tmp_path_factory):
-    """The embedded corpus tokenised with the GPT-2 BPE files in $GPT2_DIR (default .gpu/)."""
-    from megapar.data.embedded import prepare_embedded_dataset
-    d = os.environ.get("GPT2_DIR", os.path.join(ROOT, ".gpu"))
-    vocab, merges = os.path.join(d, "encoder.json"), os.path.join(d, "vocab.bpe")
-    if not os.path.exists(vocab):
-        pytest.skip(f"GPT-2 BPE files not found in {d}")
-    info = prepare_embedded_dataset(str(tmp_path_factory.mktemp("embedded")), vocab_file=vocab, merge_file=merges)
-    return ["--data-path", info["data_prefix"], "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
-            "--merge-file", merges]
-
-
 def _train(argv: list[str], gpus: int = 1) -> dict:
     cmd = ["bash", "scripts/pretrain_gpt2.sh", "--nproc-per-node", str(gpus), *argv]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

@@ -7,7 +7,7 @@ import torch
 from megapar.kernels import fused_kernels_available
 from megapar.kernels.adamw import MultiTensorAdamW, _check, adamw_reference
 from megapar.optimizer.optimizer import resolve_adam_impl
-from test_cuda_graph import GPU_TRAIN, _assert_close, _train, gpu_data  # noqa: F401 (fixture)
+from test_cuda_graph import GPU_TRAIN, _assert_close, _train
 
 BETAS, EPS, WDS = (0.9, 0.95), 1e-8, (0.1, 0.0)
 

@@ -130,7 +130,8 @@ def load_fused_kernels() -> ModuleType:
         reason = _missing_reason()
         if reason is not None:
             raise RuntimeError(f"megapar: the fused CUDA kernels were requested but cannot run: {reason}. "
-                               "Use --attention-backend flash|torch / --layernorm-impl torch / --adam-impl torch instead.")
+                               "Use --attention-backend flash|torch / --layernorm-impl torch / --adam-impl torch "
+                               "instead.")
         if os.environ.get("MEGAPAR_FORCE_JIT") != "1" and aot_kernels_installed():
             import megapar_kernels as mod  # type: ignore[import-not-found]
             _module, _source = mod, "aot"
@@ -151,4 +152,5 @@ def check_impl(impl: str, what: str) -> None:
         raise ValueError(f"megapar: unknown {what} implementation {impl!r} (expected 'torch' or 'fused')")
 
 
-__all__ = ["aot_kernels_installed", "fused_kernels_available", "load_fused_kernels", "fused_kernels_source", "cache_dir"]
+__all__ = ["aot_kernels_installed", "fused_kernels_available", "load_fused_kernels", "fused_kernels_source",
+           "cache_dir"]

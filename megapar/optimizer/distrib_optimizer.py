@@ -171,8 +171,9 @@ class DistributedOptimizer:
         if self.adam_impl == "fused":  # also writes the owned bf16/fp16 ranges of the param buffer
             if self.fused_adam is None:
                 low = self.master_shard is not None
-                self.fused_adam = fused_adamw(self.adam, {id(m): (g, self.param_buf[pt.buf_lo:pt.buf_hi] if low else None)
-                                                          for pt, m, g in zip(self.parts, self.masters, grads)})
+                writes = {id(m): (g, self.param_buf[pt.buf_lo:pt.buf_hi] if low else None)
+                          for pt, m, g in zip(self.parts, self.masters, grads)}
+                self.fused_adam = fused_adamw(self.adam, writes)
             fused_step(self.fused_adam, self.adam)
         else:
             for m, g in zip(self.masters, grads):

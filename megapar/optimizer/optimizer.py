@@ -184,8 +184,9 @@ class MixedPrecisionOptimizer:
     def _adam_step(self) -> None:
         if self.adam_impl == "fused":
             if self.fused_adam is None:
-                self.fused_adam = fused_adamw(self.adam, {id(self.masters[n]): (p.main_grad, None if self.masters[n] is p else p)
-                                                     for n, p in self.named})
+                writes = {id(self.masters[n]): (p.main_grad, None if self.masters[n] is p else p)
+                          for n, p in self.named}
+                self.fused_adam = fused_adamw(self.adam, writes)
             fused_step(self.fused_adam, self.adam)
             return
         # .grad is attached only for the step: with fp32 models the master *is* the parameter,
