@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .arguments import layer_counts
 from .atomic import atomic_write, atomic_write_text
 from .tensor_parallel.random import get_rng_tracker
 
@@ -186,12 +187,11 @@ def check_args(saved: argparse.Namespace, current: argparse.Namespace, path: str
     """Explain every incompatibility between the checkpoint's arguments and this run's."""
     s_tp, s_pp = saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size
     c_tp, c_pp = current.tensor_model_parallel_size, current.pipeline_model_parallel_size
-    split = lambda a: (getattr(a, "decoder_first_pipeline_num_layers", None),  # noqa: E731
-                       getattr(a, "decoder_last_pipeline_num_layers", None))
-    if (s_tp, s_pp) == (c_tp, c_pp) and split(saved) != split(current):
+    if (s_tp, s_pp) == (c_tp, c_pp) and s_pp > 1 and layer_counts(saved, s_pp) != layer_counts(current, c_pp):
         raise CheckpointError(
-            f"checkpoint {path} was saved with --decoder-first/last-pipeline-num-layers {split(saved)}, but this "
-            f"run uses {split(current)} (None: an even split); use the checkpoint's values")
+            f"checkpoint {path} holds {layer_counts(saved, s_pp)} layers per pipeline stage, but this run splits "
+            f"them {layer_counts(current, c_pp)}; set --decoder-first/last-pipeline-num-layers as the checkpoint "
+            f"did, or reshard it with tools/checkpoint_util.py")
     if (s_tp, s_pp) != (c_tp, c_pp):
         raise CheckpointError(
             f"checkpoint {path} was saved with tensor-parallel {s_tp} x pipeline-parallel {s_pp}, but this run "

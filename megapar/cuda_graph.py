@@ -5,9 +5,10 @@ gradient reduction, clipping and AdamW, replayed with one launch per iteration.
 Why: the H100 profile of GPT-2 345M (micro-batch 8, compiled layers) showed the GPU busy for
 47-48 ms of a 52 ms step; the rest was the GPU waiting for the CPU to launch kernels through the
 autograd engine, the compiled layers' wrappers and the gradient hooks. A replay launches them all
-at once (measured: 53.5 -> 51.5 ms; with the bias-gradient GEMV and the read-back lag, 48.4 ms). Per-layer graphs (Transformer Engine's way) would keep the hooks
-and the optimizer outside; one graph for the whole step is simpler here because the step is
-already free of host synchronisation (training.queue_step).
+at once (measured: 53.5 -> 51.5 ms; with the bias-gradient GEMV and the read-back lag, 48.4 ms).
+Per-layer graphs (Transformer Engine's way) would keep the hooks and the optimizer outside; one
+graph for the whole step is simpler here because the step is already free of host
+synchronisation (training.queue_step).
 
 Lifecycle (per GraphedStep):
   1. the first `warmup` calls run the step eagerly on a side stream: torch.compile compiles,

@@ -366,7 +366,9 @@ def test_target_pipeline_split(tmp_path, capsys):
 
 def test_resuming_with_another_pipeline_split_is_refused():
     from megapar.checkpointing import CheckpointError, check_args
-    layout = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    layout = dict(num_layers=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
     saved = argparse.Namespace(**layout, decoder_last_pipeline_num_layers=1)
-    with pytest.raises(CheckpointError, match=r"--decoder-first/last-pipeline-num-layers \(None, 1\)"):
+    with pytest.raises(CheckpointError, match=r"holds \[3, 1\] layers per pipeline stage, but this run splits them "
+                                              r"\[2, 2\]; set --decoder-first/last-pipeline-num-layers"):
         check_args(saved, argparse.Namespace(**layout), "ck")
+    check_args(saved, argparse.Namespace(**layout, decoder_first_pipeline_num_layers=3), "ck")  # the same stages

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..arguments import ModelConfig, pipeline_layer_counts
+from ..arguments import ModelConfig, layer_counts, pipeline_layer_counts
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import Init, VocabParallelEmbedding, full_normal, parallel_lm_logits
 from ..tensor_parallel.mappings import scatter_to_sp
@@ -41,14 +41,16 @@ class Stage:
     @staticmethod
     def of(num_layers: int, pp: int, pp_rank: int, first: Optional[int] = None, last: Optional[int] = None) -> "Stage":
         """Stage pp_rank of a pp-stage pipeline (first/last: --decoder-first/last-pipeline-num-layers)."""
-        counts = pipeline_layer_counts(num_layers, pp, first, last)
-        start = sum(counts[:pp_rank])
-        return Stage(start, start + counts[pp_rank], pp_rank == 0, pp_rank == pp - 1)
+        return Stage._of_counts(pipeline_layer_counts(num_layers, pp, first, last), pp_rank)
 
     @staticmethod
     def for_config(cfg: ModelConfig, pp: int, pp_rank: int) -> "Stage":
-        return Stage.of(cfg.num_layers, pp, pp_rank, cfg.decoder_first_pipeline_num_layers,
-                        cfg.decoder_last_pipeline_num_layers)
+        return Stage._of_counts(layer_counts(cfg, pp), pp_rank)
+
+    @staticmethod
+    def _of_counts(counts: list[int], pp_rank: int) -> "Stage":
+        start = sum(counts[:pp_rank])
+        return Stage(start, start + counts[pp_rank], pp_rank == 0, pp_rank == len(counts) - 1)
 
 
 class Embedding(nn.Module):

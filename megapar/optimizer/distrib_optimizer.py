@@ -88,7 +88,7 @@ class DistributedOptimizer:
         self.masters = [self._master(pt) for pt in self.parts]   # AdamW's params (its state is keyed by them)
         self.adam = make_adamw(decay_groups([(pt.name, pt.param, m) for pt, m in zip(self.parts, self.masters)], cfg),
                                cfg, self.device)
-        self._fused = bool(self.adam.defaults.get("fused"))
+        self._torch_fused = bool(self.adam.defaults.get("fused"))
         self.adam_impl = resolve_adam_impl(cfg.adam_impl, self.device)
         self._reset_moments(step=0)
 
@@ -143,7 +143,7 @@ class DistributedOptimizer:
         self.fused_adam = None  # --adam-impl fused: (re)built at the next step over the new state
         for pt, m in zip(self.parts, self.masters):
             self.adam.state[m] = adam_state(step, self.exp_avg[pt.lo:pt.hi],
-                                                           self.exp_avg_sq[pt.lo:pt.hi], self._fused)
+                                                           self.exp_avg_sq[pt.lo:pt.hi], self._torch_fused)
 
     @property
     def param_groups(self) -> list[dict]:

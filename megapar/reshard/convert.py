@@ -18,11 +18,11 @@ import os
 import shutil
 from typing import Optional
 
+from ..arguments import layer_counts
 from ..checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, atomic_write_text,
                              iter_dir, nest_model_state, shard_dir_name)
 from . import target_args
 from .canonical import prepare_output, publish_dir
-from ..arguments import layer_counts
 from .layout import OPTIM_KINDS, split, stage_keys
 from .stream_save import LazyTensor, StreamingSaver
 

@@ -15,10 +15,10 @@ from typing import Optional
 
 import torch
 
+from ..arguments import layer_counts
 from ..checkpointing import (DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_state, iter_dir,
                              read_tracker, shard_dir_name)
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
-from ..arguments import layer_counts
 from .layout import HEAD, OPTIM_KINDS, expected_full_shape, stage_of, to_global
 
 _SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")

@@ -15,7 +15,7 @@ sequence, dim 0 of [s, b, h]:
     gather_from_sp        forward: all-gather (dim 0);   backward: reduce-scatter (dim 0)
     reduce_scatter_to_sp  forward: reduce-scatter (dim 0); backward: all-gather (dim 0)
 
-Under torch.compile the four run eagerly (a graph break each): traced into a compiled layer, the
+Under torch.compile every mapping runs eagerly (a graph break each): traced into a compiled layer, the
 in-place all-reduce inside an autograd.Function crashed the first tp 2 step on 2x H200 with an
 illegal memory access.
 """
