@@ -28,6 +28,8 @@ def build_model(cfg: ModelConfig, topo: Topology, rank: int, seed: int, device: 
     if cfg.torch_compile:
         for layer in model.language_model.encoder.layers:
             layer.compile()
+            if model.language_model.encoder.overlap_chunks > 1:
+                layer.compile_stages()
     if c.dp == 0:
         n = sum(p.numel() for p in model.parameters())
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({c.tp}, {c.pp}): {n}", flush=True)
