@@ -43,7 +43,6 @@ class ModelConfig:
     decoder_first_pipeline_num_layers: Optional[int] = None  # uneven pipeline stages (default: even split)
     decoder_last_pipeline_num_layers: Optional[int] = None
     sequence_parallel: bool = False                # split LayerNorm/dropout/residual work along the sequence (tp > 1)
-    tp_comm_overlap_chunks: int = 1                # batch chunks whose TP all-reduces overlap each other's compute
 
     @property
     def kv_channels(self) -> int:
@@ -159,10 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with tp > 1: split LayerNorm, dropout and residual work (and their activations) along "
                         "the sequence; all-reduces become reduce-scatter + all-gather")
-    g.add_argument("--tp-comm-overlap-chunks", type=int, default=1, metavar="N",
-                   help="with tp > 1: run the transformer layers on N chunks of each micro-batch, interleaved so "
-                        "that one chunk's tensor-parallel all-reduce travels while another chunk computes "
-                        "(default 1: off); the micro-batch size must be a multiple of N")
     g.add_argument("--pipeline-schedule", choices=["1f1b", "afab"], default="1f1b",
                    help="1f1b (default) or all-forward-all-backward (reference)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
@@ -295,9 +290,8 @@ def _normalise(ns: argparse.Namespace) -> None:
         ns.attention_backend = "flash"
     ns.ffn_hidden_size = ns.ffn_hidden_size or 4 * ns.hidden_size
     ns.max_position_embeddings = ns.max_position_embeddings or ns.seq_length
-    if ns.tensor_model_parallel_size == 1:  # nothing to split (Megatron also turns it off) or overlap
+    if ns.tensor_model_parallel_size == 1:  # nothing to split (Megatron also turns it off)
         ns.sequence_parallel = False
-        ns.tp_comm_overlap_chunks = 1
 
 
 def config_from_namespace(ns: argparse.Namespace, world_size: int) -> Config:
@@ -343,7 +337,6 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
     if ns.sequence_parallel and tp > 1 and ns.seq_length % tp:
         _fail(f"--sequence-parallel splits the sequence over tensor parallelism: --seq-length {ns.seq_length} "
               f"is not divisible by --tensor-model-parallel-size {tp}; pick a multiple of {tp}")
-    _check_tp_overlap(ns)
     if ns.train_iters is not None and ns.train_samples is not None:
         _fail("--train-iters and --train-samples were both given; choose one")
     if ns.lr_warmup_fraction is not None and ns.lr_warmup_iters:
@@ -362,22 +355,6 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
             _fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
     if ns.make_vocab_size_divisible_by < 1:
         _fail("--make-vocab-size-divisible-by must be >= 1")
-
-
-def _check_tp_overlap(ns: argparse.Namespace) -> None:
-    n = ns.tp_comm_overlap_chunks
-    if n < 1:
-        _fail(f"--tp-comm-overlap-chunks must be >= 1, got {n}")
-    if n == 1:
-        return
-    if ns.micro_batch_size % n:
-        _fail(f"--tp-comm-overlap-chunks {n} splits each micro-batch along the batch: --micro-batch-size "
-              f"{ns.micro_batch_size} is not a multiple of {n}; pick a divisor of the micro-batch size")
-    if ns.sequence_parallel:
-        _fail("--tp-comm-overlap-chunks does not combine with --sequence-parallel; drop one of them")
-    if ns.recompute_granularity == "full":
-        _fail("--tp-comm-overlap-chunks does not combine with --recompute-granularity full (chunks stay in "
-              "flight across layers); use selective recompute or drop one of them")
 
 
 def _check_cuda_graph(ns: argparse.Namespace) -> None:

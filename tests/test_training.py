@@ -41,16 +41,6 @@ def test_sequence_parallel_pipeline_matches_serial(embedded_data):
     assert sp == pytest.approx(serial, rel=2e-5), (serial, sp)
 
 
-def test_tp_comm_overlap_chunks_match_serial(embedded_data):
-    """--tp-comm-overlap-chunks 2: the layers run on two batch chunks with their TP all-reduces in
-    flight across chunks and layers; tp 2 x pp 2 (stage-local chunking) against one process."""
-    base = TINY_TRAIN + embedded_data + ["--train-iters", "4"]
-    serial = losses(run_training(base, 1))
-    chunked = losses(run_training(base + ["--tensor-parallel", "2", "--pipeline-parallel", "2",
-                                          "--tp-comm-overlap-chunks", "2"], 4))
-    assert chunked == pytest.approx(serial, rel=2e-5), (serial, chunked)
-
-
 def test_sequence_parallel_dropout_is_replayed_by_recompute(embedded_data):
     """With dropout each TP rank draws its tokens' masks from its own RNG stream; recompute must
     replay them exactly, so checkpointed and plain runs give the same losses."""

@@ -6,6 +6,7 @@ from typing import Callable
 import torch
 
 from ..arguments import ModelConfig, padded_vocab_size
+from ..inductor import COMPILE_OPTIONS
 from ..topology import Topology
 from .gpt2 import GPT2Model, Stage
 
@@ -27,9 +28,7 @@ def build_model(cfg: ModelConfig, topo: Topology, rank: int, seed: int, device: 
     model = GPT2Model(cfg, stage, seed, topo.groups.tp, device=device, dtype=dtype)
     if cfg.torch_compile:
         for layer in model.language_model.encoder.layers:
-            layer.compile()
-            if model.language_model.encoder.overlap_chunks > 1:
-                layer.compile_stages()
+            layer.compile(options=COMPILE_OPTIONS)
     if c.dp == 0:
         n = sum(p.numel() for p in model.parameters())
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({c.tp}, {c.pp}): {n}", flush=True)

@@ -84,8 +84,6 @@ class Encoder(nn.Module):
             self.final_layernorm = make_layernorm(cfg, device, dtype)
         self.full_recompute = cfg.recompute_granularity == "full"
         self.recompute_method, self.recompute_num_layers = cfg.recompute_method, cfg.recompute_num_layers
-        tp = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
-        self.overlap_chunks = cfg.tp_comm_overlap_chunks if tp > 1 and not cfg.sequence_parallel else 1
 
     def _run_layers(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         for layer in self.layers[start:end]:
@@ -93,10 +91,8 @@ class Encoder(nn.Module):
         return x
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        n, recompute, chunks = len(self.layers), self.full_recompute and self.training, self.overlap_chunks
-        if kv_cache is None and not recompute and n and chunks > 1 and x.shape[1] % chunks == 0:
-            x = self._overlapped_layers(x, chunks)
-        elif kv_cache is not None or not recompute:
+        n = len(self.layers)
+        if kv_cache is not None or not (self.full_recompute and self.training):
             for i, layer in enumerate(self.layers):
                 x = layer(x, None if kv_cache is None else kv_cache.layers[i])
         elif self.recompute_method == "uniform":   # checkpoint chunks of recompute_num_layers layers
@@ -107,29 +103,6 @@ class Encoder(nn.Module):
                 x = checkpoint(self._run_layers, x, i, i + 1) if i < self.recompute_num_layers \
                     else self.layers[i](x)
         return self.final_layernorm(x) if hasattr(self, "final_layernorm") else x
-
-    def _overlapped_layers(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        """The layers on n batch chunks, interleaved so that each row-parallel all-reduce travels
-        while the GPU computes another chunk (--tp-comm-overlap-chunks; the idea of Domino,
-        arXiv:2409.15241). Per layer and chunk i: attention_start(i) for every chunk, then
-        [finish attention(i), start MLP(i)] for every chunk; the MLP's sum of chunk i is waited for
-        just before the next layer's attention of chunk i. So all but the last all-reduce of the
-        stage overlap compute: attention sum i with attention i+1 (or MLP 0 for the last chunk),
-        MLP sum i with MLP i+1 (or the next layer's attention 0). Per token the arithmetic is that
-        of forward(); dropout masks are drawn per chunk."""
-        xs = [c.contiguous() for c in x.chunk(n, dim=1)]                              # n × [s, b/n, h]
-        mlp: list[Optional[torch.Tensor]] = [None] * n
-        prev = None
-        for layer in self.layers:
-            attn = []
-            for i in range(n):
-                if prev is not None:
-                    xs[i] = prev.mlp_finish(xs[i], mlp[i])
-                attn.append(layer.attention_start(xs[i]))
-            for i in range(n):
-                xs[i], mlp[i] = layer.attention_finish_mlp_start(xs[i], attn[i])
-            prev = layer
-        return torch.cat([prev.mlp_finish(c, m) for c, m in zip(xs, mlp)], dim=1)      # [s, b, h]
 
 
 class LanguageModel(nn.Module):

@@ -84,10 +84,6 @@ class ParallelAttention(nn.Module):
                                        device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
-        return self.dense(self.context(x, kv_cache))
-
-    def context(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
-        """Attention before the output projection: [s, b, h] -> this rank's heads [s, b, h/tp]."""
         qkv = self.query_key_value(x)                                                  # [s, b, 3h/tp]
         s, b, _ = qkv.shape                           # x is [s/tp, b, h] under sequence parallelism
         qkv = qkv.view(s, b, self.heads_local, 3, self.hn)                             # [s, b, np, 3, hn]
@@ -104,7 +100,8 @@ class ParallelAttention(nn.Module):
                 # need the offset causal mask of the reference path
                 backend, causal = ("flash", False) if q.shape[2] == 1 else ("torch", True)
             ctx = core_attention(q, k, v, backend, p, causal)                         # [b, np, s, hn]
-        return ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.hn)       # [s, b, h/tp]
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.hn)        # [s, b, h/tp]
+        return self.dense(ctx)
 
 
 class ParallelMLP(nn.Module):
@@ -121,10 +118,7 @@ class ParallelMLP(nn.Module):
                                                fused_grad_accumulation=fused, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(self.hidden(x))
-
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.dense_h_to_4h(x), approximate="tanh")                      # GPT-2 tanh GELU
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))  # GPT-2 tanh GELU
 
 
 class TransformerLayer(nn.Module):
@@ -144,23 +138,3 @@ class TransformerLayer(nn.Module):
         p, sp = self.hidden_dropout, self.sequence_parallel
         x = x + sp_dropout(self.self_attention(self.input_layernorm(x), kv_cache), p, self.training, sp)
         return x + sp_dropout(self.mlp(self.post_attention_layernorm(x)), p, self.training, sp)
-
-    # forward() in three stages that end or begin with the row-parallel all-reduces in flight, for
-    # interleaving the batch chunks of --tp-comm-overlap-chunks (gpt2.Encoder); no sequence parallelism.
-    def attention_start(self, x: torch.Tensor) -> torch.Tensor:
-        """x -> attention output before its TP sum, the all-reduce in flight."""
-        return self.self_attention.dense.start(self.self_attention.context(self.input_layernorm(x)))
-
-    def attention_finish_mlp_start(self, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, attention_start(x)) -> (x + attention, MLP output before its TP sum, in flight)."""
-        x = x + sp_dropout(self.self_attention.dense.finish(attn), self.hidden_dropout, self.training, False)
-        return x, self.mlp.dense_4h_to_h.start(self.mlp.hidden(self.post_attention_layernorm(x)))
-
-    def mlp_finish(self, x: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
-        """The layer's output: x + MLP."""
-        return x + sp_dropout(self.mlp.dense_4h_to_h.finish(mlp), self.hidden_dropout, self.training, False)
-
-    def compile_stages(self) -> None:
-        """torch.compile the three stages (what layer.compile() does for forward)."""
-        for name in ("attention_start", "attention_finish_mlp_start", "mlp_finish"):
-            setattr(self, name, torch.compile(getattr(self, name)))

@@ -20,6 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..inductor import COMPILE_OPTIONS
 from .layers import tp_rank_size
 from .mappings import Group
 
@@ -64,7 +65,7 @@ def _fused(fn, x: torch.Tensor):
     if not x.is_cuda or os.environ.get("MEGAPAR_NO_COMPILE_CE") == "1":
         return fn
     if fn.__name__ not in _FUSED:
-        _FUSED[fn.__name__] = torch.compile(fn, dynamic=False)
+        _FUSED[fn.__name__] = torch.compile(fn, dynamic=False, options=COMPILE_OPTIONS)
     return _FUSED[fn.__name__]
 
 

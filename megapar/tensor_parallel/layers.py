@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .linear import add_bias, linear
 from .mappings import (Group, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp,
-                       scatter_to_tp, start_reduce_from_tp, wait_reduce_from_tp)
+                       scatter_to_tp)
 
 
 @dataclass(frozen=True)
@@ -112,17 +112,6 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sp(linear(x, self.weight), self.tp_group)  # [s/tp, b, out]
         else:
             y = reduce_from_tp(linear(x, self.weight), self.tp_group)  # [*, out]
-        return y if self.bias is None else add_bias(y, self.bias)
-
-    def start(self, x: torch.Tensor) -> torch.Tensor:
-        """forward() in two halves, so other work can run while the all-reduce travels: the partial
-        output [*, out] with its all-reduce in flight; finish(partial) waits and adds the bias."""
-        if self.sequence_parallel or not self.input_is_parallel:
-            raise ValueError("RowParallelLinear.start: only for a parallel input without sequence parallelism")
-        return start_reduce_from_tp(linear(x, self.weight), self.tp_group)
-
-    def finish(self, partial: torch.Tensor) -> torch.Tensor:
-        y = wait_reduce_from_tp(partial)
         return y if self.bias is None else add_bias(y, self.bias)
 
 

@@ -15,12 +15,6 @@ sequence, dim 0 of [s, b, h]:
     gather_from_sp        forward: all-gather (dim 0);   backward: reduce-scatter (dim 0)
     reduce_scatter_to_sp  forward: reduce-scatter (dim 0); backward: all-gather (dim 0)
 
-The all-reduce of reduce_from_tp can also be split in two, so that other work runs while it travels
-(--tp-comm-overlap-chunks; model/gpt2.py):
-
-    start_reduce_from_tp  forward: launch the all-reduce in place;  backward: identity
-    wait_reduce_from_tp   forward: wait for it (a stream wait, no tensor op); backward: -
-
 Under torch.compile every mapping runs eagerly (a graph break each): traced into a compiled layer, the
 in-place all-reduce inside an autograd.Function crashed the first tp 2 step on 2x H200 with an
 illegal memory access.
@@ -117,22 +111,17 @@ class _Conjugate(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """forward: all-reduce, in place on a contiguous x (left in flight when pending is a dict: its
-    work is stored there under the data pointer); backward: identity."""
+    """forward: all-reduce, in place on a contiguous x; backward: identity."""
 
     @staticmethod
-    def forward(ctx, x, group, pending=None):
-        if pending is None:
-            if x.is_contiguous():
-                ctx.mark_dirty(x)
-            return _all_reduce(x, group)  # in place, or on a contiguous copy
-        ctx.mark_dirty(x)
-        pending[x.data_ptr()] = dist.all_reduce(x, group=group, async_op=True)
-        return x
+    def forward(ctx, x, group):
+        if x.is_contiguous():
+            ctx.mark_dirty(x)
+        return _all_reduce(x, group)  # in place, or on a contiguous copy
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None
 
 
 def _conjugate(x: torch.Tensor, group: Group, fwd, bwd) -> torch.Tensor:
@@ -151,34 +140,6 @@ def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     such as a GEMM output, that nothing else reads; autograd refuses one saved for backward);
     backward: identity."""
     return x if tp_world(group) == 1 else _ReduceFromTP.apply(x, group)
-
-
-# All-reduces started by start_reduce_from_tp and not yet waited for, by the tensor's data pointer.
-_in_flight: dict[int, dist.Work] = {}
-
-
-@torch.compiler.disable
-def start_reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """forward: launch the all-reduce (sum) of x over `group` in place and return x at once; its
-    values are the sum only after wait_reduce_from_tp(x). x must be contiguous and fresh (as for
-    reduce_from_tp). backward: identity."""
-    if tp_world(group) == 1:
-        return x
-    if not x.is_contiguous():
-        raise ValueError("start_reduce_from_tp reduces in place: pass a contiguous tensor")
-    if x.data_ptr() in _in_flight:
-        raise RuntimeError("start_reduce_from_tp: an all-reduce of this tensor is already in flight")
-    return _ReduceFromTP.apply(x, group, _in_flight)
-
-
-@torch.compiler.disable
-def wait_reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
-    """Make the current stream wait for x's all-reduce from start_reduce_from_tp (on the CPU for
-    gloo) and return x, now the sum. A no-op for a tensor that was not started (tp = 1)."""
-    work = _in_flight.pop(x.data_ptr(), None)
-    if work is not None:
-        work.wait()
-    return x
 
 
 @torch.compiler.disable
