@@ -119,7 +119,7 @@ def main() -> None:
         size = (tmp / "docs.jsonl").stat().st_size / args.docs
     print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, workers={args.workers}; "
           f"documents avg {size:,.0f} bytes\n")
-    print(f"| step | items | seconds | items/s |\n|---|---:|---:|---:|")
+    print("| step | items | seconds | items/s |\n|---|---:|---:|---:|")
     for step, items, secs in rows:
         print(f"| {step} | {items:,} | {secs:.1f} | {items / secs:,.0f} |")
     lsh = next(r for r in rows if r[0] == "find_duplicates")

@@ -203,7 +203,7 @@ def bench_layernorm(copy_gbs: float, hs: List[int], only_bwd: bool = False) -> N
             continue
         comp_b = torch.compile(manual_bwd, dynamic=False)
         add_row("ln_bwd", shape, "compile", bench_us(lambda: comp_b(dy, x, m2, r2, w)), nb, copy_gbs, target)
-        del x, dy
+        x = dy = None  # free before the next size (a del confuses pyflakes: the lambdas above read them)
 
 
 def bench_softmax(copy_gbs: float, seqs: List[int]) -> None:
@@ -240,7 +240,7 @@ def bench_softmax(copy_gbs: float, seqs: List[int]) -> None:
             continue
         comp_b = torch.compile(lambda dy_, y_: (y_.float() * (dy_.float() - (dy_.float() * y_.float()).sum(-1, keepdim=True)) * scale).to(dt), dynamic=False)
         add_row("causal_bwd", shape, "compile", bench_us(lambda: comp_b(dy, y)), nb_b, copy_gbs, 85.0)
-        del x, dy, y
+        x = dy = y = None  # free before the next size
 
 
 def print_table(copy_gbs: float, out: Path) -> None:
