@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from megapar.kernels import load_fused_kernels
+from . import load_fused_kernels
 
 Entry = tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]  # master, grad, exp_avg, exp_avg_sq, param
 LR = Union[float, Tensor]

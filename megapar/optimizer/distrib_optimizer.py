@@ -38,8 +38,8 @@ import torch.nn as nn
 
 from ..tensor_parallel.mappings import all_gather_tensor
 from .grad_buffer import GradBuffer
-from .optimizer import (adam_state, clip_grads_, counts_for_norm, decay_groups, fused_adamw, fused_step,
-                        global_norm, make_adamw, resolve_adam_impl, saved_param_groups, unscale_and_check)
+from .optimizer import (adam_state, adamw_update, clip_grads_, counts_for_norm, decay_groups, global_norm,
+                        make_adamw, resolve_adam_impl, saved_param_groups, unscale_and_check)
 
 
 @dataclass
@@ -84,8 +84,13 @@ class DistributedOptimizer:
             raise ValueError("DistributedOptimizer needs every parameter in one dtype")
         self._build_buffers()
         self.parts = self._plan_parts()
-        self.norm_parts = [i for i, pt in enumerate(self.parts) if counts_for_norm(pt.name, tp_rank)]
         self.masters = [self._master(pt) for pt in self.parts]   # AdamW's params (its state is keyed by them)
+        # Fixed for the run (the flat buffers never move): this rank's gradient parts, and the owned
+        # ranges of the param buffer that the fused AdamW writes (None: fp32, the master is the param).
+        self.grads = [self.buffer.data[pt.buf_lo:pt.buf_hi] for pt in self.parts]
+        self.norm_grads = [g for pt, g in zip(self.parts, self.grads) if counts_for_norm(pt.name, tp_rank)]
+        low = self.master_shard is not None
+        self.params = [self.param_buf[pt.buf_lo:pt.buf_hi] if low else None for pt in self.parts]
         self.adam = make_adamw(decay_groups([(pt.name, pt.param, m) for pt, m in zip(self.parts, self.masters)], cfg),
                                cfg, self.device)
         self._torch_fused = bool(self.adam.defaults.get("fused"))
@@ -160,28 +165,16 @@ class DistributedOptimizer:
         """Returns (applied, grad_norm as a device tensor); applied is False when fp16 overflow
         skipped the step.
         Call after `grad_buffer.finish()`. Collective over every rank."""
-        grads = [self.buffer.data[pt.buf_lo:pt.buf_hi] for pt in self.parts]
         if self.cfg.fp16:
-            found_inf = unscale_and_check(grads, self.scaler.scale, self.device, self.inf_group)
+            found_inf = unscale_and_check(self.grads, self.scaler.scale, self.device, self.inf_group)
             self.scaler.update(found_inf)
             if found_inf:
                 return False, torch.full((), float("nan"), device=self.device)
-        norm = global_norm([grads[i] for i in self.norm_parts], self.norm_group, self.device)
-        clip_grads_(grads, norm, self.cfg.clip_grad, self.adam)
-        if self.adam_impl == "fused":  # also writes the owned bf16/fp16 ranges of the param buffer
-            if self.fused_adam is None:
-                low = self.master_shard is not None
-                writes = {id(m): (g, self.param_buf[pt.buf_lo:pt.buf_hi] if low else None)
-                          for pt, m, g in zip(self.parts, self.masters, grads)}
-                self.fused_adam = fused_adamw(self.adam, writes)
-            fused_step(self.fused_adam, self.adam)
-        else:
-            for m, g in zip(self.masters, grads):
-                m.grad = g
-            self.adam.step()
-            for m in self.masters:
-                m.grad = None
-        self._publish_params(copy=self.adam_impl != "fused")
+        norm = global_norm(self.norm_grads, self.norm_group, self.device)
+        clip_grads_(self.grads, norm, self.cfg.clip_grad, self.adam)
+        self.fused_adam = adamw_update(self.adam, self.adam_impl, self.fused_adam, self.masters, self.grads,
+                                       self.params)
+        self._publish_params(copy=self.fused_adam is None)
         return True, norm
 
     @torch.no_grad()

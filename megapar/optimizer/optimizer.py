@@ -115,9 +115,25 @@ def fused_adamw(adam: torch.optim.AdamW, grad_and_param: dict[int, tuple[torch.T
     return MultiTensorAdamW(groups, adam.defaults["betas"], adam.defaults["eps"], step)
 
 
-def fused_step(fused, adam: torch.optim.AdamW) -> None:
-    """One update by fused_adamw's kernel, with the groups' current LRs and the clip factor."""
-    fused.step([g["lr"] for g in adam.param_groups], getattr(adam, "grad_scale", None))
+def adamw_update(adam: torch.optim.AdamW, impl: str, fused, masters: list[torch.Tensor], grads: list[torch.Tensor],
+                 params: list[Optional[torch.Tensor]]):
+    """One AdamW update of `masters` from `grads` (after clipping). impl "fused": csrc's kernel,
+    which also writes `params` (the model's bf16/fp16 tensors, None where the master is the
+    parameter); pass the returned kernel object back as `fused` (built here on first use).
+    impl "torch": torch's AdamW, with .grad attached for the step only (with fp32 models the master
+    *is* the parameter, and a standing .grad would make autograd accumulate into it); the caller
+    copies the masters into `params`. Returns the kernel object (None for torch)."""
+    if impl == "fused":
+        if fused is None:
+            fused = fused_adamw(adam, {id(m): (g, p) for m, g, p in zip(masters, grads, params)})
+        fused.step([g["lr"] for g in adam.param_groups], getattr(adam, "grad_scale", None))
+        return fused
+    for m, g in zip(masters, grads):
+        m.grad = g
+    adam.step()
+    for m in masters:
+        m.grad = None
+    return None
 
 
 def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fused: bool) -> dict:
@@ -155,6 +171,8 @@ class MixedPrecisionOptimizer:
         self.grads = [p.main_grad for _, p in self.named]
         self.norm_grads = [p.main_grad for n, p in self.named if counts_for_norm(n, tp_rank)]
         self.copies = [(p, self.masters[n]) for n, p in self.named if self.masters[n] is not p]
+        self.master_list = [self.masters[n] for n, _ in self.named]
+        self.params = [None if m is p else p for m, (_, p) in zip(self.master_list, self.named)]  # fused AdamW writes
         self.adam_impl = resolve_adam_impl(cfg.adam_impl, self.device)
         self.fused_adam = None  # --adam-impl fused: built at the first step (after a checkpoint load)
 
@@ -182,22 +200,10 @@ class MixedPrecisionOptimizer:
         return sum(3 * 4 * p.numel() for _, p in self.named)
 
     def _adam_step(self) -> None:
-        if self.adam_impl == "fused":
-            if self.fused_adam is None:
-                writes = {id(self.masters[n]): (p.main_grad, None if self.masters[n] is p else p)
-                          for n, p in self.named}
-                self.fused_adam = fused_adamw(self.adam, writes)
-            fused_step(self.fused_adam, self.adam)
-            return
-        # .grad is attached only for the step: with fp32 models the master *is* the parameter,
-        # and a standing .grad would make autograd accumulate into it
-        for (n, _), g in zip(self.named, self.grads):
-            self.masters[n].grad = g
-        self.adam.step()
-        with torch.no_grad():
-            for n, _ in self.named:
-                self.masters[n].grad = None
-            if self.copies:  # fp32 masters -> bf16/fp16 model params, one multi-tensor kernel
+        self.fused_adam = adamw_update(self.adam, self.adam_impl, self.fused_adam, self.master_list, self.grads,
+                                       self.params)
+        if self.fused_adam is None and self.copies:  # fp32 masters -> bf16/fp16 params, one multi-tensor kernel
+            with torch.no_grad():
                 torch._foreach_copy_([p for p, _ in self.copies], [m for _, m in self.copies])
 
     # ---- checkpoint state (keyed by parameter name) ------------------------------------
