@@ -1,4 +1,5 @@
 """Gradient-accumulation fusion: weight-grad GEMMs accumulate into the GradBuffer's fp32 main_grad."""
+import contextlib
 import pytest
 import torch
 import torch.distributed as dist
@@ -127,3 +128,31 @@ def _tp_fused_body(rank, tp):
 def test_tp2_fused_layers_match_serial_twin():
     for errors in run_distributed(_tp_fused_body, world_size=2):
         assert max(errors) < 1e-4, errors
+
+
+def _layer_main_grads(flags):
+    """A transformer layer's main_grads after two microbatches through a GradBuffer (the first
+    under no_sync), with gradient-accumulation fusion; the layer is not compiled."""
+    from gpt_helpers import tiny_model_config
+    from megapar.model.transformer import TransformerLayer
+    cfg = tiny_model_config(["--hidden-dropout", "0", "--attention-dropout", "0"] + flags)
+    layer = TransformerLayer(cfg.model, 0, seed=3, tp_group=None, device="cpu", dtype=torch.float32)
+    buf = GradBuffer(layer.parameters(), None)
+    buf.start_step()
+    g = torch.Generator().manual_seed(0)
+    for last in (False, True):
+        x = torch.randn(16, 3, 32, generator=g)                                       # [s, b, h]
+        with buf.no_sync() if not last else contextlib.nullcontext():
+            layer(x).square().sum().backward()
+    buf.finish()
+    return {n: p.main_grad.clone() for n, p in layer.named_parameters()}
+
+
+def test_skipped_biases_accumulate_through_the_grad_buffer():
+    """--torch-compile's skipped biases (autograd gradients, queued 1-D adds) give the main_grads of
+    the GEMM-path biases (accumulated in backward), and every other main_grad is unchanged."""
+    gemm_path, skipped = _layer_main_grads([]), _layer_main_grads(["--torch-compile"])
+    assert skipped.keys() == gemm_path.keys()
+    for name, want in gemm_path.items():
+        assert want.abs().sum() > 0, name
+        torch.testing.assert_close(skipped[name], want, rtol=1e-5, atol=1e-5, msg=name)

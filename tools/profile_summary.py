@@ -1,11 +1,15 @@
 """Summarise a chrome trace from `--profile`: GPU kernel time by category, the top kernels, and how
 much of the profiled wall time the GPU was busy (the rest is host overhead or waiting).
 
-    python tools/profile_summary.py megapar_trace_rank0.json [--iters 2] [--top 25]
+    python tools/profile_summary.py megapar_trace_rank0.json [--iters 2] [--top 25] [--by-op]
+
+--by-op also names, for the top kernels, the innermost CPU operator that launched them (runs
+without a CUDA graph only: a graph replay launches its kernels without operators).
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
 import sys
@@ -44,21 +48,47 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def launching_ops(events: list[dict]) -> dict[int, str]:
+    """correlation id -> name of the innermost CPU op (same thread) around the runtime call with it."""
+    ops, calls = defaultdict(list), []
+    for e in events:
+        if e.get("cat") == "cpu_op" and "dur" in e:
+            ops[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+        elif e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            calls.append(e)
+    for spans in ops.values():
+        spans.sort(key=lambda t: (t[0], -t[1]))
+    starts = {k: [t[0] for t in v] for k, v in ops.items()}
+    found = {}
+    for c in calls:
+        spans, key = ops.get((c["pid"], c["tid"]), []), (c["pid"], c["tid"])
+        i = bisect.bisect_right(starts.get(key, []), c["ts"]) - 1
+        # walk back to the latest-starting span that still contains the call (innermost)
+        while i >= 0 and spans[i][1] < c["ts"]:
+            i -= 1
+        if i >= 0:
+            found[c["args"]["correlation"]] = spans[i][2]
+    return found
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace")
     p.add_argument("--iters", type=int, default=2, help="profiled iterations (to report per-iteration ms)")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--by-op", action="store_true", help="name the CPU operator that launched each top kernel")
     args = p.parse_args()
     events = json.load(open(args.trace))["traceEvents"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     if not kernels:
         sys.exit(f"{args.trace}: no GPU kernels in the trace (was it profiled on a GPU?)")
     by_cat, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
+    launcher, callers = launching_ops(events) if args.by_op else {}, defaultdict(lambda: defaultdict(int))
     for e in kernels:
         by_cat[category(e["name"])] += e["dur"]
         by_name[e["name"]] += e["dur"]
         count[e["name"]] += 1
+        callers[e["name"]][launcher.get(e.get("args", {}).get("correlation"), "?")] += 1
     first = min(e["ts"] for e in kernels)
     last = max(e["ts"] + e["dur"] for e in kernels)
     busy = busy_time([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
@@ -69,9 +99,12 @@ def main() -> None:
     total = sum(by_cat.values())
     for cat, t in sorted(by_cat.items(), key=lambda kv: -kv[1]):
         print(f"| {cat} | {t / 1e3 / n:.2f} | {100 * t / total:.1f}% |")
-    print("\n| top kernels | calls/iter | ms/iter |\n|---|---|---|")
+    print("\n| top kernels | calls/iter | ms/iter |" + (" launched by |\n|---|---|---|---|" if args.by_op else "\n|---|---|---|"))
     for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]:
-        print(f"| {name[:110]} | {count[name] / n:.0f} | {t / 1e3 / n:.2f} |")
+        row = f"| {name[:110]} | {count[name] / n:.0f} | {t / 1e3 / n:.2f} |"
+        if args.by_op:
+            row += " " + ", ".join(f"{op} ×{k}" for op, k in sorted(callers[name].items(), key=lambda kv: -kv[1])[:3]) + " |"
+        print(row)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ Each parameter gets `param.main_grad`, a view into the buffer. A hook after each
 accumulation adds `param.grad` into `main_grad` (fp32 accumulation across microbatches, whatever
 the parameter dtype) and frees `param.grad`; linear-layer weights and biases with
 gradient-accumulation fusion were accumulated by backward itself (tensor_parallel/linear.py),
-so the hook only frees their dummy.
+so the hook only frees their dummy. Vectors (LayerNorm weights and biases, biases left to
+autograd) are small and many, ~100 in GPT-2 345M: the hook queues them and one foreach add per
+bucket accumulates them all when the bucket is complete (or in `finish()`), instead of one
+launch each (0.5 ms of a 45 ms H200 step in ~5 µs adds).
 
 The buffer is cut into buckets (parameters in reverse registration order, roughly the order
 backward produces them). Each bucket is padded to a multiple of dp, so it splits into dp equal
@@ -41,6 +44,14 @@ class Bucket:
     params: list[nn.Parameter]
     pending: set = field(default_factory=set)  # ids of params whose grads have not arrived yet
     handle: Optional[object] = None
+    queued: dict = field(default_factory=dict)  # id(param) -> (main_grad, grad): vector grads not yet added
+
+    def add_queued(self) -> None:
+        """main_grad += grad for every queued vector gradient, in one multi-tensor launch."""
+        if self.queued:
+            main_grads, grads = zip(*self.queued.values())
+            torch._foreach_add_(list(main_grads), list(grads))
+            self.queued.clear()
 
     def shard(self, dp_rank: int, dp: int) -> tuple[int, int]:
         """The [start, end) range of the buffer this dp rank owns within this bucket."""
@@ -106,7 +117,11 @@ class GradBuffer:
     def _hook(self, bucket: Bucket, add_grad: bool) -> Callable[[nn.Parameter], None]:
         """add_grad=False: backward accumulates into main_grad itself (fixed once main_grad is set)."""
         def hook(p: nn.Parameter) -> None:
-            if add_grad:
+            if add_grad and p.dim() == 1:
+                if id(p) in bucket.queued:  # a second microbatch: no repeated tensor in one foreach
+                    bucket.add_queued()
+                bucket.queued[id(p)] = (p.main_grad, p.grad)
+            elif add_grad:
                 p.main_grad.add_(p.grad)
             p.grad = None
             if self.sync_enabled and self.overlap and bucket is not self.late_bucket:
@@ -131,6 +146,7 @@ class GradBuffer:
             b.pending, b.handle = {id(p) for p in b.params}, None
 
     def _launch(self, bucket: Bucket, async_op: bool) -> None:
+        bucket.add_queued()
         if self.dp == 1 or bucket.handle is not None:
             bucket.handle = bucket.handle or "done"
             return
@@ -147,6 +163,7 @@ class GradBuffer:
         """Complete every bucket's reduction (launching those not yet started) and wait."""
         for b in self.buckets:
             if b is self.late_bucket and before_late is not None:
+                b.add_queued()
                 before_late()
             if b.handle is None:
                 self._launch(b, async_op=self.overlap)
