@@ -40,8 +40,6 @@ class ModelConfig:
     recompute_num_layers: int = 1
     torch_compile: bool = False                    # torch.compile each transformer layer
     gradient_accumulation_fusion: bool = True      # weight-grad GEMMs accumulate into the fp32 main_grad
-    bias_gelu_fusion: bool = True                  # with torch_compile: MLP bias added in the compiled GELU kernel
-    bias_dropout_fusion: bool = True               # with torch_compile: output biases added with dropout + residual
     decoder_first_pipeline_num_layers: Optional[int] = None  # uneven pipeline stages (default: even split)
     decoder_last_pipeline_num_layers: Optional[int] = None
     sequence_parallel: bool = False                # split LayerNorm/dropout/residual work along the sequence (tp > 1)
@@ -194,12 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                    help="weight-gradient GEMMs write a bf16 grad that a hook adds to the fp32 buffer (default: "
                         "they accumulate into the fp32 buffer directly)")
-    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
-                   help="with --torch-compile: keep the MLP's first bias in the GEMM instead of adding it in the "
-                        "compiled GELU kernel (whose backward then also sums its gradient)")
-    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
-                   help="with --torch-compile: add the attention/MLP output biases on the GEMM path instead of in "
-                        "the compiled dropout + residual kernel")
     g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)

@@ -30,5 +30,5 @@ def test_categories_busy_time_and_launching_ops(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     assert "GPU span 0.70 ms, GPU busy 0.60 ms" in out
     assert "| gemm | 0.40 |" in out and "| reduction | 0.20 |" in out
-    assert "| sm90_xmma_gemm_bf16 | 1 | 0.40 | aten::addmm ×1 |" in out
-    assert "| reduce_kernel<float> | 2 | 0.20 | aten::sum ×1, aten::linear ×1 |" in out
+    assert "| sm90_xmma_gemm_bf16 | 1 | 0.40 | aten::linear > aten::addmm ×1 |" in out
+    assert "| reduce_kernel<float> | 2 | 0.20 | aten::linear > aten::sum ×1, aten::linear ×1 |" in out

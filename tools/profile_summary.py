@@ -9,7 +9,6 @@ without a CUDA graph only: a graph replay launches its kernels without operators
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import re
 import sys
@@ -48,26 +47,26 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def launching_ops(events: list[dict]) -> dict[int, str]:
-    """correlation id -> name of the innermost CPU op (same thread) around the runtime call with it."""
-    ops, calls = defaultdict(list), []
+def launching_ops(events: list[dict], depth: int = 3) -> dict[int, str]:
+    """correlation id -> the innermost `depth` CPU ops (outer > inner, same thread) around the
+    runtime call that launched the kernel with that id."""
+    threads = defaultdict(list)  # (pid, tid) -> [(ts, order, end, name or correlation)]
     for e in events:
         if e.get("cat") == "cpu_op" and "dur" in e:
-            ops[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+            threads[(e["pid"], e["tid"])].append((e["ts"], -e["dur"], e["ts"] + e["dur"], e["name"]))
         elif e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
-            calls.append(e)
-    for spans in ops.values():
-        spans.sort(key=lambda t: (t[0], -t[1]))
-    starts = {k: [t[0] for t in v] for k, v in ops.items()}
+            threads[(e["pid"], e["tid"])].append((e["ts"], 1, None, e["args"]["correlation"]))
     found = {}
-    for c in calls:
-        spans, key = ops.get((c["pid"], c["tid"]), []), (c["pid"], c["tid"])
-        i = bisect.bisect_right(starts.get(key, []), c["ts"]) - 1
-        # walk back to the latest-starting span that still contains the call (innermost)
-        while i >= 0 and spans[i][1] < c["ts"]:
-            i -= 1
-        if i >= 0:
-            found[c["args"]["correlation"]] = spans[i][2]
+    for items in threads.values():
+        stack = []                                                  # open ops: (end, name)
+        for ts, _, end, what in sorted(items, key=lambda t: t[:2]):
+            while stack and stack[-1][0] < ts:
+                stack.pop()
+            if end is None:
+                if stack:
+                    found[what] = " > ".join(name for _, name in stack[-depth:])
+            else:
+                stack.append((end, what))
     return found
 
 

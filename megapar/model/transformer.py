@@ -31,13 +31,6 @@ def make_layernorm(cfg: ModelConfig, device, dtype) -> nn.Module:
     return ln
 
 
-def fuses_bias_dropout(cfg: ModelConfig) -> bool:
-    """Row-parallel biases (attention and MLP outputs) added with dropout and the residual in the
-    compiled layer, their gradients summed by its backward kernels, rather than on the GEMM path
-    (linear.py: a GEMV into main_grad). Only compiled layers fuse anything, so only they skip."""
-    return cfg.torch_compile and cfg.bias_dropout_fusion
-
-
 def sp_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
     """Dropout on activations outside the TP region: on the default RNG stream (the same on every TP
     rank, which hold the same tokens), or, under sequence parallelism (each rank holds other
@@ -81,7 +74,6 @@ class ParallelAttention(nn.Module):
         h, out_std = cfg.hidden_size, cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         _, tp = tp_rank_size(tp_group)
         fused, sp = cfg.gradient_accumulation_fusion, cfg.sequence_parallel
-        skip = fuses_bias_dropout(cfg)
         self.heads_local, self.hn = cfg.num_attention_heads // tp, cfg.kv_channels
         self.backend, self.dropout = cfg.attention_backend, cfg.attention_dropout
         self.selective_recompute = cfg.recompute_granularity == "selective" and self.backend not in SDPA_BACKENDS
@@ -89,12 +81,9 @@ class ParallelAttention(nn.Module):
             h, 3 * h, Init(seed, f"{prefix}.query_key_value.weight", cfg.init_method_std), tp_group,
             device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp)
         self.dense = RowParallelLinear(h, h, Init(seed, f"{prefix}.dense.weight", out_std), tp_group,
-                                       device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp,
-                                       skip_bias_add=skip)
+                                       device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None
-                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(output, bias still to add or None), as Megatron's attention returns them."""
+    def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
         qkv = self.query_key_value(x)                                                  # [s, b, 3h/tp]
         s, b, _ = qkv.shape                           # x is [s/tp, b, h] under sequence parallelism
         qkv = qkv.view(s, b, self.heads_local, 3, self.hn)                             # [s, b, np, 3, hn]
@@ -112,7 +101,7 @@ class ParallelAttention(nn.Module):
                 backend, causal = ("flash", False) if q.shape[2] == 1 else ("torch", True)
             ctx = core_attention(q, k, v, backend, p, causal)                         # [b, np, s, hn]
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.hn)        # [s, b, h/tp]
-        return self.dense(ctx), self.dense.skipped_bias
+        return self.dense(ctx)
 
 
 class ParallelMLP(nn.Module):
@@ -123,19 +112,13 @@ class ParallelMLP(nn.Module):
         fused, sp = cfg.gradient_accumulation_fusion, cfg.sequence_parallel
         self.dense_h_to_4h = ColumnParallelLinear(
             h, f, Init(seed, f"{prefix}.dense_h_to_4h.weight", cfg.init_method_std), tp_group,
-            device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp,
-            skip_bias_add=cfg.torch_compile and cfg.bias_gelu_fusion)
+            device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp)
         self.dense_4h_to_h = RowParallelLinear(f, h, Init(seed, f"{prefix}.dense_4h_to_h.weight", out_std),
-                                               tp_group, device=device, dtype=dtype, fused_grad_accumulation=fused,
-                                               sequence_parallel=sp, skip_bias_add=fuses_bias_dropout(cfg))
+                                               tp_group, device=device, dtype=dtype,
+                                               fused_grad_accumulation=fused, sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(output, bias still to add or None)."""
-        h = self.dense_h_to_4h(x)                                                      # [s, b, 4h/tp]
-        if self.dense_h_to_4h.skip_bias_add:
-            h = h + self.dense_h_to_4h.bias
-        h = F.gelu(h, approximate="tanh")                                              # GPT-2's tanh GELU
-        return self.dense_4h_to_h(h), self.dense_4h_to_h.skipped_bias
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))  # GPT-2 tanh GELU
 
 
 class TransformerLayer(nn.Module):
@@ -152,11 +135,6 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
-        x = self._bias_dropout_add(*self.self_attention(self.input_layernorm(x), kv_cache), x)
-        return self._bias_dropout_add(*self.mlp(self.post_attention_layernorm(x)), x)
-
-    def _bias_dropout_add(self, out: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
-        """residual + dropout(out + bias): one fused kernel under torch.compile."""
-        if bias is not None:
-            out = out + bias
-        return residual + sp_dropout(out, self.hidden_dropout, self.training, self.sequence_parallel)
+        p, sp = self.hidden_dropout, self.sequence_parallel
+        x = x + sp_dropout(self.self_attention(self.input_layernorm(x), kv_cache), p, self.training, sp)
+        return x + sp_dropout(self.mlp(self.post_attention_layernorm(x)), p, self.training, sp)

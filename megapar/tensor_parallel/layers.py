@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -61,34 +60,23 @@ class ColumnParallelLinear(nn.Module):
 
     Input [*, in] (replicated) -> output [*, out/tp], or [*, out] with gather_output=True.
     sequence_parallel: input [s/tp, b, in], this rank's part of the sequence, all-gathered first.
-    skip_bias_add: return X A^T only; the caller adds `skipped_bias` in its own (compiled) elementwise
-    code, and autograd (not the GEMM path) computes the bias gradient (Megatron's skip_bias_add).
     """
 
     def __init__(self, in_features: int, out_features: int, init: Init, tp_group: Group = None,
                  bias: bool = True, gather_output: bool = False, device=None, dtype=torch.float32,
-                 fused_grad_accumulation: bool = False, sequence_parallel: bool = False,
-                 skip_bias_add: bool = False):
+                 fused_grad_accumulation: bool = False, sequence_parallel: bool = False):
         super().__init__()
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel cannot be combined")
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
-        self.skip_bias_add = skip_bias_add and bias
         rank, size = tp_rank_size(tp_group)
         self.out_per_rank = _divide(out_features, size, "output features")
         w = full_normal((out_features, in_features), init).chunk(size, dim=0)[rank]
         self.weight = _param(w, device, dtype, fused_grad_accumulation)
-        self.bias = _param(torch.zeros(self.out_per_rank), device, dtype,
-                           fused_grad_accumulation and not skip_bias_add) if bias else None
-
-    @property
-    def skipped_bias(self) -> Optional[nn.Parameter]:
-        """The bias forward left for the caller to add (None: forward added it)."""
-        return self.bias if self.skip_bias_add else None
+        self.bias = _param(torch.zeros(self.out_per_rank), device, dtype, fused_grad_accumulation) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.skip_bias_add else self.bias
-        y = linear(x, self.weight, bias, self.tp_group, self.sequence_parallel)  # [*, out/tp]
+        y = linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)  # [*, out/tp]
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 
@@ -100,28 +88,22 @@ class RowParallelLinear(nn.Module):
     sequence_parallel: the output is reduce-scattered along the sequence instead, [s/tp, b, out],
     and the bias is marked `sequence_parallel` (its gradient is summed over TP after
     backward: GradBuffer tp_summed).
-    skip_bias_add: as for ColumnParallelLinear (the caller adds `skipped_bias` after the reduction).
     """
 
     def __init__(self, in_features: int, out_features: int, init: Init, tp_group: Group = None,
                  bias: bool = True, input_is_parallel: bool = True, device=None, dtype=torch.float32,
-                 fused_grad_accumulation: bool = False, sequence_parallel: bool = False,
-                 skip_bias_add: bool = False):
+                 fused_grad_accumulation: bool = False, sequence_parallel: bool = False):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel")
         self.tp_group, self.input_is_parallel, self.sequence_parallel = tp_group, input_is_parallel, sequence_parallel
-        self.skip_bias_add = skip_bias_add and bias
         rank, size = tp_rank_size(tp_group)
         _divide(in_features, size, "input features")
         w = full_normal((out_features, in_features), init).chunk(size, dim=1)[rank]
         self.weight = _param(w, device, dtype, fused_grad_accumulation)
-        self.bias = _param(torch.zeros(out_features), device, dtype,
-                           fused_grad_accumulation and not skip_bias_add) if bias else None
+        self.bias = _param(torch.zeros(out_features), device, dtype, fused_grad_accumulation) if bias else None
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True
-
-    skipped_bias = ColumnParallelLinear.skipped_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -130,7 +112,7 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sp(linear(x, self.weight), self.tp_group)  # [s/tp, b, out]
         else:
             y = reduce_from_tp(linear(x, self.weight), self.tp_group)  # [*, out]
-        return y if self.bias is None or self.skip_bias_add else add_bias(y, self.bias)
+        return y if self.bias is None else add_bias(y, self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):
