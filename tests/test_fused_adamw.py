@@ -121,7 +121,10 @@ def test_training_matches_torch_adamw(gpu_data, tmp_path, extra, rel, gpus):
         ck = ["--adam-impl", "fused", "--save", str(tmp_path / "ck")]
         _train(argv + ck + ["--exit-interval", "4"])
         resumed = _train(argv + ck + ["--load", str(tmp_path / "ck")])
-        _assert_close(resumed["loss"], {k: v for k, v in fused["loss"].items() if k > 4}, 1e-6)
+        # Two runs of one bf16 command already differ by up to 8e-6 (H100: the attention backward
+        # sums dQ with atomics); a resume that lost the optimizer state (--no-load-optim, this
+        # config, fp32 on CPU) is 3e-3 to 7e-3 off at iterations 6-8.
+        _assert_close(resumed["loss"], {k: v for k, v in fused["loss"].items() if k > 4}, 1e-4)
 
 
 class _ReferenceKernel:
