@@ -209,11 +209,14 @@ class Profiler:
             self.prof = profile(activities=acts)
             self.prof.__enter__()
 
-    def after(self, iteration: int) -> None:
+    def after(self, iteration: int) -> float:
+        """Stop at the end iteration and write the trace. Returns the seconds that took (seconds for
+        a large trace; the caller leaves them out of the iteration times)."""
         if self.prof is None or iteration != self.end:
-            return
+            return 0.0
         if self.run.device.type == "cuda":
             torch.cuda.synchronize()
+        start = time.perf_counter()
         self.prof.__exit__(None, None, None)
         if self.run.rank == 0:
             key = "cuda_time_total" if self.run.device.type == "cuda" else "cpu_time_total"
@@ -222,6 +225,7 @@ class Profiler:
             self.prof.export_chrome_trace(path)
             print(f"> profile of iterations {self.start}..{self.end - 1}: trace written to {path}", flush=True)
         self.prof = None
+        return time.perf_counter() - start
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -286,6 +290,10 @@ class StepLog:
                                    cfg.model.padded_vocab_size)
         self.peak, self.peak_desc = device_peak_tflops(run.device)
         self.window_start, self.window_iters, self.window_loss = time.perf_counter(), 0, 0.0
+
+    def pause(self, seconds: float) -> None:
+        """Leave `seconds` of host-only work (writing a profile) out of the current timing window."""
+        self.window_start += seconds
 
     def record(self, step: LaunchedStep) -> None:
         if step.ready is not None:
@@ -358,7 +366,7 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
                   f"pipeline position: {current_step() or 'outside the schedule'}", flush=True)
             raise
         if profiler:
-            profiler.after(state.iteration + 1)
+            steps.pause(profiler.after(state.iteration + 1))
         state.iteration += 1
         state.consumed_samples += cfg.train.global_batch_size
         launched = LaunchedStep(state.iteration, state.consumed_samples, *to_host(out), applied,

@@ -162,3 +162,31 @@ def test_nan_stops_training_naming_the_iteration(embedded_data, tmp_path):
     assert proc.returncode != 0, out
     assert "FloatingPointError: NaN/Inf at iteration 2: lm loss" in out, out[-2000:]
     assert not (tmp_path / "ck").exists()
+
+
+def _slow_trace_body(rank, world_size, argv, workdir):
+    """Train with a profile whose trace export takes 3 s (written to workdir); return the printed
+    iteration times."""
+    import contextlib
+    import io
+    import re
+    import time
+    from torch.profiler import profile
+
+    from megapar.pretrain_gpt2 import parse, pretrain
+    export = profile.export_chrome_trace
+    profile.export_chrome_trace = lambda self, path: (time.sleep(3.0), export(self, path))
+    out = io.StringIO()
+    os.chdir(workdir)
+    with contextlib.redirect_stdout(out):
+        pretrain(parse(argv, world_size))
+    return [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([\d.]+)", out.getvalue())]
+
+
+def test_writing_a_profile_is_left_out_of_iteration_times(embedded_data, tmp_path):
+    from distributed import run_distributed
+    argv = TINY_TRAIN + embedded_data + ["--train-iters", "4", "--log-interval", "4", "--profile",
+                                         "--profile-step-start", "1", "--profile-step-end", "2"]
+    times = run_distributed(_slow_trace_body, 1, args=(argv, str(tmp_path)))[0]
+    assert (tmp_path / "megapar_trace_rank0.json").exists()
+    assert len(times) == 1 and times[0] < 500, times  # with the 3 s export inside: >= 750 ms per iteration
