@@ -14,6 +14,9 @@ Collectives: `generate` is called by every rank of the (tp x pp) model with the 
 Each step the first stage embeds, stages pass activations with torch.distributed send/recv, the
 last stage gathers the vocab-parallel logits of the last position only, masks the padded vocab
 rows (>= vocab_size) to -inf, samples, and broadcasts the new tokens to every rank.
+The host reads a step's tokens back (to see which rows stopped) only after it has queued the next
+step's forward (readback.py), so the GPU does not idle while the host decides; when the last row
+stops, that one forward goes unused.
 Only rank 0 does I/O: `run_leader` (rank 0) and `follow` (others) ship requests to all ranks.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from .arguments import ModelConfig
 from .model.gpt2 import GPT2Model, Stage
 from .model.kv_cache import KVCache
+from .readback import to_host, wait_host
 from .reshard import load_model_state_for
 from .tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from .tensor_parallel.mappings import gather_from_tp
@@ -233,15 +237,16 @@ class InferenceEngine:
             if last and params.logprobs:
                 lp_rows.append(vocab_parallel_logprobs(local[:, -1:], tokens[:, t:t + 1], self.vocab_size,
                                                        self.model.tp_group))
-            col = tokens[:, t].tolist()
-            for i in range(b):
-                if end[i] is None and t >= lens[i] and params.stop_on_eod and col[i] == self.eod:
-                    end[i] = t
-                elif end[i] is None and t + 1 >= stop_at[i]:
-                    end[i] = t + 1
+            col = to_host(tokens[:, t])
             t, steps = t + 1, steps + 1
-            if t < total and any(e is None for e in end):
+            if t < total:  # queue the next forward before waiting for this token: the GPU keeps busy
                 local = self._forward(tokens[:, t - 1:t] if cache is not None else tokens[:, :t], cache)
+            col = wait_host(*col).tolist()   # if every row ends here, that forward is unused
+            for i in range(b):
+                if end[i] is None and t - 1 >= lens[i] and params.stop_on_eod and col[i] == self.eod:
+                    end[i] = t - 1
+                elif end[i] is None and t >= stop_at[i]:
+                    end[i] = t
         sync(self.device)
         out = GenerationOutput(tokens=[tokens[i, :e].tolist() for i, e in enumerate(end)], prompt_lengths=lens,
                                prefill_s=prefill_s, decode_s=time.perf_counter() - t1, decode_steps=steps,

@@ -17,6 +17,7 @@ from .cuda_graph import GraphedStep
 from .initialize import Run, checkpoint_args, print_rank0, train_iters
 from .pipeline.p2p import current_step
 from .pipeline.schedules import ScheduleConfig, average_logs, get_forward_backward_func
+from .readback import to_host, wait_host
 from .tensor_parallel.linear import use_gemv_bias_grads
 from .throughput import device_peak_tflops, flops_per_token, memory_fields, throughput_fields
 from .timers import Timers
@@ -267,18 +268,6 @@ class LaunchedStep:
     lr: float
 
 
-def to_host(t: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
-    """Queue a copy of device tensor t into pinned host memory right behind the work that made it,
-    so waiting for it (the event) waits for that work only, not for steps queued after it."""
-    if t.device.type != "cuda":
-        return t, None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
-
-
 class StepLog:
     """Reads back launched steps in order: checks them, keeps the losses, and prints Megatron's
     iteration line every --log-interval (times are between read-backs, i.e. step completions)."""
@@ -296,9 +285,7 @@ class StepLog:
         self.window_start += seconds
 
     def record(self, step: LaunchedStep) -> None:
-        if step.ready is not None:
-            step.ready.synchronize()  # this step only: the next one may still be running
-        loss, grad_norm = step.out.tolist()
+        loss, grad_norm = wait_host(step.out, step.ready).tolist()  # this step only: the next may still run
         state, log = self.state, self.run.cfg.log
         check_finite(state, step.iteration, loss, step.applied, grad_norm)
         state.losses.append((step.iteration, loss))
