@@ -49,11 +49,14 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
 
 def launching_ops(events: list[dict], depth: int = 3) -> dict[int, str]:
     """correlation id -> the innermost `depth` CPU ops (outer > inner, same thread) around the
-    runtime call that launched the kernel with that id."""
+    runtime call that launched the kernel with that id, each with the shapes of its first two
+    tensor inputs when the trace recorded them."""
     threads = defaultdict(list)  # (pid, tid) -> [(ts, order, end, name or correlation)]
     for e in events:
         if e.get("cat") == "cpu_op" and "dur" in e:
-            threads[(e["pid"], e["tid"])].append((e["ts"], -e["dur"], e["ts"] + e["dur"], e["name"]))
+            dims = [d for d in e.get("args", {}).get("Input Dims", []) if d]   # traces with record_shapes
+            name = e["name"] + (str(dims[:2]).replace(" ", "") if dims else "")
+            threads[(e["pid"], e["tid"])].append((e["ts"], -e["dur"], e["ts"] + e["dur"], name))
         elif e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
             threads[(e["pid"], e["tid"])].append((e["ts"], 1, None, e["args"]["correlation"]))
     found = {}
