@@ -237,11 +237,11 @@ class InferenceEngine:
             if last and params.logprobs:
                 lp_rows.append(vocab_parallel_logprobs(local[:, -1:], tokens[:, t:t + 1], self.vocab_size,
                                                        self.model.tp_group))
-            col = to_host(tokens[:, t])
+            pending = to_host(tokens[:, t])
             t, steps = t + 1, steps + 1
             if t < total:  # queue the next forward before waiting for this token: the GPU keeps busy
                 local = self._forward(tokens[:, t - 1:t] if cache is not None else tokens[:, :t], cache)
-            col = wait_host(*col).tolist()   # if every row ends here, that forward is unused
+            col = wait_host(*pending).tolist()   # if every row ends here, that forward is unused
             for i in range(b):
                 if end[i] is None and t - 1 >= lens[i] and params.stop_on_eod and col[i] == self.eod:
                     end[i] = t - 1

@@ -170,9 +170,9 @@ class MixedPrecisionOptimizer:
         # Fixed for the run (main_grad views never move): built once, not per step.
         self.grads = [p.main_grad for _, p in self.named]
         self.norm_grads = [p.main_grad for n, p in self.named if counts_for_norm(n, tp_rank)]
-        self.copies = [(p, self.masters[n]) for n, p in self.named if self.masters[n] is not p]
         self.master_list = [self.masters[n] for n, _ in self.named]
         self.params = [None if m is p else p for m, (_, p) in zip(self.master_list, self.named)]  # fused AdamW writes
+        self.copies = [(p, m) for m, p in zip(self.master_list, self.params) if p is not None]    # torch AdamW: after
         self.adam_impl = resolve_adam_impl(cfg.adam_impl, self.device)
         self.fused_adam = None  # --adam-impl fused: built at the first step (after a checkpoint load)
 

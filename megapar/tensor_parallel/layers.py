@@ -15,8 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .linear import add_bias, linear
-from .mappings import (Group, copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp,
-                       scatter_to_tp)
+from .mappings import Group, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp, to_tp_region
 
 
 @dataclass(frozen=True)
@@ -145,7 +144,6 @@ def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor, tp_g
                        gather: bool = False, sequence_parallel: bool = False) -> torch.Tensor:
     """Output layer tied to the (vocab-parallel) input embedding: [*, h] -> [*, V/tp] ([*, V]).
     sequence_parallel: hidden is [s/tp, b, h], all-gathered along the sequence first."""
-    hidden = gather_from_sp(hidden, tp_group) if sequence_parallel else copy_to_tp(hidden, tp_group)
-    logits = F.linear(hidden, word_embeddings)                                     # [s, b, V/tp]
+    logits = F.linear(to_tp_region(hidden, tp_group, sequence_parallel), word_embeddings)  # [s, b, V/tp]
     return gather_from_tp(logits, tp_group) if gather else logits
 

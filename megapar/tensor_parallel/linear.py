@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .mappings import Group, all_gather_dim0, copy_to_tp, gather_from_sp, reduce_scatter_dim0, tp_world
+from .mappings import Group, all_gather_dim0, reduce_scatter_dim0, to_tp_region, tp_world
 
 
 @torch.library.custom_op("megapar::accumulate_wgrad_", mutates_args=("main_grad",))
@@ -153,8 +153,7 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] =
     if _active(weight) and (bias is None or _active(bias)):
         accumulate = _linear_accumulate_eager if tp > 1 else _linear_accumulate
         return accumulate(x, weight, bias, grad_x_group, sequence_parallel and tp > 1)
-    x = gather_from_sp(x, grad_x_group) if sequence_parallel else copy_to_tp(x, grad_x_group)
-    return F.linear(x, weight, bias)
+    return F.linear(to_tp_region(x, grad_x_group, sequence_parallel), weight, bias)
 
 
 def _linear_accumulate(x, weight, bias, group: Group, sequence_parallel: bool) -> torch.Tensor:

@@ -171,3 +171,9 @@ def gather_from_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
 def reduce_scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: sum over `group` and keep this rank's slice of dim 0; backward: all-gather dim 0."""
     return _conjugate(x, group, _reduce_scatter_first, all_gather_dim0)
+
+
+def to_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """The input of a column-parallel GEMM: x replicated over `group` (copy_to_tp), or this rank's
+    part of the sequence (gather_from_sp)."""
+    return gather_from_sp(x, group) if sequence_parallel else copy_to_tp(x, group)
