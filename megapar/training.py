@@ -2,6 +2,7 @@
 logging, checkpoints and exit conditions. Nothing here knows how the schedule pipelines."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -266,11 +267,15 @@ class LaunchedStep:
     ready: Optional[torch.cuda.Event]  # None on CPU
     applied: bool
     lr: float
+    launched_at: float                 # StepLog.clock() when queued (on CPU: when it finished)
 
 
 class StepLog:
     """Reads back launched steps in order: checks them, keeps the losses, and prints Megatron's
-    iteration line every --log-interval (times are between read-backs, i.e. step completions)."""
+    iteration line every --log-interval. Times are between step completions on a clock that leaves
+    out evaluation, checkpoint saves and profile writing (Megatron stops its interval timer around
+    them). A GPU step completes when its read-back lands; a CPU step when train_step returned (it
+    is read back one step later, so the read-back time would log each step under its predecessor)."""
 
     def __init__(self, run: Run, state: TrainState, total: int, timers: Timers, writer=None):
         cfg = run.cfg
@@ -278,14 +283,29 @@ class StepLog:
         self.fpt = flops_per_token(cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length,
                                    cfg.model.padded_vocab_size)
         self.peak, self.peak_desc = device_peak_tflops(run.device)
-        self.window_start, self.window_iters, self.window_loss = time.perf_counter(), 0, 0.0
+        self.excluded_s = 0.0
+        self.window_start, self.window_iters, self.window_loss = self.clock(), 0, 0.0
+
+    def clock(self) -> float:
+        """Seconds of training so far: wall time less the excluded work."""
+        return time.perf_counter() - self.excluded_s
 
     def pause(self, seconds: float) -> None:
-        """Leave `seconds` of host-only work (writing a profile) out of the current timing window."""
-        self.window_start += seconds
+        """Leave `seconds` of host-only work (writing a profile) out of the iteration times."""
+        self.excluded_s += seconds
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Leave the work inside (evaluation, a checkpoint save) out of the iteration times."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.pause(time.perf_counter() - start)
 
     def record(self, step: LaunchedStep) -> None:
         loss, grad_norm = wait_host(step.out, step.ready).tolist()  # this step only: the next may still run
+        done = step.launched_at if step.ready is None else self.clock()
         state, log = self.state, self.run.cfg.log
         check_finite(state, step.iteration, loss, step.applied, grad_norm)
         state.losses.append((step.iteration, loss))
@@ -294,11 +314,11 @@ class StepLog:
             self.writer.add_scalar("lm loss", loss, step.iteration)
             self.writer.add_scalar("learning rate", step.lr, step.iteration)
         if step.iteration % log.log_interval == 0 or step.iteration == self.total:
-            elapsed = (time.perf_counter() - self.window_start) / self.window_iters
+            elapsed = (done - self.window_start) / self.window_iters
             print_rank0(self._line(step, elapsed, self.window_loss / self.window_iters, grad_norm))
             if step.iteration == min(self.total, log.log_interval):
                 _print_memory(self.run)
-            self.window_start, self.window_iters, self.window_loss = time.perf_counter(), 0, 0.0
+            self.window_start, self.window_iters, self.window_loss = done, 0, 0.0
 
     def _line(self, step: LaunchedStep, elapsed: float, loss: float, grad_norm: float) -> str:
         cfg, state = self.run.cfg, self.state
@@ -357,7 +377,7 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
         state.iteration += 1
         state.consumed_samples += cfg.train.global_batch_size
         launched = LaunchedStep(state.iteration, state.consumed_samples, *to_host(out), applied,
-                                run.scheduler.get_lr())
+                                run.scheduler.get_lr(), steps.clock())
         if applied:  # Megatron: a skipped (fp16 overflow) step does not advance the LR schedule
             run.scheduler.step()
         if pending is not None:
@@ -367,10 +387,12 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
             steps.record(pending)
             pending = None
         if valid_ds is not None and _evaluates_at(cfg, state.iteration):
-            state.valid_losses.append((state.iteration, evaluate(run, valid_ds, cfg.log.eval_iters)))
+            with steps.excluded():
+                state.valid_losses.append((state.iteration, evaluate(run, valid_ds, cfg.log.eval_iters)))
             log_eval(f"validation loss at iteration {state.iteration}", state.valid_losses[-1][1])
         if _saves_at(cfg, state.iteration):
-            save(run, state)
+            with steps.excluded():
+                save(run, state)
         reason = exit_reason(run, state, handler, start_time)
         if reason:
             if cfg.ckpt.save and not _saves_at(cfg, state.iteration):

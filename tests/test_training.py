@@ -164,8 +164,9 @@ def test_nan_stops_training_naming_the_iteration(embedded_data, tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
-def _slow_trace_body(rank, world_size, argv, workdir):
-    """Train with a profile whose trace export takes 3 s (written to workdir); return the printed
+def _iteration_times_body(rank, world_size, argv, workdir, slow):
+    """Train with slow host-side work between steps (each `slow` thing takes 3 s more: "export",
+    the profile's trace export, written to workdir; "evaluate"; "save"); return the printed
     iteration times."""
     import contextlib
     import io
@@ -173,9 +174,15 @@ def _slow_trace_body(rank, world_size, argv, workdir):
     import time
     from torch.profiler import profile
 
+    import megapar.training as training
     from megapar.pretrain_gpt2 import parse, pretrain
-    export = profile.export_chrome_trace
-    profile.export_chrome_trace = lambda self, path: (time.sleep(3.0), export(self, path))
+
+    def slowed(fn):
+        return lambda *a, **k: (time.sleep(3.0), fn(*a, **k))[1]
+    if "export" in slow:
+        profile.export_chrome_trace = slowed(profile.export_chrome_trace)
+    for name in {"evaluate", "save"} & set(slow):
+        setattr(training, name, slowed(getattr(training, name)))
     out = io.StringIO()
     os.chdir(workdir)
     with contextlib.redirect_stdout(out):
@@ -187,6 +194,16 @@ def test_writing_a_profile_is_left_out_of_iteration_times(embedded_data, tmp_pat
     from distributed import run_distributed
     argv = TINY_TRAIN + embedded_data + ["--train-iters", "4", "--log-interval", "4", "--profile",
                                          "--profile-step-start", "1", "--profile-step-end", "2"]
-    times = run_distributed(_slow_trace_body, 1, args=(argv, str(tmp_path)))[0]
+    times = run_distributed(_iteration_times_body, 1, args=(argv, str(tmp_path), ["export"]))[0]
     assert (tmp_path / "megapar_trace_rank0.json").exists()
     assert len(times) == 1 and times[0] < 500, times  # with the 3 s export inside: >= 750 ms per iteration
+
+
+def test_evaluation_and_saving_are_left_out_of_iteration_times(embedded_data, tmp_path):
+    """Each logged time is its own step's: none holds a 3 s evaluation or save, none is ~0 (steps
+    are read back one behind; on the CPU a step is timed when it returns, not when it is read)."""
+    from distributed import run_distributed
+    argv = TINY_TRAIN + embedded_data + ["--train-iters", "6", "--log-interval", "1", "--eval-interval", "2",
+                                         "--eval-iters", "1", "--save", str(tmp_path / "ck"), "--save-interval", "3"]
+    times = run_distributed(_iteration_times_body, 1, args=(argv, str(tmp_path), ["evaluate", "save"]))[0]
+    assert len(times) == 6 and max(times) < 1500 and min(times) > max(times) / 20, times
