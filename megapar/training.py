@@ -287,7 +287,7 @@ class StepLog:
         self.window_start, self.window_iters, self.window_loss = self.clock(), 0, 0.0
 
     def clock(self) -> float:
-        """Seconds of training so far: wall time less the excluded work."""
+        """time.perf_counter() that stands still during excluded work."""
         return time.perf_counter() - self.excluded_s
 
     def pause(self, seconds: float) -> None:
