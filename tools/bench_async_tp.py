@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
 
+from gpu_timing import capture, cuda_us  # tools/gpu_timing.py
+
 # (name, tokens, in features, out features per rank) at 345M tp 2
 ALL_GATHER_GEMMS = [("qkv: all-gather + GEMM", 8192, 1024, 1536), ("fc1: all-gather + GEMM", 8192, 1024, 2048)]
 GEMM_REDUCE_SCATTERS = [("attention out: GEMM + reduce-scatter", 8192, 512, 1024),
@@ -29,25 +31,7 @@ def timed(fn: Callable, iters: int = 50, graph: bool = False) -> float:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        run = g.replay
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    dist.barrier()
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
+    return cuda_us(capture(fn).replay if graph else fn, iters, before=dist.barrier)
 
 
 def attempt(fn: Callable):

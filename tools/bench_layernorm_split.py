@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from gpu_timing import capture, cuda_us  # tools/gpu_timing.py
 from megapar.inductor import COMPILE_OPTIONS
 
 SETTINGS = ["default", "16", "32", "64", "128", "off"]
@@ -46,21 +47,10 @@ def time_one(setting: str, seq: int = 1024, batch: int = 8, hidden: int = 1024, 
     grads = step()
     for _ in range(5):
         step()
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
+    graph = capture(step)
+    for _ in range(5):
         graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(end) / iters * 1000
+    us = cuda_us(graph.replay, iters)
     print(f"| {setting} | {us:.1f} | {grads[2].float().norm().item():.4f} |", flush=True)
 
 
