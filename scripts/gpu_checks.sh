@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one pass (run on a lent GPU machine from the repo root):
-#   bash scripts/gpu_checks.sh [kernels] [tests] [bench CONFIG...]
+#   bash scripts/gpu_checks.sh [kernels] [tests [PYTEST_SELECTION...]] [bench CONFIG...]
 # GPT-2 BPE files are read from $GPT2_DIR (default .gpu/: encoder.json, vocab.bpe).
 # Logs go to $OUT (or ./gpu_logs); each part prints a short table last.
 set -uo pipefail
@@ -12,7 +12,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 while [ $# -gt 0 ]; do
   case "$1" in
     kernels) bash scripts/gpu_kernel_checks.sh 2>&1 | tee "$OUT/kernels.log" | tail -30; shift;;
-    tests) python3 -m pytest -q -m gpu $(grep -l "mark.gpu" tests/test_*.py) 2>&1 | tee "$OUT/gpu_tests.log" | tail -5; shift;;
+    tests) shift; selected=()  # optional pytest selections (files, file::test): a full pass takes ~25 min
+           while [ $# -gt 0 ] && [ "$1" != kernels ] && [ "$1" != bench ]; do selected+=("$1"); shift; done
+           [ ${#selected[@]} -gt 0 ] || selected=($(grep -l "mark.gpu" tests/test_*.py))
+           python3 -m pytest -q -m gpu -rf --durations=10 "${selected[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25;;
     bench) shift; configs=()
            while [ $# -gt 0 ] && [ "$1" != kernels ] && [ "$1" != tests ]; do configs+=("$1"); shift; done
            python3 tools/bench_train.py --vocab-file "$GPT2_DIR/encoder.json" --merge-file "$GPT2_DIR/vocab.bpe" \
