@@ -8,7 +8,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -211,23 +211,22 @@ class Profiler:
             self.prof = profile(activities=acts, record_shapes=True)  # shapes: tools/profile_summary.py --by-op
             self.prof.__enter__()
 
-    def after(self, iteration: int) -> float:
-        """Stop at the end iteration and write the trace. Returns the seconds that took (seconds for
-        a large trace; the caller leaves them out of the iteration times)."""
+    def after(self, iteration: int, excluded: Callable[[], ContextManager]) -> None:
+        """Stop at the end iteration and write the trace, inside `excluded()` (seconds for a large
+        trace, left out of the iteration times; the profiled steps' GPU work is not)."""
         if self.prof is None or iteration != self.end:
-            return 0.0
+            return
         if self.run.device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
-        self.prof.__exit__(None, None, None)
-        if self.run.rank == 0:
-            key = "cuda_time_total" if self.run.device.type == "cuda" else "cpu_time_total"
-            print(self.prof.key_averages().table(sort_by=key, row_limit=30), flush=True)
-            path = os.path.join(self.run.cfg.log.tensorboard_dir or ".", "megapar_trace_rank0.json")
-            self.prof.export_chrome_trace(path)
-            print(f"> profile of iterations {self.start}..{self.end - 1}: trace written to {path}", flush=True)
+        with excluded():
+            self.prof.__exit__(None, None, None)
+            if self.run.rank == 0:
+                key = "cuda_time_total" if self.run.device.type == "cuda" else "cpu_time_total"
+                print(self.prof.key_averages().table(sort_by=key, row_limit=30), flush=True)
+                path = os.path.join(self.run.cfg.log.tensorboard_dir or ".", "megapar_trace_rank0.json")
+                self.prof.export_chrome_trace(path)
+                print(f"> profile of iterations {self.start}..{self.end - 1}: trace written to {path}", flush=True)
         self.prof = None
-        return time.perf_counter() - start
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -290,18 +289,15 @@ class StepLog:
         """time.perf_counter() that stands still during excluded work."""
         return time.perf_counter() - self.excluded_s
 
-    def pause(self, seconds: float) -> None:
-        """Leave `seconds` of host-only work (writing a profile) out of the iteration times."""
-        self.excluded_s += seconds
-
     @contextlib.contextmanager
     def excluded(self) -> Iterator[None]:
-        """Leave the work inside (evaluation, a checkpoint save) out of the iteration times."""
+        """Leave the host work inside (evaluation, a checkpoint save, writing a profile) out of the
+        iteration times."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.pause(time.perf_counter() - start)
+            self.excluded_s += time.perf_counter() - start
 
     def record(self, step: LaunchedStep) -> None:
         loss, grad_norm = wait_host(step.out, step.ready).tolist()  # this step only: the next may still run
@@ -373,7 +369,7 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
                   f"pipeline position: {current_step() or 'outside the schedule'}", flush=True)
             raise
         if profiler:
-            steps.pause(profiler.after(state.iteration + 1))
+            profiler.after(state.iteration + 1, steps.excluded)
         state.iteration += 1
         state.consumed_samples += cfg.train.global_batch_size
         launched = LaunchedStep(state.iteration, state.consumed_samples, *to_host(out), applied,
