@@ -7,15 +7,12 @@ whoever needs it. Validation runs before any process group or model exists and r
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
+from .topology import ConfigError, check_parallel_shape, pipeline_layer_counts
+
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "TikTokenizer")
-
-
-class ConfigError(ValueError):
-    """A bad flag or flag combination; the message says which flags and how to fix it."""
 
 
 @dataclass
@@ -376,63 +373,9 @@ def _check_cuda_graph(ns: argparse.Namespace) -> None:
             _fail(f"--enable-cuda-graph: {why} (or drop --enable-cuda-graph)")
 
 
-def check_parallel_shape(num_layers: int, heads: int, ffn_hidden_size: int, tp: int, pp: int,
-                         tp_flag: str = "--tensor-model-parallel-size",
-                         pp_flag: str = "--pipeline-model-parallel-size",
-                         first: Optional[int] = None, last: Optional[int] = None) -> None:
-    """Can a model of this shape be split tp x pp? (training, resharding and inference all ask)"""
-    if tp < 1 or pp < 1:
-        _fail(f"{tp_flag} ({tp}) and {pp_flag} ({pp}) must be >= 1")
-    if heads % tp:
-        _fail(f"--num-attention-heads {heads} is not divisible by {tp_flag} {tp}; each tensor-parallel rank "
-              f"must hold whole attention heads")
-    if ffn_hidden_size % tp:
-        _fail(f"--ffn-hidden-size {ffn_hidden_size} is not divisible by {tp_flag} {tp}")
-    pipeline_layer_counts(num_layers, pp, first, last, pp_flag)
-
-
-def layer_counts(model_args, pp: int) -> list[int]:
-    """Layers per pipeline stage for a ModelConfig or a (checkpoint) args namespace."""
-    return pipeline_layer_counts(model_args.num_layers, pp,
-                                 getattr(model_args, "decoder_first_pipeline_num_layers", None),
-                                 getattr(model_args, "decoder_last_pipeline_num_layers", None))
-
-
-def pipeline_layer_counts(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None,
-                          pp_flag: str = "--pipeline-model-parallel-size") -> list[int]:
-    """Transformer layers per pipeline stage: `first` / `last` on the first / last stage when
-    given (--decoder-first/last-pipeline-num-layers), the rest split evenly over the others."""
-    fixed = {0: first, pp - 1: last} if pp > 1 else {}
-    fixed = {stage: n for stage, n in fixed.items() if n is not None}
-    if pp == 1 and (first is not None or last is not None):
-        _fail("--decoder-first/last-pipeline-num-layers need a pipeline-parallel size > 1; drop them")
-    for stage, n in fixed.items():
-        if not 1 <= n <= num_layers:
-            _fail(f"--decoder-{'first' if stage == 0 else 'last'}-pipeline-num-layers {n} must be between 1 and "
-                  f"--num-layers {num_layers}")
-    rest, others = num_layers - sum(fixed.values()), pp - len(fixed)
-    if others == 0 and rest != 0:
-        _fail(f"--decoder-first-pipeline-num-layers {first} + --decoder-last-pipeline-num-layers {last} must equal "
-              f"--num-layers {num_layers} with {pp_flag} 2")
-    if others and not fixed and num_layers % pp:
-        _fail(f"--num-layers {num_layers} is not divisible by {pp_flag} {pp}; every pipeline stage must get an "
-              f"equal share of the {num_layers} layers (or set --decoder-first/last-pipeline-num-layers)")
-    if others and (rest < others or rest % others):
-        _fail(f"the {rest} layers left after --decoder-first/last-pipeline-num-layers cannot be split evenly "
-              f"over the other {others} pipeline stages ({pp_flag} {pp}); pick values that leave a multiple "
-              f"of {others} (at least one layer per stage)")
-    return [fixed.get(stage, rest // others if others else 0) for stage in range(pp)]
-
-
 def _check_batch(ns: argparse.Namespace) -> None:
     per_step = ns.micro_batch_size * ns.data_parallel_size
     if ns.global_batch_size % per_step:
         _fail(f"--global-batch-size {ns.global_batch_size} is not divisible by --micro-batch-size "
               f"{ns.micro_batch_size} x data-parallel size {ns.data_parallel_size} = {per_step}; "
               f"use a multiple of {per_step}")
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: round up to a multiple of divisible_by * tp."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)

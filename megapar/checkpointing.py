@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .arguments import layer_counts
+from .topology import layer_counts
 from .atomic import atomic_write, atomic_write_text
 from .tensor_parallel.random import get_rng_tracker
 

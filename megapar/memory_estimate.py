@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .arguments import Config, layer_counts
+from .arguments import Config
+from .topology import layer_counts
 from .model.sharding import tp_partition_dim
 
 GiB = 2**30

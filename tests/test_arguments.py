@@ -1,7 +1,8 @@
 import pytest
 import torch.distributed as dist
 
-from megapar.arguments import ConfigError, padded_vocab_size, parse_config, pipeline_layer_counts
+from megapar.arguments import ConfigError, parse_config
+from megapar.topology import padded_vocab_size, pipeline_layer_counts
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32"]
 

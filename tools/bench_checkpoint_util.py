@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from megapar.arguments import parse_config, padded_vocab_size  # noqa: E402
+from megapar.arguments import parse_config  # noqa: E402
+from megapar.topology import padded_vocab_size  # noqa: E402
 from megapar.reshard import bounded_heap  # noqa: E402
 from megapar.reshard.convert import write_sharded  # noqa: E402
 

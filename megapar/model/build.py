@@ -5,9 +5,9 @@ from typing import Callable
 
 import torch
 
-from ..arguments import ModelConfig, padded_vocab_size
+from ..arguments import ModelConfig
 from ..inductor import COMPILE_OPTIONS
-from ..topology import Topology
+from ..topology import Topology, padded_vocab_size
 from .gpt2 import GPT2Model, Stage
 
 

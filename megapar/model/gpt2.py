@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..arguments import ModelConfig, layer_counts, pipeline_layer_counts
+from ..arguments import ModelConfig
+from ..topology import layer_counts, pipeline_layer_counts
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import Init, VocabParallelEmbedding, full_normal, parallel_lm_logits
 from ..tensor_parallel.mappings import scatter_to_sp

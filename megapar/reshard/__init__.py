@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..arguments import check_parallel_shape, layer_counts
+from ..topology import check_parallel_shape, layer_counts
 
 from .layout import split, stage_keys, target_padded_vocab
 from .source import ShardedCheckpoint

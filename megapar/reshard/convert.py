@@ -18,7 +18,7 @@ import os
 import shutil
 from typing import Optional
 
-from ..arguments import layer_counts
+from ..topology import layer_counts
 from ..checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, atomic_write_text,
                              iter_dir, nest_model_state, shard_dir_name)
 from . import target_args

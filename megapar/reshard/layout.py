@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..arguments import padded_vocab_size
+from ..topology import padded_vocab_size
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 
 WORD = "language_model.embedding.word_embeddings.weight"

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..arguments import layer_counts
+from ..topology import layer_counts
 from ..checkpointing import (DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_state, iter_dir,
                              read_tracker, shard_dir_name)
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
