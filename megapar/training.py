@@ -208,7 +208,7 @@ class Profiler:
         if iteration == self.start:
             from torch.profiler import ProfilerActivity, profile
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.run.device.type == "cuda" else [])
-            self.prof = profile(activities=acts, record_shapes=True)  # shapes: tools/profile_summary.py --by-op
+            self.prof = profile(activities=acts, record_shapes=True)  # shapes: benchmarks/profile_summary.py --by-op
             self.prof.__enter__()
 
     def after(self, iteration: int, excluded: Callable[[], ContextManager]) -> None:

@@ -18,7 +18,7 @@ while [ $# -gt 0 ]; do
            python3 -m pytest -q -m gpu -rf --durations=10 "${selected[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25;;
     bench) shift; configs=()
            while [ $# -gt 0 ] && [ "$1" != kernels ] && [ "$1" != tests ]; do configs+=("$1"); shift; done
-           python3 tools/bench_train.py --vocab-file "$GPT2_DIR/encoder.json" --merge-file "$GPT2_DIR/vocab.bpe" \
+           python3 benchmarks/bench_train.py --vocab-file "$GPT2_DIR/encoder.json" --merge-file "$GPT2_DIR/vocab.bpe" \
              --log-dir "$OUT" --configs "${configs[@]}" 2>&1 | tee "$OUT/bench.log" | grep -v "^{" ;;
     *) echo "unknown part $1 (kernels | tests | bench CONFIG...)"; exit 2;;
   esac

@@ -1,4 +1,4 @@
-"""tools/profile_summary.py on a small hand-written chrome trace."""
+"""benchmarks/profile_summary.py on a small hand-written chrome trace."""
 import json
 import subprocess
 import sys
@@ -27,7 +27,8 @@ def _trace() -> dict:
 def test_categories_busy_time_and_launching_ops(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(_trace()))
-    out = subprocess.run([sys.executable, str(ROOT / "tools/profile_summary.py"), str(path), "--iters", "1", "--by-op"],
+    script = str(ROOT / "benchmarks/profile_summary.py")
+    out = subprocess.run([sys.executable, script, str(path), "--iters", "1", "--by-op"],
                          capture_output=True, text=True, check=True).stdout
     assert "GPU span 0.70 ms, GPU busy 0.60 ms" in out
     assert "| gemm | 0.40 |" in out and "| reduction | 0.20 |" in out

@@ -1,4 +1,5 @@
-"""Timing helpers shared by the GPU micro-benchmarks in tools/ (import them from a script there)."""
+"""Timing helpers shared by the GPU micro-benchmarks in benchmarks/ (a script there imports them as a
+sibling module: running it puts benchmarks/ on sys.path)."""
 from __future__ import annotations
 
 from typing import Callable

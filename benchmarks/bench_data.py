@@ -1,6 +1,6 @@
 """Data pipeline speed benchmark; prints a markdown table.
 
-    python tools/bench_data.py [--mb 32] [--workers 1 2] [--index-tokens 10e9]
+    python benchmarks/bench_data.py [--mb 32] [--workers 1 2] [--index-tokens 10e9]
 
 1. preprocess_data.py end to end (subprocess wall time, incl. start-up) on English web text:
    the WebText documents of ../shared/data/corpora repeated to --mb megabytes of JSON lines,
@@ -21,10 +21,9 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
 
-from megapar.data.sample_index import build_indices  # noqa: E402
+from megapar.data.sample_index import build_indices
 
 
 def make_corpus(path: str, mb: float) -> int:

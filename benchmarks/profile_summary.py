@@ -1,7 +1,7 @@
 """Summarise a chrome trace from `--profile`: GPU kernel time by category, the top kernels, and how
 much of the profiled wall time the GPU was busy (the rest is host overhead or waiting).
 
-    python tools/profile_summary.py megapar_trace_rank0.json [--iters 2] [--top 25] [--by-op]
+    python benchmarks/profile_summary.py megapar_trace_rank0.json [--iters 2] [--top 25] [--by-op]
 
 --by-op also names, for the top kernels, the innermost CPU operator that launched them (runs
 without a CUDA graph only: a graph replay launches its kernels without operators).

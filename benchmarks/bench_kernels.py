@@ -1,6 +1,6 @@
 """Build, check and time megapar's fused CUDA kernels (one script for a lent GPU).
 
-  python tools/bench_kernels.py [--quick] [--parity-only] [--bench-only] [--out DIR]
+  python benchmarks/bench_kernels.py [--quick] [--parity-only] [--bench-only] [--out DIR]
 
 1. Loads the extension (AOT module or JIT build; MEGAPAR_FORCE_JIT=1 forces the JIT path).
 2. Parity: fresh random inputs (never zeros), every output poisoned with NaN first, forward and
@@ -25,10 +25,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megapar.kernels import fused_kernels_source, load_fused_kernels  # noqa: E402
-from megapar.kernels.layernorm import fused_add_layer_norm, layer_norm  # noqa: E402
-from megapar.kernels.softmax import scaled_masked_softmax, scaled_masked_softmax_reference  # noqa: E402
+from megapar.kernels import fused_kernels_source, load_fused_kernels
+from megapar.kernels.layernorm import fused_add_layer_norm, layer_norm
+from megapar.kernels.softmax import scaled_masked_softmax, scaled_masked_softmax_reference
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}

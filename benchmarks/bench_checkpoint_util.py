@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time and peak memory (RSS) of tools/checkpoint_util.py on a synthetic GPT-2 checkpoint.
 
-  python tools/bench_checkpoint_util.py [--layers 24 --hidden 1024 --heads 16 --vocab 50257]
+  python benchmarks/bench_checkpoint_util.py [--layers 24 --hidden 1024 --heads 16 --vocab 50257]
         [--source-tp 2 --source-pp 2] [--workdir /tmp/bench_ckpt] [--no-optim] [--keep]
 
 Writes a source checkpoint with random weights and optimizer state (fp32 masters and Adam
@@ -19,16 +19,14 @@ import sys
 import time
 import zlib
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
 
-import torch  # noqa: E402
+from megapar.arguments import parse_config
+from megapar.topology import padded_vocab_size
+from megapar.reshard import bounded_heap
+from megapar.reshard.convert import write_sharded
 
-from megapar.arguments import parse_config  # noqa: E402
-from megapar.topology import padded_vocab_size  # noqa: E402
-from megapar.reshard import bounded_heap  # noqa: E402
-from megapar.reshard.convert import write_sharded  # noqa: E402
-
-TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_util.py")
+TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "checkpoint_util.py")
 
 
 class SyntheticSource:

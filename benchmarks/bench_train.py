@@ -1,7 +1,7 @@
 """Training throughput benchmark: runs anchor configurations through scripts/pretrain_gpt2.sh
 and prints tokens/s, TFLOP/s per GPU, MFU and peak memory per configuration.
 
-    python tools/bench_train.py --vocab-file gpt2/encoder.json --merge-file gpt2/vocab.bpe \
+    python benchmarks/bench_train.py --vocab-file gpt2/encoder.json --merge-file gpt2/vocab.bpe \
         --configs 345m 124m --iters 30
 
 Data: the embedded default corpus tokenised with GPT-2 BPE (built on first use); dropout 0 (as

@@ -1,6 +1,6 @@
 """Benchmark every OpenWebText data-prep step on the real corpora (replicated) and print a docs/s table.
 
-    python tools/bench_data_prep.py --docs 100000 [--workers 2] [--download-docs 2000]
+    python benchmarks/bench_data_prep.py --docs 100000 [--workers 2] [--download-docs 2000]
 
 Documents are built from real text (shared/data/corpora): each is 2-8 random paragraphs (Emma, Shakespeare,
 WebText) drawn with a fixed seed, so documents are distinct but realistic; 2% are exact and 2% near copies.
@@ -21,10 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from data_prep.openwebtext.fake_web import FakeWeb, corpus_chunks, near_copy  # noqa: E402
+from data_prep.openwebtext.fake_web import FakeWeb, corpus_chunks, near_copy
 
+ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
 
 

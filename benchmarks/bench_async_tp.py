@@ -1,6 +1,6 @@
 """Async TP micro-benchmark: is overlapping the sequence-parallel collectives with the GEMMs worth it?
 
-    torchrun --standalone --nproc-per-node 2 tools/bench_async_tp.py
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_async_tp.py
 
 For the four linears of a GPT-2 345M layer at tp 2 (8192 tokens, bf16), times the path megapar
 takes with --sequence-parallel (NCCL all-gather then GEMM; GEMM then NCCL reduce-scatter) against
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
 
-from gpu_timing import capture, cuda_us  # tools/gpu_timing.py
+from gpu_timing import capture, cuda_us  # benchmarks/gpu_timing.py
 
 # (name, tokens, in features, out features per rank) at 345M tp 2
 ALL_GATHER_GEMMS = [("qkv: all-gather + GEMM", 8192, 1024, 1536), ("fc1: all-gather + GEMM", 8192, 1024, 2048)]

@@ -1,6 +1,6 @@
 """Inductor's LayerNorm backward: the mix-order reduction split size.
 
-    python tools/bench_layernorm_split.py          (each setting in a fresh process)
+    python benchmarks/bench_layernorm_split.py          (each setting in a fresh process)
 
 Under torch.compile one Triton kernel computes a LayerNorm's input gradient and fp32 partial sums
 of its weight and bias gradients, one row of partials per `split` tokens; the generated wrapper then
@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from gpu_timing import capture, cuda_us  # tools/gpu_timing.py
+from gpu_timing import capture, cuda_us  # benchmarks/gpu_timing.py
 from megapar.inductor import COMPILE_OPTIONS
 
 SETTINGS = ["default", "16", "32", "64", "128", "off"]
