@@ -1,12 +1,15 @@
-"""Training throughput benchmark: runs anchor configurations through scripts/pretrain_gpt2.sh
-and prints tokens/s, TFLOP/s per GPU, MFU and peak memory per configuration.
+"""Training throughput benchmark: runs named run recipes (megapar/recipes.py) through
+scripts/pretrain_gpt2.sh and prints tokens/s, TFLOP/s per GPU, MFU and peak memory per recipe.
 
     python benchmarks/bench_train.py --vocab-file gpt2/encoder.json --merge-file gpt2/vocab.bpe \
-        --configs 345m 124m --iters 30
+        --configs 345m 124m --iters 30 [--extra FLAG ...]
 
-Data: the embedded default corpus tokenised with GPT-2 BPE (built on first use); dropout 0 (as
-nanoGPT's bench.py), bf16, seq 1024. The numbers
-are the mean over the last --log-window iterations (after warm-up).
+Each run is the recipe's flags (model, batch, precision, kernels, parallel sizes: what
+`--recipe NAME` gives any training run) followed by benchmark-only flags: iteration count, log
+interval, no evaluation or checkpoint, a short warm-up, and the data (the embedded default corpus
+tokenised with GPT-2 BPE, built on first use). Dropout is the recipe's: 0 in the CUDA-graph
+recipes, the default elsewhere; `--extra --hidden-dropout 0 --attention-dropout 0` measures without it
+(as nanoGPT's bench.py). The numbers are those of the last logged window of --log-window iterations.
 """
 from __future__ import annotations
 
@@ -17,56 +20,25 @@ import subprocess
 import sys
 import time
 
+from megapar.recipes import RECIPES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPT2_345M = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16"]
-GPT2_124M = ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12"]
-# name: (gpus, model flags, extra flags)
-CONFIGS = {
-    "124m": (1, GPT2_124M, ["--micro-batch-size", "16", "--global-batch-size", "16"]),
-    "345m": (1, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8"]),
-    "345m-fused-ln": (1, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8",
-                                     "--layernorm-impl", "fused"]),
-    "124m-compile": (1, GPT2_124M, ["--micro-batch-size", "16", "--global-batch-size", "16", "--torch-compile"]),
-    "345m-compile": (1, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8", "--torch-compile"]),
-    "124m-graph": (1, GPT2_124M, ["--micro-batch-size", "16", "--global-batch-size", "16", "--torch-compile",
-                                  "--enable-cuda-graph", "--adam-impl", "fused"]),
-    "345m-graph": (1, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8", "--torch-compile",
-                                  "--enable-cuda-graph", "--adam-impl", "fused"]),
-    "345m-m8": (1, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64"]),
-    "345m-recompute": (1, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8",
-                                      "--recompute-granularity", "full", "--recompute-method", "uniform"]),
-    "345m-dp2": (2, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "16"]),
-    "345m-dp4": (4, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "32"]),
-    "345m-dp4-zero1": (4, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "32",
-                                      "--use-distributed-optimizer"]),
-    "345m-tp2": (2, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8", "--tensor-parallel", "2"]),
-    "345m-tp2-graph": (2, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8", "--tensor-parallel", "2",
-                                      "--torch-compile", "--enable-cuda-graph", "--adam-impl", "fused"]),
-    "345m-tp2-sp": (2, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "8", "--tensor-parallel", "2",
-                                   "--sequence-parallel"]),
-    "345m-pp2-m8": (2, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64", "--pipeline-parallel", "2"]),
-    "345m-pp4-m8": (4, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64", "--pipeline-parallel", "4"]),
-    # the last stage also runs the LM head and the loss: give it fewer layers
-    "345m-pp2-m8-last11": (2, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64", "--pipeline-parallel",
-                                          "2", "--decoder-last-pipeline-num-layers", "11"]),
-    "345m-pp4-m8-last3": (4, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64", "--pipeline-parallel",
-                                         "4", "--decoder-last-pipeline-num-layers", "3"]),
-    "345m-tp2-pp2": (4, GPT2_345M, ["--micro-batch-size", "8", "--global-batch-size", "64", "--tensor-parallel", "2",
-                                    "--pipeline-parallel", "2", "--use-distributed-optimizer"]),
-}
-ITER_RE = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+).*tokens/s: (\d+) \| TFLOP/s/GPU: ([\d.]+) \| MFU: ([\d.%na/]+)")
+ITER_RE = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+).*tokens/s: (\d+) \| TFLOP/s/GPU: ([\d.]+) "
+                     r"\| MFU: ([\d.%na/]+)")
 MEM_RE = re.compile(r"max allocated: (\d+)")
 
 
+def bench_flags(args) -> list[str]:
+    """The flags every benchmark run adds after its recipe's: length, logging, no eval/save, data."""
+    return ["--train-iters", str(args.iters), "--log-interval", str(args.log_window), "--eval-interval", "0",
+            "--eval-iters", "0", "--save-interval", "0", "--save", "", "--lr", "3e-4", "--lr-warmup-iters", "5",
+            "--vocab-file", args.vocab_file, "--merge-file", args.merge_file, "--tokenizer-type", "GPT2BPETokenizer"]
+
+
 def run_config(name: str, args) -> dict:
-    gpus, model, extra = CONFIGS[name]
-    cmd = ["bash", os.path.join(ROOT, "scripts", "pretrain_gpt2.sh"), "--nproc-per-node", str(gpus), *model, *extra,
-           "--seq-length", "1024", "--max-position-embeddings", "1024", "--bf16", "--train-iters", str(args.iters),
-           "--log-interval", str(args.log_window), "--eval-interval", "0", "--eval-iters", "0", "--save-interval", "0",
-           "--vocab-file", args.vocab_file, "--merge-file", args.merge_file, "--tokenizer-type", "GPT2BPETokenizer",
-           "--lr", "3e-4", "--lr-warmup-iters", "5", "--hidden-dropout", "0", "--attention-dropout", "0",
-           "--save", "",
-           *args.extra]
+    gpus = RECIPES[name].gpus
+    cmd = ["bash", os.path.join(ROOT, "scripts", "pretrain_gpt2.sh"), "--nproc-per-node", str(gpus),
+           *RECIPES[name].flags, *bench_flags(args), *args.extra]
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=args.workdir)
     out = proc.stdout + proc.stderr
@@ -84,7 +56,8 @@ def run_config(name: str, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", nargs="+", default=["124m", "345m"], choices=sorted(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=["124m", "345m"], choices=list(RECIPES),
+                   help="recipe names (python -m megapar.recipes lists them)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--log-window", type=int, default=10)
     p.add_argument("--vocab-file", required=True)

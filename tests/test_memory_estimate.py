@@ -25,7 +25,7 @@ def _peak(flags, world):
     return max(s.total for s in estimate(cfg)) / GiB, cfg
 
 
-# max allocated GiB measured by tools/bench_train.py on an H100 / 4x H200 (2026-11-21, README)
+# max allocated GiB measured by benchmarks/bench_train.py on an H100 / 4x H200 (2026-11-21, README)
 MEASURED = [
     (["--micro-batch-size", "8"], 1, 13.6),
     (["--micro-batch-size", "8", "--global-batch-size", "32", "--use-distributed-optimizer"], 4, 10.6),

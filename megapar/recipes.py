@@ -1,0 +1,140 @@
+"""Named run recipes: the GPU count and the full flag list of each measured run configuration.
+
+A recipe fixes what defines a run's speed and memory: model shape, seq 1024, bf16, micro and global
+batch, kernels (torch.compile, CUDA graph, fused AdamW), parallel sizes. It leaves data, tokenizer,
+learning-rate schedule and iteration counts to the command line. `--recipe NAME` (or `--recipe=NAME`)
+expands to the recipe's flags placed first, so that a flag given on the command line overrides the
+recipe's (argparse keeps the last value): `--recipe 345m-tp2 --micro-batch-size 4`.
+benchmarks/bench_train.py measures exactly these recipes, so a throughput table row names a run
+anyone can repeat. `python -m megapar.recipes [NAME]` prints the table or one recipe's flags.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .topology import ConfigError
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One run configuration: launch it on `gpus` GPUs with `flags` (plus data and iteration flags)."""
+    gpus: int
+    flags: tuple[str, ...]
+    about: str
+
+
+GPT2_124M = ("--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12")
+GPT2_345M = ("--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16")
+SEQ_1024_BF16 = ("--seq-length", "1024", "--max-position-embeddings", "1024", "--bf16")
+COMPILE = ("--torch-compile",)
+# a CUDA graph captures the whole step: it needs dropout 0 (no RNG state swaps) and is fastest compiled
+GRAPH = (*COMPILE, "--enable-cuda-graph", "--adam-impl", "fused", "--hidden-dropout", "0", "--attention-dropout", "0")
+
+
+def _tp(n: int) -> tuple[str, ...]:
+    return ("--tensor-model-parallel-size", str(n))
+
+
+def _pp(n: int) -> tuple[str, ...]:
+    return ("--pipeline-model-parallel-size", str(n))
+
+
+def _recipe(gpus: int, model: tuple[str, ...], micro: int, global_batch: int, *extra: str, about: str) -> Recipe:
+    """A recipe at seq 1024 in bf16 with the given batch sizes and extra flags."""
+    batch = ("--micro-batch-size", str(micro), "--global-batch-size", str(global_batch))
+    return Recipe(gpus, (*model, *SEQ_1024_BF16, *batch, *extra), about)
+
+
+RECIPES: dict[str, Recipe] = {
+    "124m": _recipe(1, GPT2_124M, 16, 16, about="GPT-2 124M, eager"),
+    "345m": _recipe(1, GPT2_345M, 8, 8, about="GPT-2 345M, eager"),
+    "345m-fused-ln": _recipe(1, GPT2_345M, 8, 8, "--layernorm-impl", "fused", about="345M with csrc's LayerNorm"),
+    "124m-compile": _recipe(1, GPT2_124M, 16, 16, *COMPILE, about="124M, each layer compiled"),
+    "345m-compile": _recipe(1, GPT2_345M, 8, 8, *COMPILE, about="345M, each layer compiled"),
+    "124m-graph": _recipe(1, GPT2_124M, 16, 16, *GRAPH, about="124M, compiled, whole step one CUDA graph"),
+    "345m-graph": _recipe(1, GPT2_345M, 8, 8, *GRAPH, about="345M, compiled, whole step one CUDA graph"),
+    "345m-m8": _recipe(1, GPT2_345M, 8, 64, about="345M, 8 microbatches per step"),
+    "345m-recompute": _recipe(1, GPT2_345M, 8, 8, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                              about="345M, full activation recompute"),
+    "345m-dp2": _recipe(2, GPT2_345M, 8, 16, about="345M, data parallel 2"),
+    "345m-dp4": _recipe(4, GPT2_345M, 8, 32, about="345M, data parallel 4"),
+    "345m-dp4-zero1": _recipe(4, GPT2_345M, 8, 32, "--use-distributed-optimizer",
+                              about="345M, data parallel 4, ZeRO-1"),
+    "345m-tp2": _recipe(2, GPT2_345M, 8, 8, *_tp(2), about="345M, tensor parallel 2"),
+    "345m-tp2-graph": _recipe(2, GPT2_345M, 8, 8, *_tp(2), *GRAPH, about="345M, tensor parallel 2, CUDA graph"),
+    "345m-tp2-sp": _recipe(2, GPT2_345M, 8, 8, *_tp(2), "--sequence-parallel",
+                           about="345M, tensor parallel 2, sequence parallel"),
+    "345m-pp2-m8": _recipe(2, GPT2_345M, 8, 64, *_pp(2), about="345M, pipeline parallel 2, 8 microbatches"),
+    "345m-pp4-m8": _recipe(4, GPT2_345M, 8, 64, *_pp(4), about="345M, pipeline parallel 4, 8 microbatches"),
+    # the last stage also runs the LM head and the loss: give it fewer layers
+    "345m-pp2-m8-last11": _recipe(2, GPT2_345M, 8, 64, *_pp(2), "--decoder-last-pipeline-num-layers", "11",
+                                  about="345M, pipeline parallel 2, last stage 11 layers"),
+    "345m-pp4-m8-last3": _recipe(4, GPT2_345M, 8, 64, *_pp(4), "--decoder-last-pipeline-num-layers", "3",
+                                 about="345M, pipeline parallel 4, last stage 3 layers"),
+    "345m-tp2-pp2": _recipe(4, GPT2_345M, 8, 64, *_tp(2), *_pp(2), "--use-distributed-optimizer",
+                            about="345M, tensor 2 x pipeline 2, ZeRO-1"),
+}
+
+
+def recipe(name: str) -> Recipe:
+    """The recipe called `name`; ConfigError (one line naming every recipe) if there is none."""
+    if name not in RECIPES:
+        raise ConfigError(f"unknown --recipe {name!r}; choose one of: {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+def _recipe_names(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(recipe names in order, argv without the --recipe flags)."""
+    names, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--recipe":
+            if i + 1 == len(argv):
+                raise ConfigError(f"--recipe needs a name; choose one of: {', '.join(RECIPES)}")
+            names.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--recipe="):
+            names.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    return names, rest
+
+
+def expand_recipes(argv: Optional[Sequence[str]]) -> list[str]:
+    """argv with every `--recipe NAME` / `--recipe=NAME` replaced by that recipe's flags, placed
+    first (in the order the recipes were given) so that the flags in argv override them.
+    argv None means sys.argv[1:], as for argparse."""
+    names, rest = _recipe_names(list(sys.argv[1:] if argv is None else argv))
+    return [flag for name in names for flag in recipe(name).flags] + rest
+
+
+def command_line(name: str) -> str:
+    """The recipe's flags as one shell-quoted line."""
+    return " ".join(shlex.quote(f) for f in recipe(name).flags)
+
+
+def describe() -> str:
+    """The table of recipes: name, GPUs, what it is, its flags (markdown)."""
+    rows = ["| recipe | GPUs | run | flags |", "|---|---|---|---|"]
+    rows += [f"| {name} | {r.gpus} | {r.about} | `{command_line(name)}` |" for name, r in RECIPES.items()]
+    return "\n".join(rows)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m megapar.recipes` prints the table; with a NAME, that recipe's GPU count and flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        print(f"# {recipe(argv[0]).gpus} GPU(s)\n{command_line(argv[0])}" if argv else describe())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

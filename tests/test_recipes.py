@@ -1,0 +1,64 @@
+"""megapar.recipes: every named run recipe is a valid run on its GPU count; `--recipe` expands in
+place with the command line's flags winning; an unknown name fails in one line naming the recipes."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megapar.arguments import build_parser, parse_config
+from megapar.recipes import RECIPES, describe, expand_recipes
+from megapar.topology import ConfigError
+
+GRAPHED = [name for name, r in RECIPES.items() if "--enable-cuda-graph" in r.flags]
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_every_recipe_parses_on_its_gpu_count(name, monkeypatch):
+    r = RECIPES[name]
+    ns = build_parser().parse_args(list(r.flags))
+    assert ns.seq_length == 1024 and ns.bf16
+    if name in GRAPHED:   # validation refuses a CUDA graph without CUDA: check everything else
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = parse_config(list(r.flags), world_size=r.gpus)
+    p = cfg.parallel
+    assert p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size == r.gpus
+
+
+def test_graph_recipes_turn_dropout_off():
+    assert GRAPHED
+    for name in GRAPHED:
+        ns = build_parser().parse_args(list(RECIPES[name].flags))
+        assert ns.hidden_dropout == 0 and ns.attention_dropout == 0, name
+
+
+@pytest.mark.parametrize("argv", [["--recipe", "345m-tp2", "--micro-batch-size", "2"],
+                                  ["--micro-batch-size", "2", "--recipe=345m-tp2"]])
+def test_command_line_flags_override_the_recipe(argv):
+    expanded = expand_recipes(argv)
+    assert expanded[:len(RECIPES["345m-tp2"].flags)] == list(RECIPES["345m-tp2"].flags)
+    assert "--recipe" not in " ".join(expanded)
+    ns = build_parser().parse_args(expanded)
+    assert ns.micro_batch_size == 2 and ns.tensor_model_parallel_size == 2 and ns.num_layers == 24
+    assert parse_config(expanded, world_size=2).train.micro_batch_size == 2
+
+
+def test_no_recipe_leaves_argv_alone():
+    assert expand_recipes(["--num-layers", "2", "--data-path", "x"]) == ["--num-layers", "2", "--data-path", "x"]
+
+
+@pytest.mark.parametrize("argv", [["--recipe", "nope"], ["--recipe=nope"], ["--recipe"]])
+def test_unknown_or_missing_name_errors_in_one_line_naming_the_choices(argv):
+    with pytest.raises(ConfigError) as e:
+        expand_recipes(argv)
+    msg = str(e.value)
+    assert "\n" not in msg and "--recipe" in msg and all(name in msg for name in RECIPES)
+
+
+def test_describe_and_module_cli_list_every_recipe():
+    table = describe()
+    assert all(f"| {name} | {r.gpus} |" in table for name, r in RECIPES.items())
+    run = subprocess.run([sys.executable, "-m", "megapar.recipes", "345m-graph"], capture_output=True, text=True)
+    assert run.returncode == 0 and "--enable-cuda-graph" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "megapar.recipes", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
