@@ -301,6 +301,8 @@ def test_bad_target_layout(ckpts, tmp_path, capsys):
 from train_helpers import TINY_TRAIN, run_training  # noqa: E402
 
 
+@pytest.mark.slow  # --quick skips it (8-process runs); the quick tier keeps conversion (round trips above) and
+                   # resume (test_training.py::test_exact_resume) as separate checks
 def test_train_222_convert_111_resume_gives_same_losses(embedded_data, tmp_path):
     """Train at (tp, pp, dp) = (2, 2, 2) for 2 iterations, save, convert to (1, 1, 1), resume for
     2 more: the losses equal continuing at (2, 2, 2) (float32 summation order differs: rel 2e-5)."""
@@ -318,6 +320,7 @@ def test_train_222_convert_111_resume_gives_same_losses(embedded_data, tmp_path)
     assert len(got) == 2 and got == pytest.approx(want, rel=2e-5), (got, want)
 
 
+@pytest.mark.slow  # --quick skips it; test_target_pipeline_split below converts an uneven checkpoint too
 def test_uneven_pipeline_stages_convert_to_any_layout(tmp_path):
     """A pp 2 checkpoint with --decoder-last-pipeline-num-layers 1 (stages of 3 and 1 layers)
     holds the same model as pp 1 trained alike; it converts to pp 1, to tp 2 (same split) and

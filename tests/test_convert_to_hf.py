@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import convert_to_hf  # noqa: E402
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 2), (1, 1)])
+@pytest.mark.parametrize("tp,pp", [pytest.param(2, 2, marks=pytest.mark.slow), (1, 1)])
 def test_hf_export_matches_megapar_logits(tmp_path, tp, pp):
     save_tiny_checkpoint(str(tmp_path / "ck"), tp=tp, pp=pp, steps=1)
     assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf")]) == 0

@@ -77,6 +77,7 @@ def test_end_to_end_counts_and_valid_dataset(full_run):
     assert min(int(n) for n in ds.sizes) >= 129  # >= 128 tokens + EOD
 
 
+@pytest.mark.slow  # --quick skips it (a second full driver run)
 def test_interrupted_then_resumed_run_matches(shared_data, gpt2_files, web, full_run, tmp_path):
     out = tmp_path / "owt"
     proc = subprocess.Popen(driver_cmd(shared_data, gpt2_files, out, web.proxy), cwd=ROOT, start_new_session=True,

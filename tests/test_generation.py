@@ -268,6 +268,7 @@ def test_cli_modes_and_errors(tmp_path, gpt2_files, monkeypatch, capsys):
         tokenizer_for_checkpoint(ns, tokenizer_type="SentencePieceTokenizer", tokenizer_model="/nope.model")
 
 
+@pytest.mark.slow  # --quick skips it; tp 2 generation itself is checked in-process above
 def test_generate_text_sh_tp2_under_torchrun(tmp_path, gpt2_files):
     """The wrapper starts torchrun for tp=2 and loads a tp=1 checkpoint by resharding in memory."""
     pytest.importorskip("megapar.reshard", reason="in-memory resharding (megapar.reshard) not available")

@@ -31,7 +31,7 @@ def _tp_body(rank, world_size):
     return _run(world_size, dist.group.WORLD)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tp_equals_serial(tp):
     ref = _run(1, None)
     for out in run_distributed(_tp_body, world_size=tp):

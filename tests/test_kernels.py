@@ -109,7 +109,8 @@ def _nvcc():
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not on PATH: the .cu syntax check needs it")
-@pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cu")))
+@pytest.mark.parametrize("source", [pytest.param(p.name, marks=() if p.name == "adamw.cu" else pytest.mark.slow)
+                                    for p in sorted(CSRC.glob("*.cu"))])  # --quick compiles the quickest one
 def test_cuda_sources_compile(source, tmp_path):
     # One arch, PTX only (-arch=compute_90 skips ptxas): checks syntax and every template
     # instantiation in a few seconds. The .cu files include no torch headers by design, but

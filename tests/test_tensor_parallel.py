@@ -134,7 +134,7 @@ def _all_layers_body(rank, world_size):
             "embedding": _embedding(rank, world_size, group), "cross_entropy": _cross_entropy(rank, world_size, group)}
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tp_layers_match_serial_twins(tp):
     for rank, result in enumerate(run_distributed(_all_layers_body, world_size=tp)):
         for name, errors in result.items():

@@ -45,6 +45,7 @@ def _groups_body(rank, world_size):
     return out
 
 
+@pytest.mark.slow  # --quick skips it (8 processes): the arithmetic is checked above, created groups by the gloo tests
 def test_created_groups_match_arithmetic():
     t = Topology(tp=2, pp=2, dp=2)
     results = run_distributed(_groups_body, world_size=8)

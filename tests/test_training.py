@@ -20,6 +20,7 @@ def losses(result):
     return [l for _, l in result["losses"]]
 
 
+@pytest.mark.slow  # --quick skips it; the layout-invariance representative there: test_uneven_pipeline_stages_...
 def test_tp2_dp2_matches_serial(embedded_data):
     base = TINY_TRAIN + embedded_data + ["--train-iters", "8"]
     serial = losses(run_training(base, 1))
@@ -32,6 +33,7 @@ def test_tp2_dp2_matches_serial(embedded_data):
     assert sp == pytest.approx(serial, rel=2e-5), (serial, sp)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_pipeline_matches_serial(embedded_data):
     """tp 2 x pp 2 with --sequence-parallel (stages exchange [s/tp, b, h]) and full recompute."""
     base = TINY_TRAIN + embedded_data + ["--train-iters", "4"]
@@ -134,6 +136,7 @@ def test_mismatched_and_corrupt_checkpoints(embedded_data, tmp_path):
     assert earlier.read_bytes() == before                                    # the others are untouched
 
 
+@pytest.mark.slow
 def test_3d_tp2_pp2_dp2_with_zero1_and_recompute_matches_serial(embedded_data):
     """8 gloo processes: (tp, pp, dp) = (2, 2, 2), ZeRO-1, activation checkpointing == (1, 1, 1)."""
     base = TINY_TRAIN + embedded_data + ["--train-iters", "10", "--recompute-granularity", "full",
@@ -199,6 +202,7 @@ def test_writing_a_profile_is_left_out_of_iteration_times(embedded_data, tmp_pat
     assert len(times) == 1 and times[0] < 500, times  # with the 3 s export inside: >= 750 ms per iteration
 
 
+@pytest.mark.slow  # --quick skips it; 15 s of it are sleeps; the profile case above is the quick representative
 def test_evaluation_and_saving_are_left_out_of_iteration_times(embedded_data, tmp_path):
     """Each logged time is its own step's: none holds a 3 s evaluation or save, none is ~0 (steps
     are read back one behind; on the CPU a step is timed when it returns, not when it is read)."""
