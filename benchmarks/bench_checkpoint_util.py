@@ -18,11 +18,13 @@ import subprocess
 import sys
 import time
 import zlib
+from dataclasses import asdict
 
 import torch
 
 from megapar.arguments import parse_config
-from megapar.topology import padded_vocab_size
+from megapar.checkpointing import read_saved_config
+from megapar.model import set_vocab
 from megapar.reshard import bounded_heap
 from megapar.reshard.convert import write_sharded
 
@@ -35,10 +37,11 @@ class SyntheticSource:
     def __init__(self, layers: int, hidden: int, heads: int, vocab: int, seq: int = 1024):
         cfg = parse_config(["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads",
                             str(heads), "--seq-length", str(seq), "--use-distributed-optimizer"], world_size=1)
-        self.args = cfg.args
-        self.args.vocab_size, self.args.padded_vocab_size = vocab, padded_vocab_size(vocab, 128, 1)
-        self.args.consumed_train_samples = 0
-        self.vocab_size, self.iteration, self.has_optim, self.distributed = vocab, 100, True, False
+        set_vocab(cfg.model, vocab, 1, log=lambda *_: None)
+        args = cfg.namespace()
+        args.consumed_train_samples = 0
+        self.saved = read_saved_config({"args": args, "model_config": asdict(cfg.model)})
+        self.iteration, self.has_optim, self.distributed = 100, True, False
         h, f = hidden, 4 * hidden
         shapes = {"language_model.embedding.word_embeddings.weight": (vocab, h),
                   "language_model.embedding.position_embeddings.weight": (seq, h)}

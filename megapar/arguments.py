@@ -1,94 +1,141 @@
 """Megatron-compatible command line -> typed, validated config dataclasses.
 
-No global `get_args()`: `parse_config(argv, world_size)` returns a `Config` that is passed to
-whoever needs it. Validation runs before any process group or model exists and raises
-`ConfigError` with one message that names the flags and a fix.
+Each setting is defined once, as a dataclass field below: its default, its help text and any
+Megatron alias. `build_parser()` derives the command line from those fields (the parser holds
+no defaults of its own: a flag the user did not give is absent from the parsed namespace, and
+the dataclass default applies). No global `get_args()`: `parse_config(argv, world_size)`
+returns a `Config` that is passed to whoever needs it. Validation runs before any process group
+or model exists and raises `ConfigError` with one message that names the flags and a fix.
 """
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
-from typing import Optional, Sequence
+import typing
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from typing import Any, Optional, Sequence
 
+from .recipes import expand_recipes
 from .topology import ConfigError, check_parallel_shape, pipeline_layer_counts
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "TikTokenizer")
 
 
+def arg(default: Any = None, help: Optional[str] = None, *, aliases: Sequence[str] = (),
+        choices: Optional[Sequence] = None, negative: Optional[str] = None, group: Optional[str] = None,
+        cli: bool = True) -> Field:
+    """A config field that is also the flag --field-name (plus `aliases`). A bool field that
+    defaults to True is turned off by its `negative` flag; `cli=False` marks a derived field."""
+    meta = {"help": help, "aliases": tuple(aliases), "choices": choices, "negative": negative, "group": group,
+            "cli": cli}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class ModelConfig:
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_attention_heads: int = 8
-    ffn_hidden_size: Optional[int] = None          # default 4 * hidden_size
-    seq_length: int = 256
-    max_position_embeddings: Optional[int] = None  # default seq_length
-    make_vocab_size_divisible_by: int = 128
-    padded_vocab_size: Optional[int] = None        # set once the tokenizer is known
-    vocab_size: Optional[int] = None               # true (unpadded) vocabulary size
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    layernorm_epsilon: float = 1e-5
-    init_method_std: float = 0.02
-    attention_backend: str = "auto"                # auto | flash | cudnn | fused | torch
-    layernorm_impl: str = "torch"                  # torch | fused
-    recompute_granularity: Optional[str] = None    # None | full | selective
-    recompute_method: Optional[str] = None         # uniform | block
-    recompute_num_layers: int = 1
-    torch_compile: bool = False                    # torch.compile each transformer layer
-    gradient_accumulation_fusion: bool = True      # weight-grad GEMMs accumulate into the fp32 main_grad
-    decoder_first_pipeline_num_layers: Optional[int] = None  # uneven pipeline stages (default: even split)
-    decoder_last_pipeline_num_layers: Optional[int] = None
-    sequence_parallel: bool = False                # split LayerNorm/dropout/residual work along the sequence (tp > 1)
+    """The model's shape and how it runs; what checkpoints store as `model_config`."""
+    num_layers: int = arg(4)
+    hidden_size: int = arg(256)
+    num_attention_heads: int = arg(8)
+    ffn_hidden_size: Optional[int] = arg(None, "default 4 x --hidden-size")
+    seq_length: int = arg(256)
+    max_position_embeddings: Optional[int] = arg(None, "default --seq-length")
+    make_vocab_size_divisible_by: int = arg(128)
+    padded_vocab_size: Optional[int] = arg(None, cli=False)   # set once the tokenizer is known
+    vocab_size: Optional[int] = arg(None, cli=False)          # true (unpadded) vocabulary size
+    hidden_dropout: float = arg(0.1)
+    attention_dropout: float = arg(0.1)
+    layernorm_epsilon: float = arg(1e-5)
+    init_method_std: float = arg(0.02)
+    attention_backend: str = arg("auto", "flash = torch SDPA (what auto picks), cudnn = SDPA preferring cuDNN "
+                                 "attention, fused = csrc softmax, torch = reference",
+                                 choices=("auto", "flash", "cudnn", "fused", "torch"))
+    layernorm_impl: str = arg("torch", choices=("torch", "fused"))
+    recompute_granularity: Optional[str] = arg(None, choices=("full", "selective"))
+    recompute_method: Optional[str] = arg(None, "default uniform with --recompute-granularity full",
+                                          choices=("uniform", "block"))
+    recompute_num_layers: int = arg(1)
+    torch_compile: bool = arg(False, "torch.compile each transformer layer (fuses LayerNorm, GELU, dropout, "
+                                     "residual adds)")
+    gradient_accumulation_fusion: bool = arg(
+        True, "weight-gradient GEMMs write a bf16 grad that a hook adds to the fp32 buffer (default: they "
+              "accumulate into the fp32 buffer directly)", negative="--no-gradient-accumulation-fusion")
+    decoder_first_pipeline_num_layers: Optional[int] = arg(
+        None, "layers on the first pipeline stage (the rest split evenly over the other stages)")
+    decoder_last_pipeline_num_layers: Optional[int] = arg(
+        None, "layers on the last pipeline stage, which also runs the LM head and the loss")
+    sequence_parallel: bool = arg(False, "with tp > 1: split LayerNorm, dropout and residual work (and their "
+                                         "activations) along the sequence; all-reduces become reduce-scatter + "
+                                         "all-gather", group="parallelism")
+
+    def __post_init__(self) -> None:  # the defaults that depend on other fields, resolved once here
+        self.ffn_hidden_size = self.ffn_hidden_size or 4 * self.hidden_size
+        self.max_position_embeddings = self.max_position_embeddings or self.seq_length
+        if self.attention_backend == "auto":  # torch SDPA (flash kernels on GPU, math on CPU)
+            self.attention_backend = "flash"
+        if self.recompute_granularity == "full" and self.recompute_method is None:
+            self.recompute_method = "uniform"
 
     @property
     def kv_channels(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
 
+
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    data_parallel_size: int = 1                    # derived: world / (tp * pp)
-    use_distributed_optimizer: bool = False
-    pipeline_schedule: str = "1f1b"                # 1f1b | afab
-    distributed_backend: Optional[str] = None      # nccl | gloo (default: nccl on GPU)
-    distributed_timeout_minutes: float = 10.0
-    pipeline_hang_diagnostics: bool = False        # NCCL: poll p2p waits (reports the step; slower)
+    tensor_model_parallel_size: int = arg(1, aliases=["--tensor-parallel"])
+    pipeline_model_parallel_size: int = arg(1, aliases=["--pipeline-parallel"])
+    data_parallel_size: int = arg(1, cli=False)     # derived: world / (tp * pp)
+    use_distributed_optimizer: bool = arg(False, "ZeRO-1: shard the optimizer state over data parallelism")
+    pipeline_schedule: str = arg("1f1b", "1f1b (default) or all-forward-all-backward (reference)",
+                                 choices=("1f1b", "afab"))
+    distributed_backend: Optional[str] = arg(None, "default: nccl on GPUs, gloo on CPU", choices=("nccl", "gloo"))
+    distributed_timeout_minutes: float = arg(10.0)
+    pipeline_hang_diagnostics: bool = arg(
+        False, "on GPUs, poll pipeline send/recv against --distributed-timeout-minutes and name the schedule "
+               "step, microbatch and operation a rank hangs on (blocks the CPU per transfer; always on with gloo)")
 
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 4
-    global_batch_size: Optional[int] = None        # default micro * dp
-    train_iters: Optional[int] = None
-    train_samples: Optional[int] = None
-    lr: float = 6e-4
-    min_lr: float = 0.0
-    lr_decay_style: str = "cosine"
-    lr_decay_iters: Optional[int] = None
-    lr_warmup_fraction: Optional[float] = None
-    lr_warmup_iters: int = 0
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    adam_impl: str = "auto"                        # auto | torch | fused (csrc one-launch AdamW + param copy)
-    seed: int = 1234
-    fp16: bool = False
-    bf16: bool = False
-    loss_scale: Optional[float] = None             # static scale; None = dynamic
-    initial_loss_scale: float = 2.0**32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    exit_interval: Optional[int] = None
-    exit_duration_in_mins: Optional[float] = None
-    exit_signal_handler: bool = False
-    enable_cuda_graph: bool = False                # capture the whole step as one CUDA graph
-    cuda_graph_warmup_steps: int = 3               # eager steps before the capture
+    micro_batch_size: int = arg(4)
+    global_batch_size: Optional[int] = arg(None, "default --micro-batch-size x data-parallel size")
+    train_iters: Optional[int] = arg(None)
+    train_samples: Optional[int] = arg(None)
+    lr: float = arg(6e-4)
+    min_lr: float = arg(0.0)
+    lr_decay_style: str = arg("cosine", choices=("constant", "linear", "cosine"))
+    lr_decay_iters: Optional[int] = arg(None)
+    lr_warmup_fraction: Optional[float] = arg(None)
+    lr_warmup_iters: int = arg(0)
+    weight_decay: float = arg(0.01)
+    clip_grad: float = arg(1.0)
+    adam_beta1: float = arg(0.9)
+    adam_beta2: float = arg(0.999)
+    adam_eps: float = arg(1e-8)
+    adam_impl: str = arg("auto", "fused: csrc's one-launch AdamW that also writes the bf16/fp16 params (GPUs; "
+                                 "JIT-built on first use when not built at install); torch: torch's fused (GPU) / "
+                                 "foreach (CPU) AdamW, then a copy into the bf16/fp16 params; auto: fused on GPUs "
+                                 "when setup.py built the kernels, else torch", choices=("auto", "torch", "fused"))
+    seed: int = arg(1234)
+    fp16: bool = arg(False, group="mixed precision")
+    bf16: bool = arg(False, group="mixed precision")
+    loss_scale: Optional[float] = arg(None, "static loss scale (default: dynamic)", group="mixed precision")
+    initial_loss_scale: float = arg(2.0**32, group="mixed precision")
+    min_loss_scale: float = arg(1.0, group="mixed precision")
+    loss_scale_window: int = arg(1000, group="mixed precision")
+    hysteresis: int = arg(2, group="mixed precision")
+    exit_interval: Optional[int] = arg(None, group="logging, evaluation and exit")
+    exit_duration_in_mins: Optional[float] = arg(None, group="logging, evaluation and exit")
+    exit_signal_handler: bool = arg(False, group="logging, evaluation and exit")
+    enable_cuda_graph: bool = arg(
+        False, "capture the whole training step (forward, backward, gradient reduction, optimizer) as one CUDA "
+               "graph and replay it every iteration (removes kernel-launch overhead; GPUs, no pipeline "
+               "parallelism, no fp16, no dropout, no recompute)")
+    cuda_graph_warmup_steps: int = arg(3, "eager steps before the capture (compilation, cuBLAS autotuning, "
+                                          "optimizer state)")
 
     @property
     def params_dtype_name(self) -> str:
@@ -97,37 +144,52 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    data_path: list[str] = field(default_factory=list)
-    split: str = "969,30,1"
-    tokenizer_type: str = "GPT2BPETokenizer"
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    data_cache_path: Optional[str] = None
+    data_path: list[str] = arg([], "dataset prefixes (PREFIX.bin/.idx), optionally weighted: W1 P1 W2 P2 ...; "
+                                   "none = the embedded default corpus")
+    split: str = arg("969,30,1")
+    tokenizer_type: str = arg("GPT2BPETokenizer", ", ".join(TOKENIZER_TYPES))
+    vocab_file: Optional[str] = arg(None)
+    merge_file: Optional[str] = arg(None)
+    tokenizer_model: Optional[str] = arg(None)
+    data_cache_path: Optional[str] = arg(None)
 
 
 @dataclass
 class CheckpointConfig:
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    no_save_optim: bool = False
-    no_save_rng: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
+    save: Optional[str] = arg(None)
+    load: Optional[str] = arg(None)
+    save_interval: Optional[int] = arg(None)
+    no_save_optim: bool = arg(False)
+    no_save_rng: bool = arg(False)
+    no_load_optim: bool = arg(False)
+    no_load_rng: bool = arg(False)
+    finetune: bool = arg(False)
 
 
 @dataclass
 class LogConfig:
-    log_interval: int = 10
-    eval_interval: int = 1000
-    eval_iters: int = 10
-    tensorboard_dir: Optional[str] = None
-    timing_log_level: int = 0
-    profile: bool = False
-    profile_step_start: int = 10
-    profile_step_end: int = 12
+    log_interval: int = arg(10)
+    eval_interval: int = arg(1000)
+    eval_iters: int = arg(10)
+    tensorboard_dir: Optional[str] = arg(None)
+    timing_log_level: int = arg(0, choices=(0, 1, 2))
+    profile: bool = arg(False, "torch.profiler over iterations [--profile-step-start, --profile-step-end): rank 0 "
+                               "prints the top kernels and writes a Chrome trace (to --tensorboard-dir or the "
+                               "working directory)")
+    profile_step_start: int = arg(10)
+    profile_step_end: int = arg(12)
+
+
+# Section -> its argument group in --help.
+SECTIONS = {"model": (ModelConfig, "model"), "parallel": (ParallelConfig, "parallelism"),
+            "train": (TrainConfig, "batch, schedule and optimizer"), "data": (DataConfig, "data"),
+            "ckpt": (CheckpointConfig, "checkpointing"), "log": (LogConfig, "logging, evaluation and exit")}
+# Megatron's alias flags: not settings of their own, resolved into recompute_* by `_resolve_aliases`.
+ALIAS_FLAGS = {
+    "recompute_activations": "= --recompute-granularity selective",
+    "checkpoint_activations": "old name: = --recompute-granularity full --recompute-method uniform "
+                              "--recompute-num-layers 1",
+}
 
 
 @dataclass
@@ -138,172 +200,117 @@ class Config:
     data: DataConfig
     ckpt: CheckpointConfig
     log: LogConfig
-    args: argparse.Namespace                        # the flat namespace, stored in checkpoints
+    aliases: dict[str, bool] = field(default_factory=dict)  # the ALIAS_FLAGS as given (kept in `args`)
 
     @property
     def num_microbatches(self) -> int:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.data_parallel_size)
 
+    def namespace(self) -> argparse.Namespace:
+        """The flat Megatron-style `args` (every setting, one attribute each), as checkpoints store it."""
+        flat = {name: self.aliases.get(name, False) for name in ALIAS_FLAGS}
+        for section in SECTIONS:
+            flat.update(asdict(getattr(self, section)))
+        return argparse.Namespace(**flat)
+
+
+# ---- the command line, derived from the fields ---------------------------------------------------
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
+    m = f.metadata
+    shown = f.default_factory() if f.default is MISSING else f.default
+    suffix = f"default: {shown}" if shown not in (None, False, True, []) else None
+    kw: dict[str, Any] = {"dest": f.name, "help": "; ".join(filter(None, (m["help"], suffix))) or None}
+    if hint is bool:
+        if f.default is True:
+            group.add_argument(m["negative"], action="store_false", **kw)
+            return
+        kw["action"] = "store_true"
+    elif typing.get_origin(hint) is list:
+        kw.update(nargs="*", type=typing.get_args(hint)[0])
+    else:
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]  # Optional[X] -> X
+        kw.update(type=inner[0] if inner else hint, choices=m["choices"])
+    group.add_argument(_flag(f.name), *m["aliases"], **kw)
+
 
 def build_parser() -> argparse.ArgumentParser:
+    """The pretraining command line, one flag per config field (Megatron's names and aliases)."""
     p = argparse.ArgumentParser(description="megapar GPT-2 pretraining (Megatron-LM compatible flags)",
-                                allow_abbrev=False)
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", "--pipeline-parallel", type=int, default=1)
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="with tp > 1: split LayerNorm, dropout and residual work (and their activations) along "
-                        "the sequence; all-reduces become reduce-scatter + all-gather")
-    g.add_argument("--pipeline-schedule", choices=["1f1b", "afab"], default="1f1b",
-                   help="1f1b (default) or all-forward-all-backward (reference)")
-    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-    g.add_argument("--pipeline-hang-diagnostics", action="store_true",
-                   help="on GPUs, poll pipeline send/recv against --distributed-timeout-minutes and name the "
-                        "schedule step, microbatch and operation a rank hangs on (blocks the CPU per transfer; "
-                        "always on with gloo)")
-
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=256)
-    g.add_argument("--num-attention-heads", type=int, default=8)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=256)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--attention-backend", choices=["auto", "flash", "cudnn", "fused", "torch"], default="auto",
-                   help="flash = torch SDPA (default where available), cudnn = SDPA preferring cuDNN attention, "
-                        "fused = csrc softmax, torch = reference")
-    g.add_argument("--layernorm-impl", choices=["torch", "fused"], default="torch")
-    g.add_argument("--torch-compile", action="store_true",
-                   help="torch.compile each transformer layer (fuses LayerNorm, GELU, dropout, residual adds)")
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                   help="layers on the first pipeline stage (the rest split evenly over the other stages)")
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                   help="layers on the last pipeline stage, which also runs the LM head and the loss")
-    g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
-                   help="weight-gradient GEMMs write a bf16 grad that a hook adds to the fp32 buffer (default: "
-                        "they accumulate into the fp32 buffer directly)")
-    g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--checkpoint-activations", action="store_true",
-                   help="old name: = --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
-
-    g = p.add_argument_group("batch, schedule and optimizer")
-    g.add_argument("--micro-batch-size", type=int, default=4)
-    g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None)
-    g.add_argument("--lr", type=float, default=6e-4)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--adam-impl", choices=["auto", "torch", "fused"], default="auto",
-                   help="fused: csrc's one-launch AdamW that also writes the bf16/fp16 params (GPUs; JIT-built on "
-                        "first use when not built at install); torch: torch's fused (GPU) / foreach (CPU) AdamW, "
-                        "then a copy into the bf16/fp16 params; auto: fused on GPUs when setup.py built the "
-                        "kernels, else torch")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--enable-cuda-graph", action="store_true",
-                   help="capture the whole training step (forward, backward, gradient reduction, optimizer) as "
-                        "one CUDA graph and replay it every iteration (removes kernel-launch overhead; GPUs, "
-                        "no pipeline parallelism, no fp16, no dropout, no recompute)")
-    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
-                   help="eager steps before the capture (compilation, cuBLAS autotuning, optimizer state)")
-
-    g = p.add_argument_group("mixed precision")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=[])
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--data-cache-path", default=None)
-
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    for flag in ("--no-save-optim", "--no-save-rng", "--no-load-optim", "--no-load-rng", "--finetune"):
-        g.add_argument(flag, action="store_true")
-
-    g = p.add_argument_group("logging, evaluation and exit")
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0)
-    g.add_argument("--profile", action="store_true",
-                   help="torch.profiler over iterations [--profile-step-start, --profile-step-end): rank 0 prints "
-                        "the top kernels and writes a Chrome trace (to --tensorboard-dir or the working directory)")
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
-    g.add_argument("--exit-interval", type=int, default=None)
-    g.add_argument("--exit-duration-in-mins", type=float, default=None)
-    g.add_argument("--exit-signal-handler", action="store_true")
+                                allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for cls, title in SECTIONS.values():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if f.metadata["cli"]:
+                title_f = f.metadata["group"] or title
+                group = groups.get(title_f) or groups.setdefault(title_f, p.add_argument_group(title_f))
+                _add_field(group, f, hints[f.name])
+    for name, help in ALIAS_FLAGS.items():
+        groups["model"].add_argument(_flag(name), action="store_true", help=help)
+    groups["model"].add_argument("--recipe", metavar="NAME", help="start from a named run configuration "
+                                 "(megapar/recipes.py); flags given after it override it")
     return p
 
 
-def _pick(cls, ns: argparse.Namespace):
-    return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+def parse_flags(argv: Optional[Sequence[str]]) -> dict[str, Any]:
+    """The flags the user gave ({dest: value}; recipes expanded), without defaults."""
+    return vars(build_parser().parse_args(expand_recipes(argv)))
 
 
-def _normalise(ns: argparse.Namespace) -> None:
-    """Resolve aliases and defaults that depend on other flags (in place)."""
-    if ns.checkpoint_activations:
-        ns.recompute_granularity = ns.recompute_granularity or "full"
-        ns.recompute_method = ns.recompute_method or "uniform"
-        ns.recompute_num_layers = ns.recompute_num_layers or 1
-    if ns.recompute_activations:
-        ns.recompute_granularity = ns.recompute_granularity or "selective"
-    if ns.recompute_granularity == "full" and ns.recompute_method is None:
-        ns.recompute_method = "uniform"
-    if ns.recompute_num_layers is None:
-        ns.recompute_num_layers = 1
-    if ns.attention_backend == "auto":  # torch SDPA (flash kernels on GPU, math on CPU)
-        ns.attention_backend = "flash"
-    ns.ffn_hidden_size = ns.ffn_hidden_size or 4 * ns.hidden_size
-    ns.max_position_embeddings = ns.max_position_embeddings or ns.seq_length
-    if ns.tensor_model_parallel_size == 1:  # nothing to split (Megatron also turns it off)
-        ns.sequence_parallel = False
+def default_of(name: str) -> Any:
+    """The default of the setting `name` (its dataclass field)."""
+    for cls, _ in SECTIONS.values():
+        for f in fields(cls):
+            if f.name == name:
+                return f.default_factory() if f.default is MISSING else f.default
+    raise KeyError(name)
 
 
-def config_from_namespace(ns: argparse.Namespace, world_size: int) -> Config:
-    """Validate `ns` for a job of `world_size` processes and build the Config."""
-    _normalise(ns)
-    validate(ns, world_size)
-    ns.data_parallel_size = world_size // (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size)
-    ns.global_batch_size = ns.global_batch_size or ns.micro_batch_size * ns.data_parallel_size
-    _check_batch(ns)
-    return Config(model=_pick(ModelConfig, ns), parallel=_pick(ParallelConfig, ns), train=_pick(TrainConfig, ns),
-                  data=_pick(DataConfig, ns), ckpt=_pick(CheckpointConfig, ns), log=_pick(LogConfig, ns), args=ns)
+def _pick(cls, given: dict[str, Any]):
+    return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
+
+
+def section_from_args(cls, args: argparse.Namespace):
+    """A config section (e.g. ModelConfig) from a flat Megatron-style `args` namespace, such as
+    a checkpoint's: the settings it holds, the section's defaults for those it lacks (Megatron's
+    own checkpoints and older megapar ones do not hold every megapar setting)."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None})
+
+
+def _resolve_aliases(given: dict[str, Any]) -> dict[str, bool]:
+    """--checkpoint-activations / --recompute-activations -> recompute_* (in place); returns them."""
+    aliases = {name: bool(given.pop(name, False)) for name in ALIAS_FLAGS}
+    if aliases["checkpoint_activations"]:
+        given.setdefault("recompute_granularity", "full")
+        given.setdefault("recompute_method", "uniform")
+    if aliases["recompute_activations"]:
+        given.setdefault("recompute_granularity", "selective")
+    return aliases
+
+
+def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: int) -> Config:
+    """Validate the given flags (a parsed namespace or dict) for a job of `world_size` processes
+    and build the Config; every flag not given takes its dataclass default."""
+    given = dict(vars(ns) if isinstance(ns, argparse.Namespace) else ns)
+    given.pop("recipe", None)
+    aliases = _resolve_aliases(given)
+    cfg = Config(**{section: _pick(cls, given) for section, (cls, _) in SECTIONS.items()}, aliases=aliases)
+    if cfg.parallel.tensor_model_parallel_size == 1:  # nothing to split (Megatron also turns it off)
+        cfg.model.sequence_parallel = False
+    validate(cfg.namespace(), world_size)
+    p, t = cfg.parallel, cfg.train
+    p.data_parallel_size = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    t.global_batch_size = t.global_batch_size or t.micro_batch_size * p.data_parallel_size
+    _check_batch(t.global_batch_size, t.micro_batch_size, p.data_parallel_size)
+    return cfg
 
 
 def parse_config(argv: Optional[Sequence[str]], world_size: int) -> Config:
-    return config_from_namespace(build_parser().parse_args(argv), world_size)
+    return config_from_namespace(parse_flags(argv), world_size)
 
 
 def _fail(msg: str) -> None:
@@ -373,9 +380,8 @@ def _check_cuda_graph(ns: argparse.Namespace) -> None:
             _fail(f"--enable-cuda-graph: {why} (or drop --enable-cuda-graph)")
 
 
-def _check_batch(ns: argparse.Namespace) -> None:
-    per_step = ns.micro_batch_size * ns.data_parallel_size
-    if ns.global_batch_size % per_step:
-        _fail(f"--global-batch-size {ns.global_batch_size} is not divisible by --micro-batch-size "
-              f"{ns.micro_batch_size} x data-parallel size {ns.data_parallel_size} = {per_step}; "
-              f"use a multiple of {per_step}")
+def _check_batch(global_batch: int, micro_batch: int, dp: int) -> None:
+    per_step = micro_batch * dp
+    if global_batch % per_step:
+        _fail(f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "
+              f"{micro_batch} x data-parallel size {dp} = {per_step}; use a multiple of {per_step}")

@@ -16,12 +16,14 @@ import os
 import random
 import shutil
 import time
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from .arguments import DataConfig, ModelConfig, ParallelConfig, section_from_args
 from .topology import layer_counts
 from .atomic import atomic_write, atomic_write_text
 from .tensor_parallel.random import get_rng_tracker
@@ -30,9 +32,9 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 CHECKPOINT_VERSION = 3.0
-# Arguments that must match between a checkpoint and the run that loads it.
-SHAPE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-              "vocab_size")
+# ModelConfig fields that must match between a checkpoint and the run that loads it.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+                "vocab_size")
 
 
 class CheckpointError(RuntimeError):
@@ -77,6 +79,29 @@ def read_tracker(root: str) -> Optional[int | str]:
     if not text.isdigit():
         raise CheckpointError(f"{path} should hold an iteration number or 'release', found {text[:40]!r}")
     return int(text)
+
+
+# ---- what a checkpoint says about its run --------------------------------------------------------
+@dataclass
+class SavedConfig:
+    """The run that wrote a checkpoint file, typed. `read_saved_config` is the one reader
+    (training, generation, resharding and export all use it)."""
+    args: argparse.Namespace      # Megatron's flat `args`, as saved (Megatron-format readers need it)
+    model: ModelConfig            # the file's `model_config`, or derived from `args` (Megatron's checkpoints)
+    parallel: ParallelConfig      # the layout it was saved at
+    data: DataConfig              # its tokenizer (and data) settings
+
+
+def read_saved_config(state: dict, path: str = "checkpoint") -> SavedConfig:
+    """The SavedConfig of a loaded checkpoint file (or a canonical folder's metadata)."""
+    args = state.get("args")
+    if args is None:
+        raise CheckpointError(f"{path} has no 'args'; it is not a megapar/Megatron checkpoint")
+    saved = state.get("model_config")
+    names = {f.name for f in fields(ModelConfig)}
+    model = ModelConfig(**{k: v for k, v in saved.items() if k in names}) if saved is not None \
+        else section_from_args(ModelConfig, args)
+    return SavedConfig(args, model, section_from_args(ParallelConfig, args), section_from_args(DataConfig, args))
 
 
 # ---- model state nesting (SPECS.md) ---------------------------------------------------------
@@ -134,9 +159,10 @@ def _barrier() -> None:
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
-                    topo, rank: int, save_optim: bool = True, save_rng: bool = True) -> None:
-    """Collective: every rank calls it. `args` is stored as the checkpoint's `args`
-    (it must carry consumed_train_samples, vocab_size and padded_vocab_size)."""
+                    model_config: ModelConfig, topo, rank: int, save_optim: bool = True,
+                    save_rng: bool = True) -> None:
+    """Collective: every rank calls it. `args` is stored as the checkpoint's `args` (it must
+    carry consumed_train_samples), `model_config` as its `model_config` (vocabulary sizes set)."""
     c = topo.coord(rank)
     final, staging = iter_dir(root, iteration), iter_dir(root, iteration) + ".partial"
     if rank == 0:
@@ -151,7 +177,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     optim_state = optimizer.state_for_save() if wants_optim else None
     if c.dp == 0:
         os.makedirs(shard, exist_ok=True)
-        state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+        state = {"args": args, "model_config": asdict(model_config), "checkpoint_version": CHECKPOINT_VERSION,
+                 "iteration": iteration,
                  "model": nest_model_state({k: v.detach().to("cpu", copy=True)  # no views: save only the tensor
                                            for k, v in model.state_dict().items()})}
         if optim_state is not None:
@@ -183,28 +210,27 @@ def _publish(root: str, final: str, staging: str, iteration: int) -> None:
 
 
 # ---- load -------------------------------------------------------------------------------------
-def check_args(saved: argparse.Namespace, current: argparse.Namespace, path: str) -> None:
-    """Explain every incompatibility between the checkpoint's arguments and this run's."""
-    s_tp, s_pp = saved.tensor_model_parallel_size, saved.pipeline_model_parallel_size
-    c_tp, c_pp = current.tensor_model_parallel_size, current.pipeline_model_parallel_size
-    if (s_tp, s_pp) == (c_tp, c_pp) and s_pp > 1 and layer_counts(saved, s_pp) != layer_counts(current, c_pp):
+def check_compatible(saved: SavedConfig, model: ModelConfig, topo, path: str) -> None:
+    """Explain every incompatibility between the checkpoint's run and this one (`model` at `topo`)."""
+    s_tp, s_pp = saved.parallel.tensor_model_parallel_size, saved.parallel.pipeline_model_parallel_size
+    if (s_tp, s_pp) == (topo.tp, topo.pp) and s_pp > 1 and layer_counts(saved.model, s_pp) != layer_counts(model, s_pp):
         raise CheckpointError(
-            f"checkpoint {path} holds {layer_counts(saved, s_pp)} layers per pipeline stage, but this run splits "
-            f"them {layer_counts(current, c_pp)}; set --decoder-first/last-pipeline-num-layers as the checkpoint "
-            f"did, or reshard it with tools/checkpoint_util.py")
-    if (s_tp, s_pp) != (c_tp, c_pp):
+            f"checkpoint {path} holds {layer_counts(saved.model, s_pp)} layers per pipeline stage, but this run "
+            f"splits them {layer_counts(model, s_pp)}; set --decoder-first/last-pipeline-num-layers as the "
+            f"checkpoint did, or reshard it with tools/checkpoint_util.py")
+    if (s_tp, s_pp) != (topo.tp, topo.pp):
         raise CheckpointError(
             f"checkpoint {path} was saved with tensor-parallel {s_tp} x pipeline-parallel {s_pp}, but this run "
-            f"uses {c_tp} x {c_pp}; reshard it first: python tools/checkpoint_util.py --load-dir <ckpt> "
-            f"--save-dir <new> --target-tensor-parallel-size {c_tp} --target-pipeline-parallel-size {c_pp}")
-    diffs = [f"--{a.replace('_', '-')} {getattr(saved, a, None)} (checkpoint) vs {getattr(current, a, None)} (run)"
-             for a in SHAPE_ARGS if getattr(saved, a, None) != getattr(current, a, None)]
+            f"uses {topo.tp} x {topo.pp}; reshard it first: python tools/checkpoint_util.py --load-dir <ckpt> "
+            f"--save-dir <new> --target-tensor-parallel-size {topo.tp} --target-pipeline-parallel-size {topo.pp}")
+    diffs = [f"--{a.replace('_', '-')} {getattr(saved.model, a)} (checkpoint) vs {getattr(model, a)} (run)"
+             for a in SHAPE_FIELDS if getattr(saved.model, a) != getattr(model, a)]
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match this model: " + "; ".join(diffs) +
                               "; use the checkpoint's model flags (or a matching tokenizer)")
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Namespace, topo, rank: int,
+def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelConfig, topo, rank: int,
                     load_optim: bool = True, load_rng: bool = True, finetune: bool = False) -> tuple[int, int]:
     """Load this rank's shard. Returns (iteration, consumed_train_samples); (0, 0) when `root`
     holds no checkpoint yet (a warning is printed, training starts from scratch)."""
@@ -217,9 +243,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     shard = os.path.join(iter_dir(root, iteration), shard_dir_name(c.tp, c.pp, topo.pp))
     path = os.path.join(shard, MODEL_FILE)
     if not os.path.isfile(path):
-        _explain_missing_shard(root, iteration, path, topo, args)
+        _explain_missing_shard(root, iteration, path, topo, model_config)
     state = load_file(path)
-    check_args(state["args"], args, path)
+    check_compatible(read_saved_config(state, path), model_config, topo, path)
     model.load_state_dict(flatten_model_state(state["model"]))
     restore_optim = load_optim and not finetune and optimizer is not None
     if restore_optim and "optimizer" not in state:
@@ -242,7 +268,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args: argparse.Names
     return it, int(getattr(state["args"], "consumed_train_samples", 0))
 
 
-def _explain_missing_shard(root: str, iteration, path: str, topo, args: argparse.Namespace) -> None:
+def _explain_missing_shard(root: str, iteration, path: str, topo, model_config: ModelConfig) -> None:
     """This rank's shard is missing: if another shard exists, report how its layout or model
     differs from this run (the same message on every rank); else report the missing file."""
     folder = iter_dir(root, iteration)
@@ -250,7 +276,7 @@ def _explain_missing_shard(root: str, iteration, path: str, topo, args: argparse
     for name in present:
         other = os.path.join(folder, name, MODEL_FILE)
         if os.path.isfile(other):
-            check_args(load_file(other)["args"], args, other)
+            check_compatible(read_saved_config(load_file(other), other), model_config, topo, other)
             break
     raise CheckpointError(f"checkpoint file {path} is missing (found shards: {', '.join(present) or 'none'}); "
                           f"the checkpoint is incomplete -- load an earlier iteration")

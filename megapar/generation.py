@@ -1,7 +1,8 @@
 """Text generation with a key/value cache on any (tp, pp) layout.
 
-    model, args = load_inference_model("checkpoints/gpt2_embedded", Topology(1, 1, 1), rank=0, device=cpu)
-    engine = InferenceEngine(model, topo, rank=0, vocab_size=args.vocab_size, eod=tok.eod)
+    model, saved = load_inference_model("checkpoints/gpt2_embedded", Topology(1, 1, 1), rank=0, device=cpu)
+    tok = tokenizer_for_checkpoint(saved)
+    engine = InferenceEngine(model, topo, rank=0, vocab_size=model.cfg.vocab_size, eod=tok.eod)
     out = engine.generate([tok.tokenize("Hello")], SamplingParams(tokens_to_generate=20, greedy=True))
     tok.detokenize(out.generated(0))
 
@@ -21,15 +22,17 @@ Only rank 0 does I/O: `run_leader` (rank 0) and `follow` (others) ship requests 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .arguments import ModelConfig
+from .checkpointing import SavedConfig
 from .model.gpt2 import GPT2Model, Stage
 from .model.kv_cache import KVCache
 from .readback import to_host, wait_host
@@ -321,8 +324,9 @@ def _saved_layout(step_dir: str) -> tuple[int, int]:
     return max(tps) + 1, max(pps) + 1
 
 
-def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int, iteration=None):
-    """(args, flat model state dict) of shard (tp_rank, pp_rank) for an inference layout tp x pp,
+def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int,
+                     iteration=None) -> tuple[SavedConfig, dict[str, torch.Tensor]]:
+    """(the checkpoint's SavedConfig, flat model state dict) of shard (tp_rank, pp_rank) for an inference layout tp x pp,
     from a checkpoint saved at any layout (via megapar.reshard when the layouts differ)."""
     from . import checkpointing as ck
     if not os.path.isdir(load_dir):
@@ -336,65 +340,61 @@ def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int
         raise GenerationError(f"checkpoint directory {step_dir} (named by {ck.TRACKER}) is missing")
     if _saved_layout(step_dir) != (tp, pp):  # reshard in memory (checks the model splits tp x pp)
         return load_model_state_for(load_dir, tp, pp, tp_rank, pp_rank, iteration=it)
-    state = ck.load_file(os.path.join(step_dir, ck.shard_dir_name(tp_rank, pp_rank, pp), ck.MODEL_FILE))
-    return state["args"], ck.flatten_model_state(state["model"])
+    path = os.path.join(step_dir, ck.shard_dir_name(tp_rank, pp_rank, pp), ck.MODEL_FILE)
+    state = ck.load_file(path)
+    return ck.read_saved_config(state, path), ck.flatten_model_state(state["model"])
 
 
-def model_config_from_args(args, device: torch.device) -> ModelConfig:
-    """An inference ModelConfig from a checkpoint's args: no dropout, no recompute, no sequence
+def inference_config(saved: ModelConfig, device: torch.device) -> ModelConfig:
+    """The checkpoint's model config for inference: no dropout, no recompute, no sequence
     parallelism (a decoded token cannot be split), reference kernels where the fused ones cannot run."""
-    cfg = ModelConfig(**{f.name: getattr(args, f.name) for f in fields(ModelConfig)
-                         if getattr(args, f.name, None) is not None})
-    cfg.ffn_hidden_size = cfg.ffn_hidden_size or 4 * cfg.hidden_size
-    cfg.max_position_embeddings = cfg.max_position_embeddings or cfg.seq_length
-    cfg.hidden_dropout = cfg.attention_dropout = 0.0
-    cfg.recompute_granularity, cfg.recompute_method = None, None
-    cfg.sequence_parallel = False
-    if cfg.attention_backend == "auto" or (cfg.attention_backend == "fused" and device.type != "cuda"):
+    cfg = dataclasses.replace(saved, hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity=None,
+                              recompute_method=None, sequence_parallel=False)
+    if cfg.attention_backend == "fused" and device.type != "cuda":
         cfg.attention_backend = "flash"
     if device.type != "cuda":
         cfg.layernorm_impl = "torch"
-    cfg.padded_vocab_size = args.padded_vocab_size
-    cfg.vocab_size = getattr(args, "vocab_size", None) or args.padded_vocab_size
+    cfg.vocab_size = saved.vocab_size or saved.padded_vocab_size
     return cfg
 
 
 def load_inference_model(load_dir: str, topo: Topology, rank: int, device: torch.device,
-                         dtype: torch.dtype = torch.float32, iteration=None):
-    """This rank's stage of the checkpoint's model, in eval mode on `device`. Returns (model, args)."""
+                         dtype: torch.dtype = torch.float32, iteration=None) -> tuple[GPT2Model, SavedConfig]:
+    """This rank's stage of the checkpoint's model, in eval mode on `device`. Returns (model, the
+    checkpoint's SavedConfig for this layout)."""
     c = topo.coord(rank)
     if topo.dp != 1:
         raise GenerationError(f"inference runs one model replica: launch tp x pp = {topo.tp * topo.pp} "
                               f"processes (got {topo.world_size})")
-    args, state = load_model_state(load_dir, topo.tp, topo.pp, c.tp, c.pp, iteration)
-    cfg = model_config_from_args(args, device)  # args describe this (possibly resharded) layout
+    saved, state = load_model_state(load_dir, topo.tp, topo.pp, c.tp, c.pp, iteration)
+    cfg = inference_config(saved.model, device)  # describes this (possibly resharded) layout
     model = GPT2Model(cfg, Stage.for_config(cfg, topo.pp, c.pp), seed=0, tp_group=topo.groups.tp,
                       device=device, dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise GenerationError(f"checkpoint {load_dir} does not match the model its args describe: missing "
+        raise GenerationError(f"checkpoint {load_dir} does not match the model its config describes: missing "
                               f"{missing[:4]}, unexpected {unexpected[:4]}")
-    return model.eval(), args
+    return model.eval(), saved
 
 
-def tokenizer_for_checkpoint(args, tokenizer_type=None, vocab_file=None, merge_file=None, tokenizer_model=None):
-    """The checkpoint's tokenizer (flags override what its args name); its vocabulary must match."""
+def tokenizer_for_checkpoint(saved: SavedConfig, tokenizer_type=None, vocab_file=None, merge_file=None,
+                             tokenizer_model=None):
+    """The checkpoint's tokenizer (flags override what it names); its vocabulary must match."""
     from .data.tokenizer import TokenizerError, build_tokenizer
-    kind = tokenizer_type or getattr(args, "tokenizer_type", None) or "GPT2BPETokenizer"
-    files = dict(vocab_file=vocab_file or getattr(args, "vocab_file", None),
-                 merge_file=merge_file or getattr(args, "merge_file", None),
-                 tokenizer_model=tokenizer_model or getattr(args, "tokenizer_model", None))
+    d, m = saved.data, saved.model
+    kind = tokenizer_type or d.tokenizer_type
+    files = dict(vocab_file=vocab_file or d.vocab_file, merge_file=merge_file or d.merge_file,
+                 tokenizer_model=tokenizer_model or d.tokenizer_model)
     try:
         tok = build_tokenizer(kind, **files)
     except TokenizerError as e:
         raise GenerationError(f"cannot build the checkpoint's tokenizer ({kind}): {e}. Pass the files used in "
                               f"training with --vocab-file/--merge-file or --tokenizer-model") from None
-    want = getattr(args, "vocab_size", None)
-    if want is not None and tok.vocab_size != want:
+    if m.vocab_size is not None and tok.vocab_size != m.vocab_size:
         raise GenerationError(f"tokenizer {kind} has {tok.vocab_size} tokens but the checkpoint was trained with a "
-                              f"vocabulary of {want} (padded {getattr(args, 'padded_vocab_size', '?')}); pass the "
+                              f"vocabulary of {m.vocab_size} (padded {m.padded_vocab_size}); pass the "
                               f"tokenizer used in training (--tokenizer-type/--vocab-file/--merge-file/--tokenizer-model)")
-    if want is None and tok.vocab_size > getattr(args, "padded_vocab_size", tok.vocab_size):
+    if m.vocab_size is None and tok.vocab_size > m.padded_vocab_size:
         raise GenerationError(f"tokenizer {kind} has {tok.vocab_size} tokens, more than the checkpoint's "
-                              f"{args.padded_vocab_size} embedding rows; pass the tokenizer used in training")
+                              f"{m.padded_vocab_size} embedding rows; pass the tokenizer used in training")
     return tok

@@ -130,12 +130,9 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
 
 
 def checkpoint_args(run: Run, consumed_samples: int) -> argparse.Namespace:
-    """The `args` stored in checkpoints: the run's flags plus derived sizes (SPECS.md)."""
-    ns = argparse.Namespace(**vars(run.cfg.args))
-    m = run.cfg.model
-    ns.vocab_size, ns.padded_vocab_size = m.vocab_size, m.padded_vocab_size
-    ns.data_parallel_size, ns.consumed_train_samples = run.topo.dp, consumed_samples
+    """The `args` stored in checkpoints: every setting (Megatron's names), the sizes derived from the
+    tokenizer and topology, and what Megatron-format readers look for (docs/design.md)."""
+    ns = run.cfg.namespace()
+    ns.consumed_train_samples = consumed_samples
     ns.openai_gelu, ns.bias_gelu_fusion = True, False
-    for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
-        setattr(ns, k, getattr(run.cfg.data, k))
     return ns

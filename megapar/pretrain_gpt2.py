@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from .arguments import Config, ConfigError, build_parser, config_from_namespace
+from .arguments import Config, ConfigError, config_from_namespace, default_of, parse_flags
 from .initialize import build_run, init_distributed, print_rank0, train_iters
 from .topology import Topology
 from .training import TrainState, evaluate, load, log_eval, save, train
@@ -25,25 +25,23 @@ EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")  # + model shape, s
 
 
 def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    if not ns.data_path:  # the embedded default: fill only what the user left at its default
-        defaults = {"train_iters": None, "eval_interval": 1000, "eval_iters": 10, "save": None,
-                    "lr_warmup_iters": 0, "log_interval": 10, "global_batch_size": None}
-        save_dir = f"{EMBEDDED_SAVE}_{ns.num_layers}l_{ns.hidden_size}h"
-        chosen = {"train_iters": 300 if ns.train_samples is None else None, "eval_interval": 100,
-                  "eval_iters": 4, "save": save_dir, "lr_warmup_iters": 30, "log_interval": 20,
+    given = parse_flags(argv)
+    if not given.get("data_path"):  # the embedded default: fill only what the user did not give
+        layers, hidden = (given.get(k, default_of(k)) for k in ("num_layers", "hidden_size"))
+        save_dir = f"{EMBEDDED_SAVE}_{layers}l_{hidden}h"
+        chosen = {"eval_interval": 100, "eval_iters": 4, "save": save_dir, "log_interval": 20,
                   "global_batch_size": 8}
+        if "train_samples" not in given:
+            chosen["train_iters"] = 300
+        if "lr_warmup_fraction" not in given:
+            chosen["lr_warmup_iters"] = 30
         for k, v in chosen.items():
-            if getattr(ns, k) == defaults[k]:
-                setattr(ns, k, v)
-        if ns.lr_warmup_fraction is not None:
-            ns.lr_warmup_iters = 0
-        if ns.load is None and ns.save == save_dir:  # re-running resumes; never overwrites
-            ns.load = save_dir
-    if ns.train_iters is None and ns.train_samples is None:
+            given.setdefault(k, v)
+        if given.get("load") is None and given["save"] == save_dir:  # re-running resumes; never overwrites
+            given["load"] = save_dir
+    if given.get("train_iters") is None and given.get("train_samples") is None:
         raise ConfigError("give --train-iters or --train-samples (how long to train)")
-    return config_from_namespace(ns, world_size)
+    return config_from_namespace(given, world_size)
 
 
 def prepare_data(cfg: Config, rank: int) -> None:
@@ -62,8 +60,6 @@ def prepare_data(cfg: Config, rank: int) -> None:
     cfg.data.data_path = [info["data_prefix"]]
     for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
         setattr(cfg.data, k, info.get(k))
-        setattr(cfg.args, k, info.get(k))
-    cfg.args.data_path = cfg.data.data_path
 
 
 def build_datasets(cfg: Config):

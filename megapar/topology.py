@@ -144,11 +144,10 @@ def check_parallel_shape(num_layers: int, heads: int, ffn_hidden_size: int, tp: 
     pipeline_layer_counts(num_layers, pp, first, last, pp_flag)
 
 
-def layer_counts(model_args, pp: int) -> list[int]:
-    """Layers per pipeline stage for a ModelConfig or a (checkpoint) args namespace."""
-    return pipeline_layer_counts(model_args.num_layers, pp,
-                                 getattr(model_args, "decoder_first_pipeline_num_layers", None),
-                                 getattr(model_args, "decoder_last_pipeline_num_layers", None))
+def layer_counts(model, pp: int) -> list[int]:
+    """Layers per pipeline stage of a ModelConfig split over `pp` stages."""
+    return pipeline_layer_counts(model.num_layers, pp, model.decoder_first_pipeline_num_layers,
+                                 model.decoder_last_pipeline_num_layers)
 
 
 def pipeline_layer_counts(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None,

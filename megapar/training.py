@@ -234,16 +234,15 @@ def save(run: Run, state: TrainState) -> None:
     ck = run.cfg.ckpt
     print_rank0(f" saving checkpoint at iteration {state.iteration:7d} to {ck.save}")
     save_checkpoint(ck.save, state.iteration, run.model, run.optimizer, run.scheduler,
-                    checkpoint_args(run, state.consumed_samples), run.topo, run.rank,
+                    checkpoint_args(run, state.consumed_samples), run.cfg.model, run.topo, run.rank,
                     save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)
     print_rank0(f"  successfully saved checkpoint at iteration {state.iteration:7d} to {ck.save}")
 
 
 def load(run: Run, state: TrainState) -> None:
     ck = run.cfg.ckpt
-    args = checkpoint_args(run, 0)
     state.iteration, state.consumed_samples = load_checkpoint(
-        ck.load, run.model, run.optimizer, run.scheduler, args, run.topo, run.rank,
+        ck.load, run.model, run.optimizer, run.scheduler, run.cfg.model, run.topo, run.rank,
         load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune)
 
 

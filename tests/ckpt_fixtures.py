@@ -70,10 +70,9 @@ def _save_body(rank, world, root, tp, pp, dp, zero, steps, iteration, extra):
             p.main_grad.copy_(_local_grad(name, p, model.stage.layer_start, tp, c.tp, step))
         opt.step()
         sched.step()
-    args = cfg.args
-    args.vocab_size, args.padded_vocab_size = VOCAB, cfg.model.padded_vocab_size
+    args = cfg.namespace()
     args.consumed_train_samples = 8 * iteration
-    save_checkpoint(root, iteration, model, opt, sched, args, topo, rank)
+    save_checkpoint(root, iteration, model, opt, sched, args, cfg.model, topo, rank)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

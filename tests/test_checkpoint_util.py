@@ -3,7 +3,6 @@ invariant, ZeRO-1 state follows dp, bad input gets one message naming the file."
 import argparse
 import os
 import shutil
-import sys
 
 import pytest
 import torch
@@ -16,8 +15,7 @@ from megapar.model import GPT2Model, Stage
 from megapar.model.sharding import is_vocab_parallel
 from megapar.reshard import load_model_state_for
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import checkpoint_util  # noqa: E402
+from megapar.cli import checkpoint_util
 
 IT = "iter_0000020"
 
@@ -168,9 +166,7 @@ def _zero_reload_body(rank, world, root):
     model = GPT2Model(cfg.model, Stage.of(4, 1, 0), 99)
     opt = DistributedOptimizer(model, GradBuffer(model.parameters(), topo.groups.dp, mode="reduce_scatter"),
                                cfg.train, DynamicGradScaler(), 0, topo.groups.dp)
-    args = cfg.args
-    args.vocab_size, args.padded_vocab_size = VOCAB, cfg.model.padded_vocab_size
-    load_checkpoint(root, model, opt, None, args, topo, rank)
+    load_checkpoint(root, model, opt, None, cfg.model, topo, rank)
     return opt.state_for_save()
 
 
@@ -179,8 +175,8 @@ def _forward_serial(tp, pp, root, tokens):
     cfg = tiny_model_config(["--pipeline-model-parallel-size", str(pp)], world_size=pp, vocab=VOCAB)
     x = None
     for p in range(pp):
-        args, state = load_model_state_for(root, 1, pp, 0, p)
-        assert args.pipeline_model_parallel_size == pp
+        saved, state = load_model_state_for(root, 1, pp, 0, p)
+        assert saved.parallel.pipeline_model_parallel_size == saved.args.pipeline_model_parallel_size == pp
         model = GPT2Model(cfg.model, Stage.of(4, pp, p), 0).eval()
         model.load_state_dict(state)
         model.set_input_tensor(x)
@@ -193,8 +189,8 @@ def _forward_tp2_body(rank, world, root, tokens):
     import torch.distributed as dist
     from megapar.tensor_parallel.mappings import gather_from_tp
     cfg = tiny_model_config(["--tensor-model-parallel-size", "2"], world_size=2, vocab=VOCAB, tp=2)
-    args, state = load_model_state_for(root, 2, 1, rank, 0)
-    assert args.padded_vocab_size == 256
+    saved, state = load_model_state_for(root, 2, 1, rank, 0)
+    assert saved.model.padded_vocab_size == saved.args.padded_vocab_size == 256
     model = GPT2Model(cfg.model, Stage.of(4, 1, 0), 0, dist.group.WORLD).eval()
     model.load_state_dict(state)
     with torch.no_grad():
@@ -368,10 +364,13 @@ def test_target_pipeline_split(tmp_path, capsys):
 
 
 def test_resuming_with_another_pipeline_split_is_refused():
-    from megapar.checkpointing import CheckpointError, check_args
+    from megapar.arguments import ModelConfig
+    from megapar.checkpointing import CheckpointError, check_compatible, read_saved_config
+    from megapar.topology import Topology
     layout = dict(num_layers=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
-    saved = argparse.Namespace(**layout, decoder_last_pipeline_num_layers=1)
+    saved = read_saved_config({"args": argparse.Namespace(**layout, decoder_last_pipeline_num_layers=1)})
     with pytest.raises(CheckpointError, match=r"holds \[3, 1\] layers per pipeline stage, but this run splits them "
                                               r"\[2, 2\]; set --decoder-first/last-pipeline-num-layers"):
-        check_args(saved, argparse.Namespace(**layout), "ck")
-    check_args(saved, argparse.Namespace(**layout, decoder_first_pipeline_num_layers=3), "ck")  # the same stages
+        check_compatible(saved, ModelConfig(num_layers=4), Topology(1, 2, 1), "ck")
+    check_compatible(saved, ModelConfig(num_layers=4, decoder_first_pipeline_num_layers=3), Topology(1, 2, 1),
+                     "ck")  # the same stages  # the same stages

@@ -4,7 +4,6 @@ tp/pp layouts, checkpoints of another layout, the HTTP server and the CLI.
 Tolerances: cached decoding and recomputation run the same fp32 ops in a different grouping
 (one query row vs the full causal matrix), so logits agree to ~1e-6; tp=2 splits the matmul
 reductions over two ranks, ~1e-5. We assert 1e-4 (logits are O(1))."""
-import argparse
 import io
 import json
 import os
@@ -19,7 +18,8 @@ import torch
 
 from distributed import run_distributed
 from gpt_helpers import tiny_model_config
-from megapar.checkpointing import save_checkpoint
+from megapar.checkpointing import read_saved_config, save_checkpoint
+from megapar.cli import generate_text
 from megapar.generation import (GenerationError, InferenceEngine, SamplingParams, filter_logits,
                                 load_inference_model, mask_padded_vocab, sample, tokenizer_for_checkpoint)
 from megapar.model import GPT2Model, Stage
@@ -27,8 +27,6 @@ from megapar.text_generation_server import make_server, response_for
 from megapar.topology import Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import generate_text  # noqa: E402
 
 VOCAB, EOD, SEED, ATOL = 100, 99, 1234, 1e-4
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
@@ -46,8 +44,7 @@ def one_thread():
 def config(tp=1, pp=1, vocab=VOCAB, tokenizer=None):
     extra = ["--seq-length", "48", "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     cfg = tiny_model_config(extra, world_size=tp * pp, vocab=vocab, tp=tp)
-    ns = argparse.Namespace(**vars(cfg.args))
-    ns.vocab_size, ns.padded_vocab_size = cfg.model.vocab_size, cfg.model.padded_vocab_size
+    ns = cfg.namespace()
     ns.consumed_train_samples = 0
     for k, v in (tokenizer or {}).items():
         setattr(ns, k, v)
@@ -60,7 +57,7 @@ def build(tp=1, pp=1, pp_rank=0, tp_group=None, vocab=VOCAB):
 
 
 def save(model, ns, root, topo=Topology(1, 1, 1), rank=0):
-    save_checkpoint(root, 7, model, None, None, ns, topo, rank, save_optim=False, save_rng=False)
+    save_checkpoint(root, 7, model, None, None, ns, model.cfg, topo, rank, save_optim=False, save_rng=False)
 
 
 def greedy(n=12, **kw):
@@ -140,8 +137,8 @@ def test_stops_at_end_of_document_and_checks_prompts():
 def test_checkpoint_roundtrip_and_clear_errors(tmp_path):
     model, ns = build()
     save(model, ns, str(tmp_path / "ck"))
-    loaded, args = load_inference_model(str(tmp_path / "ck"), Topology(1, 1, 1), 0, torch.device("cpu"))
-    assert args.vocab_size == VOCAB and loaded.cfg.padded_vocab_size == 128
+    loaded, saved = load_inference_model(str(tmp_path / "ck"), Topology(1, 1, 1), 0, torch.device("cpu"))
+    assert saved.model.vocab_size == loaded.cfg.vocab_size == VOCAB and loaded.cfg.padded_vocab_size == 128
     assert engine(loaded).generate(PROMPTS, greedy()).tokens == engine(model).generate(PROMPTS, greedy()).tokens
     with pytest.raises(GenerationError, match="no such directory"):
         load_inference_model(str(tmp_path / "nope"), Topology(1, 1, 1), 0, torch.device("cpu"))
@@ -181,7 +178,7 @@ def test_tp2_and_pp2_generation_equal_tp1_and_load_on_one_process(tmp_path):
         assert sampled == ref_sampled.tokens == dist_out[0][name][3], name
     pytest.importorskip("megapar.reshard", reason="in-memory resharding (megapar.reshard) not available")
     for name in ("tp2", "pp2"):      # tp2 is padded to 256 rows, the one-process model to 128
-        loaded, args = load_inference_model(os.path.join(root, name), Topology(1, 1, 1), 0, torch.device("cpu"))
+        loaded, _ = load_inference_model(os.path.join(root, name), Topology(1, 1, 1), 0, torch.device("cpu"))
         assert loaded.cfg.padded_vocab_size == 128
         res = engine(loaded).generate(PROMPTS, greedy())
         assert res.tokens == ref.tokens and close(res.logits, ref.logits), name
@@ -265,7 +262,8 @@ def test_cli_modes_and_errors(tmp_path, gpt2_files, monkeypatch, capsys):
     assert generate_text.main(["--load", str(tmp_path / "small")]) == 1
     assert "has 50257 tokens but the checkpoint was trained with a vocabulary of 100" in capsys.readouterr().err
     with pytest.raises(GenerationError, match="tokenizer-model"):
-        tokenizer_for_checkpoint(ns, tokenizer_type="SentencePieceTokenizer", tokenizer_model="/nope.model")
+        tokenizer_for_checkpoint(read_saved_config({"args": ns}), tokenizer_type="SentencePieceTokenizer",
+                                 tokenizer_model="/nope.model")
 
 
 @pytest.mark.slow  # --quick skips it; tp 2 generation itself is checked in-process above

@@ -134,7 +134,7 @@ def _dp4_body(rank, world_size, ckpt_dir):
     model, buf, opt = _zero1(group, bucket_numel=5000)
     ref = Reference()
     res = _compare_steps(model, buf, opt, ref, range(SAVE_AT), world_size, rank, group)
-    save_checkpoint(ckpt_dir, SAVE_AT, model, opt, None, _ckpt_args(), Topology(1, 1, world_size), rank)
+    save_checkpoint(ckpt_dir, SAVE_AT, model, opt, None, _ckpt_args(), model.cfg, Topology(1, 1, world_size), rank)
     after = _compare_steps(model, buf, opt, ref, range(SAVE_AT, STEPS), world_size, rank, group)
     for k in res:
         res[k] += after[k]
@@ -211,7 +211,7 @@ def _dp2_body(rank, world_size, ckpt_dir):
     res = _compare_steps(model, buf, opt, Reference(), range(SAVE_AT), world_size, rank, group)
     res.update(bytes=opt.optimizer_state_bytes(), mixed=_bf16_and_fp16(rank, group))
     model, buf, opt = _zero1(group, bucket_numel=4000)
-    it, _ = load_checkpoint(ckpt_dir, model, opt, None, _ckpt_args(), Topology(1, 1, world_size), rank)
+    it, _ = load_checkpoint(ckpt_dir, model, opt, None, model.cfg, Topology(1, 1, world_size), rank)
     res["resumed_from"] = it
     res["resumed_losses"] = [_train_step(model, buf, opt, i, world_size, rank, group)[0]
                              for i in range(SAVE_AT, STEPS)]
@@ -247,7 +247,7 @@ def test_dp2_matches_adamw_mixed_precision_and_resumes_from_dp4(dp4_run):
 def test_dp1_resumes_from_dp4_checkpoint(dp4_run):
     ckpt, dp4 = dp4_run
     model, buf, opt = _zero1(None, bucket_numel=2000)
-    assert load_checkpoint(ckpt, model, opt, None, _ckpt_args(), Topology(1, 1, 1), 0)[0] == SAVE_AT
+    assert load_checkpoint(ckpt, model, opt, None, model.cfg, Topology(1, 1, 1), 0)[0] == SAVE_AT
     res = {"resumed_losses": [_train_step(model, buf, opt, i, 1, 0, None)[0] for i in range(SAVE_AT, STEPS)],
            "final": {n: p.detach().clone() for n, p in model.named_parameters()}}
     _check_resumed(res, dp4[0])

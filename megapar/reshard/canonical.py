@@ -1,6 +1,6 @@
 """The canonical unsharded form on disk: a folder of full tensors plus metadata.
 
-    DIR/metadata.pt          args, iteration, true vocab_size, parameter names in model order,
+    DIR/metadata.pt          args, model_config, iteration, true vocab_size, parameter names in model order,
                              optimizer step / loss-scaler state / param_groups, LR scheduler,
                              RNG states of the source shards and the source layout
     DIR/tensors/<name>.pt    one file per parameter: {"param": full tensor, and with optimizer
@@ -17,7 +17,7 @@ import shutil
 
 import torch
 
-from ..checkpointing import CheckpointError, atomic_torch_save
+from ..checkpointing import CheckpointError, SavedConfig, atomic_torch_save, read_saved_config
 from .layout import OPTIM_KINDS
 from .source import load_mmap
 from .stream_save import LazyTensor, StreamingSaver
@@ -38,7 +38,8 @@ class CanonicalFolder:
         if m.get("format") != "megapar-canonical":
             raise CheckpointError(f"{meta_path} is not a megapar canonical checkpoint (format={m.get('format')!r})")
         self.path, self._meta = path, m
-        self.args, self.iteration, self.vocab_size = m["args"], m["iteration"], m["vocab_size"]
+        self.saved: SavedConfig = read_saved_config(m, meta_path)
+        self.iteration = m["iteration"]
         self.names, self.has_optim, self.distributed = m["names"], m["has_optim"], m["distributed_optimizer"]
         self.specs = m["specs"]
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import asdict
 from typing import Optional
 
 from ..topology import layer_counts
-from ..checkpointing import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, atomic_write_text,
+from ..checkpointing import (CHECKPOINT_VERSION, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, atomic_write_text,
                              iter_dir, nest_model_state, shard_dir_name)
-from . import target_args
+from . import retarget
 from .canonical import prepare_output, publish_dir
 from .layout import OPTIM_KINDS, split, stage_keys
 from .stream_save import LazyTensor, StreamingSaver
@@ -52,11 +53,12 @@ def _rng_for(src, tp: int, pp: int, tp_rank: int, pp_rank: int):
     return src.meta()["rng_states"].get((tp_rank, pp_rank))
 
 
-def _shard_objects(src, args, keys, tp, tp_rank, pp, pp_rank, with_optim, distributed, padded):
+def _shard_objects(src, target: SavedConfig, keys, tp, tp_rank, pp, pp_rank, with_optim, distributed, padded):
     """The (model file, distrib_optim file or None) structures of one target shard, with
     LazyTensor placeholders for every parameter tensor."""
     model = nest_model_state({local: _lazy(src, name, "param", tp, padded) for local, name in keys})
-    obj = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": src.iteration, "model": model}
+    obj = {"args": target.args, "model_config": asdict(target.model), "checkpoint_version": CHECKPOINT_VERSION,
+           "iteration": src.iteration, "model": model}
     dist_obj = None
     if with_optim:
         m = src.optim_meta()
@@ -92,23 +94,23 @@ def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None
     """Write `src` as a megapar checkpoint at (tp, pp) into `save_dir` (legacy layout + tracker).
     dp only updates args (ZeRO-1 state is stored full over dp); distributed=None keeps the
     source's optimizer storage, True/False forces distrib_optim.pt / model_optim_rng.pt;
-    split = (first, last) layers of the first / last pipeline stage (target_args)."""
+    split = (first, last) layers of the first / last pipeline stage (retarget)."""
     with_optim = with_optim and src.has_optim
     distributed = src.distributed if distributed is None else distributed
-    args = target_args(src.args, src.vocab_size, tp, pp, dp, distributed if with_optim else None, split)
+    target = retarget(src.saved, tp, pp, dp, distributed if with_optim else None, split)
     prepare_output(save_dir, force)
-    padded = args.padded_vocab_size if src.vocab_size is not None else src.args.padded_vocab_size
+    padded = target.model.padded_vocab_size
     staging = save_dir.rstrip("/") + ".partial"
     shutil.rmtree(staging, ignore_errors=True)
     it_dir = iter_dir(staging, src.iteration)
     for pp_rank in range(pp):
-        keys = stage_keys(src.names, layer_counts(args, pp), pp_rank)
+        keys = stage_keys(src.names, layer_counts(target.model, pp), pp_rank)
         model_savers, optim_savers = [], []
         try:
             for tp_rank in range(tp):
                 shard = os.path.join(it_dir, shard_dir_name(tp_rank, pp_rank, pp))
                 os.makedirs(shard, exist_ok=True)
-                obj, dist_obj = _shard_objects(src, args, keys, tp, tp_rank, pp, pp_rank, with_optim,
+                obj, dist_obj = _shard_objects(src, target, keys, tp, tp_rank, pp, pp_rank, with_optim,
                                                distributed, padded)
                 model_savers.append(StreamingSaver(os.path.join(shard, MODEL_FILE), obj))
                 if dist_obj is not None:

@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from ..arguments import DataConfig
+from ..checkpointing import SavedConfig
 from .canonical import prepare_output, publish_dir
 
 _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
@@ -55,25 +57,24 @@ def hf_name_and_tensor(name: str, t: torch.Tensor, heads: int) -> Optional[tuple
     return f"transformer.h.{m.group(1)}.{hf}.{leaf}", t.contiguous()
 
 
-def _eod(args, vocab_size: int) -> int:
+def _eod(data: DataConfig, vocab_size: int) -> int:
     """The end-of-document id of the checkpoint's tokenizer (its files must be readable); else
     GPT-2's 50256 for a 50257-token vocabulary, else the last id."""
     from ..data.tokenizer import build_tokenizer
     try:
-        return build_tokenizer(args.tokenizer_type, vocab_file=getattr(args, "vocab_file", None),
-                               merge_file=getattr(args, "merge_file", None),
-                               tokenizer_model=getattr(args, "tokenizer_model", None)).eod
+        return build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
+                               tokenizer_model=data.tokenizer_model).eod
     except Exception:  # noqa: BLE001 (tokenizer files moved or absent: fall back)
         return 50256 if vocab_size == 50257 else vocab_size - 1
 
 
-def hf_config(args, vocab_size: int) -> dict:
-    eos = _eod(args, vocab_size)
+def hf_config(saved: SavedConfig) -> dict:
+    m, vocab_size = saved.model, saved.model.vocab_size
+    eos = _eod(saved.data, vocab_size)
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
-            "n_positions": args.max_position_embeddings, "n_ctx": args.max_position_embeddings,
-            "n_embd": args.hidden_size, "n_layer": args.num_layers, "n_head": args.num_attention_heads,
-            "n_inner": getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size,
-            "activation_function": "gelu_new", "layer_norm_epsilon": getattr(args, "layernorm_epsilon", 1e-5),
+            "n_positions": m.max_position_embeddings, "n_ctx": m.max_position_embeddings,
+            "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_attention_heads,
+            "n_inner": m.ffn_hidden_size, "activation_function": "gelu_new", "layer_norm_epsilon": m.layernorm_epsilon,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
             "scale_attn_weights": True, "use_cache": True, "tie_word_embeddings": True,
             "bos_token_id": eos, "eos_token_id": eos}
@@ -83,21 +84,22 @@ def export_hf(src, out_dir: str, dtype: Optional[torch.dtype] = None, force: boo
     """Write `src` (ShardedCheckpoint / CanonicalFolder) as a transformers GPT2LMHeadModel folder."""
     from safetensors.torch import save_file
     prepare_output(out_dir, force)
-    if src.vocab_size is None:
+    m = src.saved.model
+    if m.vocab_size is None:
         raise ValueError("the checkpoint does not record its true vocab_size; cannot remove the dummy rows")
     tensors = {}
     for name in src.names:
-        key, t = hf_name_and_tensor(name, src.full(name), src.args.num_attention_heads)
+        key, t = hf_name_and_tensor(name, src.full(name), m.num_attention_heads)
         tensors[key] = t.to(dtype) if dtype is not None else t
     staging = out_dir.rstrip("/") + ".partial"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
-    cfg = hf_config(src.args, src.vocab_size)
+    cfg = hf_config(src.saved)
     cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).replace("torch.", "")
     with open(os.path.join(staging, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     src.release()
     publish_dir(staging, out_dir)
-    log(f"wrote Hugging Face GPT2LMHeadModel ({src.args.num_layers} layers, hidden {src.args.hidden_size}, "
-        f"vocab {src.vocab_size}) to {out_dir}")
+    log(f"wrote Hugging Face GPT2LMHeadModel ({m.num_layers} layers, hidden {m.hidden_size}, "
+        f"vocab {m.vocab_size}) to {out_dir}")

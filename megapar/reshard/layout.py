@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..topology import padded_vocab_size
+from ..arguments import ModelConfig
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 
 WORD = "language_model.embedding.word_embeddings.weight"
@@ -80,21 +80,16 @@ def split(full: torch.Tensor, name: str, tp: int, tp_rank: int, padded_vocab: Op
     return full.chunk(tp, dim=dim)[tp_rank].clone().contiguous()
 
 
-def expected_full_shape(name: str, args) -> Optional[tuple[int, ...]]:
-    """The full (merged, padded) shape implied by the checkpoint's args, or None if unknown."""
-    h = args.hidden_size
-    f = getattr(args, "ffn_hidden_size", None) or 4 * h
+def expected_full_shape(name: str, model: ModelConfig) -> Optional[tuple[int, ...]]:
+    """The full (merged, padded) shape implied by the checkpoint's model config, or None if unknown."""
+    h, f = model.hidden_size, model.ffn_hidden_size
     table = {"query_key_value.weight": (3 * h, h), "query_key_value.bias": (3 * h,),
              "self_attention.dense.weight": (h, h), "dense_h_to_4h.weight": (f, h), "dense_h_to_4h.bias": (f,),
              "dense_4h_to_h.weight": (h, f), "layernorm.weight": (h,), "layernorm.bias": (h,),
-             "position_embeddings.weight": (args.max_position_embeddings, h)}
+             "position_embeddings.weight": (model.max_position_embeddings, h)}
     if is_vocab_parallel(name):
-        return (args.padded_vocab_size, h)
+        return (model.padded_vocab_size, h)
     for suffix, shape in table.items():
         if name.endswith(suffix):
             return shape
     return None
-
-
-def target_padded_vocab(args, vocab_size: int, tp: int) -> int:
-    return padded_vocab_size(vocab_size, getattr(args, "make_vocab_size_divisible_by", 128), tp)

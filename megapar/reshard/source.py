@@ -8,24 +8,24 @@ truncated or corrupt file, shards that disagree) raises CheckpointError naming t
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
+from dataclasses import asdict
 from typing import Optional
 
 import torch
 
 from ..topology import layer_counts
-from ..checkpointing import (DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_state, iter_dir,
-                             read_tracker, shard_dir_name)
+from ..checkpointing import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_state, iter_dir,
+                             read_saved_config, read_tracker, shard_dir_name)
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from .layout import HEAD, OPTIM_KINDS, expected_full_shape, stage_of, to_global
 
 _SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-# args that every shard of one checkpoint must agree on
-_SAME_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-              "padded_vocab_size", "vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+# ModelConfig fields that every shard of one checkpoint must agree on (and the layout)
+_SAME_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+                "padded_vocab_size", "vocab_size", "decoder_first_pipeline_num_layers",
+                "decoder_last_pipeline_num_layers")
 
 
 def load_mmap(path: str) -> dict:
@@ -98,9 +98,8 @@ class ShardedCheckpoint:
         self.headers = {k: self._header(k) for k in self.shards}
         self._check_consistent()
         first = self.headers[(0, 0)]
-        self.args: argparse.Namespace = first["args"]
-        self.vocab_size = getattr(self.args, "vocab_size", None)
-        self.layer_counts = layer_counts(self.args, self.pp)      # transformer layers per stage
+        self.saved: SavedConfig = first["saved"]
+        self.layer_counts = layer_counts(self.saved.model, self.pp)      # transformer layers per stage
         self.has_optim = first["has_optim"]
         self.distributed = first["distributed"]
         self.optim_files = {k: _ShardFile(self._path(*k, DISTRIB_OPTIM_FILE), self.budget)
@@ -117,10 +116,8 @@ class ShardedCheckpoint:
             raise CheckpointError(f"{self.dir} holds no mp_rank_* shard directories")
         # the saved args say the layout; the directory listing must match it
         probe = os.path.join(self.dir, found[0].group(0), MODEL_FILE)
-        args = load_mmap(probe).get("args")
-        if args is None:
-            raise CheckpointError(f"checkpoint file {probe} has no 'args'; it is not a megapar/Megatron checkpoint")
-        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        layout = read_saved_config(load_mmap(probe), f"checkpoint file {probe}").parallel
+        tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
         missing = [shard_dir_name(t, p, pp) for t in range(tp) for p in range(pp)
                    if not os.path.isdir(os.path.join(self.dir, shard_dir_name(t, p, pp)))]
         if missing:
@@ -141,7 +138,7 @@ class ShardedCheckpoint:
             raise CheckpointError(f"checkpoint file {os.path.join(os.path.dirname(sf.path), DISTRIB_OPTIM_FILE)} "
                                   f"is missing: {sf.path} says its optimizer state is distributed (ZeRO-1)")
         keys = {k: tuple(v.shape) for k, v in flatten_model_state(st["model"]).items()}
-        return {"args": st["args"], "iteration": st["iteration"], "keys": keys, "has_optim": optim is not None,
+        return {"saved": read_saved_config(st, sf.path), "iteration": st["iteration"], "keys": keys, "has_optim": optim is not None,
                 "distributed": distributed, "scheduler": st.get("opt_param_scheduler"),
                 "rng_state": st.get("rng_state"), "checkpoint_version": st.get("checkpoint_version"),
                 "optim_meta": None if optim is None or distributed else _optim_meta(optim)}
@@ -150,11 +147,15 @@ class ShardedCheckpoint:
         ref, ref_path = self.headers[(0, 0)], self.shards[(0, 0)].path
         for key, h in self.headers.items():
             path = self.shards[key].path
-            for a in _SAME_ARGS:
-                if getattr(h["args"], a, None) != getattr(ref["args"], a, None):
+            mine, theirs = h["saved"], ref["saved"]
+            for a in _SAME_FIELDS:
+                if getattr(mine.model, a) != getattr(theirs.model, a):
                     raise CheckpointError(f"checkpoint file {path} disagrees with {ref_path} on {a}: "
-                                          f"{getattr(h['args'], a, None)} vs {getattr(ref['args'], a, None)}; "
+                                          f"{getattr(mine.model, a)} vs {getattr(theirs.model, a)}; "
                                           f"the shards come from different runs")
+            if mine.parallel != theirs.parallel:
+                raise CheckpointError(f"checkpoint file {path} disagrees with {ref_path} on the parallel layout "
+                                      f"({mine.parallel} vs {theirs.parallel}); the shards come from different runs")
             if h["iteration"] != ref["iteration"]:
                 raise CheckpointError(f"checkpoint file {path} is at iteration {h['iteration']} but {ref_path} "
                                       f"is at {ref['iteration']}; the shards come from different saves")
@@ -177,7 +178,7 @@ class ShardedCheckpoint:
                 names.append(to_global(local, sum(counts[:p])))
         if len(set(names)) != len(names):
             raise CheckpointError(f"checkpoint {self.dir}: stages hold overlapping parameters; "
-                                  f"is args.num_layers ({self.args.num_layers}) right?")
+                                  f"is its num_layers ({self.saved.model.num_layers}) right?")
         return names
 
     # ---- metadata ---------------------------------------------------------------------------
@@ -205,11 +206,12 @@ class ShardedCheckpoint:
         shape = list(parts[0].shape)
         if dim is not None:
             shape[dim] *= self.tp
-        want = expected_full_shape(name, self.args)
+        want = expected_full_shape(name, self.saved.model)
         if want is not None and tuple(shape) != want:
             raise CheckpointError(f"checkpoint {self._path(0, p, MODEL_FILE)}: {local} ({kind}) merges to "
                                   f"shape {tuple(shape)} but the checkpoint's args imply {want}")
-        keep = self.vocab_size if is_vocab_parallel(name) and self.vocab_size is not None else None
+        vocab = self.saved.model.vocab_size
+        keep = vocab if is_vocab_parallel(name) and vocab is not None else None
         out_shape = [keep] + shape[1:] if keep is not None else shape
         full = torch.empty(out_shape, dtype=parts[0].dtype)
         for t, part in enumerate(parts):       # copy each shard straight into place (no cat, no clone)
@@ -236,18 +238,20 @@ class ShardedCheckpoint:
         dim = tp_partition_dim(name)
         if dim is not None:
             shape[dim] *= self.tp
-        if is_vocab_parallel(name) and self.vocab_size is not None:
-            shape[0] = self.vocab_size
+        if is_vocab_parallel(name) and self.saved.model.vocab_size is not None:
+            shape[0] = self.saved.model.vocab_size
         return tuple(shape), part.dtype
 
     def meta(self) -> dict:
         """Everything but the tensors: the canonical form's metadata."""
         h = self.headers[(0, 0)]
-        return {"format": "megapar-canonical", "version": 1, "args": self.args, "iteration": self.iteration,
-                "checkpoint_version": h["checkpoint_version"], "vocab_size": self.vocab_size, "names": self.names,
+        model = self.saved.model
+        return {"format": "megapar-canonical", "version": 1, "args": self.saved.args,
+                "model_config": asdict(model), "iteration": self.iteration,
+                "checkpoint_version": h["checkpoint_version"], "vocab_size": model.vocab_size, "names": self.names,
                 "has_optim": self.has_optim, "distributed_optimizer": self.distributed,
                 "optim_meta": self.optim_meta(), "opt_param_scheduler": h["scheduler"],
-                "source_layout": {"tp": self.tp, "pp": self.pp, "dp": getattr(self.args, "data_parallel_size", None)},
+                "source_layout": {"tp": self.tp, "pp": self.pp, "dp": self.saved.parallel.data_parallel_size},
                 "rng_states": {k: v["rng_state"] for k, v in self.headers.items() if v["rng_state"] is not None}}
 
     def _part(self, t: int, p: int, local: str, kind: str) -> torch.Tensor:
