@@ -39,14 +39,21 @@ def _cuda_extensions():
 
 ext_modules, cmdclass = _cuda_extensions()
 
+# The user tools (megapar/cli/); `python tools/<tool>.py` runs the same main.
+CLI_TOOLS = ["checkpoint_util", "convert_to_hf", "generate_text", "preprocess_data", "train_tokenizer",
+             "estimate_memory", "compare_losses"]
+CONSOLE_SCRIPTS = [f"megapar-{t.replace('_', '-')}=megapar.cli.{t}:main" for t in CLI_TOOLS]
+
 setup(
     name="megapar",
     version="0.1.0",
     description="Megatron-style 3D-parallel GPT-2 pretraining in readable PyTorch",
-    packages=find_packages(include=["megapar", "megapar.*"]),
+    # data_prep: the OpenWebText pipeline (python -m data_prep.openwebtext.<step>), importable anywhere
+    packages=find_packages(include=["megapar", "megapar.*", "data_prep", "data_prep.*"]),
     python_requires=">=3.10",
     install_requires=[l.strip() for l in open("requirements.txt") if l.strip() and not l.startswith("#")],
     extras_require={"apex": ["apex"], "hf": ["transformers", "safetensors"]},
+    entry_points={"console_scripts": CONSOLE_SCRIPTS},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -1,7 +1,5 @@
 """tools/convert_to_hf.py: transformers' GPT2LMHeadModel gives megapar's logits."""
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -12,8 +10,7 @@ from megapar.model import GPT2Model, Stage
 from megapar.reshard import load_model_state_for
 
 transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import convert_to_hf  # noqa: E402
+from megapar.cli import convert_to_hf  # noqa: E402
 
 
 @pytest.mark.parametrize("tp,pp", [pytest.param(2, 2, marks=pytest.mark.slow), (1, 1)])

@@ -1,47 +1,6 @@
-#!/usr/bin/env python3
-"""Export a megapar checkpoint of any layout to a Hugging Face GPT2LMHeadModel folder.
-
-  python tools/convert_to_hf.py --load-dir ckpt --save-dir gpt2_hf [--dtype fp16|bf16|fp32]
-  then: transformers.GPT2LMHeadModel.from_pretrained("gpt2_hf")
-"""
-from __future__ import annotations
-
-import argparse
-import os
+"""Export a checkpoint to hugging face (same as `megapar-convert-to-hf`); the code is megapar/cli/convert_to_hf.py."""
 import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import torch  # noqa: E402
-
-from megapar.checkpointing import CheckpointError  # noqa: E402
-from megapar.reshard import bounded_heap  # noqa: E402
-from megapar.reshard.hf import export_hf  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checkpoint_util import open_source  # noqa: E402
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load-dir", "--load", dest="load_dir", required=True,
-                   help="megapar checkpoint (any tp/pp/dp) or canonical folder")
-    p.add_argument("--save-dir", "--save", dest="save_dir", required=True)
-    p.add_argument("--iteration", default=None)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty --save-dir")
-    a = p.parse_args(argv)
-    bounded_heap()
-    try:
-        export_hf(open_source(a.load_dir, False, a.iteration), a.save_dir,
-                  DTYPES[a.dtype] if a.dtype else None, force=a.force)
-    except (CheckpointError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
+from megapar.cli.convert_to_hf import main
 
 if __name__ == "__main__":
     sys.exit(main())

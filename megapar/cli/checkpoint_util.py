@@ -1,0 +1,83 @@
+"""Reshard a megapar checkpoint to any (tensor, pipeline, data) parallel layout, on CPU.
+
+  python tools/checkpoint_util.py --load-dir A --save-dir B \\
+      --target-tensor-parallel-size T --target-pipeline-parallel-size P [--target-data-parallel-size D]
+  python tools/checkpoint_util.py --load-dir A --save-dir FULL --to-full      # canonical unsharded folder
+  python tools/checkpoint_util.py --load-dir FULL --save-dir B --from-full --target-... # back to shards
+
+Every conversion reads the source as canonical full tensors (megapar.reshard) one parameter
+at a time. See megapar/reshard/convert.py for what is carried and how.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from megapar.checkpointing import CheckpointError
+from megapar.reshard import bounded_heap
+from megapar.reshard.canonical import CanonicalFolder, is_canonical, write_canonical
+from megapar.reshard.convert import write_sharded
+from megapar.reshard.source import ShardedCheckpoint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load-dir", "--load", dest="load_dir", required=True)
+    p.add_argument("--save-dir", "--save", dest="save_dir", required=True)
+    p.add_argument("--target-tensor-parallel-size", type=int, default=None)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=None)
+    p.add_argument("--target-data-parallel-size", type=int, default=None,
+                   help="recorded in args; ZeRO-1 state is stored full over dp and sliced at load time")
+    p.add_argument("--target-decoder-first-pipeline-num-layers", dest="target_first", type=int, default=None,
+                   help="layers on the target's first pipeline stage (the rest split evenly over the others)")
+    p.add_argument("--target-decoder-last-pipeline-num-layers", dest="target_last", type=int, default=None,
+                   help="layers on the target's last pipeline stage (default: the source's split at the same "
+                        "pipeline size, else an even split)")
+    p.add_argument("--iteration", default=None, help="iteration to convert (default: the tracker's)")
+    p.add_argument("--no-optim", action="store_true", help="convert model weights only")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--use-distributed-optimizer", dest="distributed", action="store_true", default=None,
+                   help="store optimizer state in distrib_optim.pt (default: as in the source)")
+    g.add_argument("--no-distributed-optimizer", dest="distributed", action="store_false")
+    p.add_argument("--to-full", action="store_true", help="write the canonical unsharded folder")
+    p.add_argument("--from-full", action="store_true", help="--load-dir is a canonical folder")
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty --save-dir")
+    return p
+
+
+def open_source(load_dir: str, from_full: bool, iteration):
+    if from_full or is_canonical(load_dir):
+        return CanonicalFolder(load_dir)
+    if iteration is not None and iteration != "release":
+        iteration = int(iteration)
+    return ShardedCheckpoint(load_dir, iteration)
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    bounded_heap()
+    if os.path.abspath(a.load_dir) == os.path.abspath(a.save_dir):
+        print("error: --save-dir must differ from --load-dir", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    try:
+        src = open_source(a.load_dir, a.from_full, a.iteration)
+        if a.to_full:
+            write_canonical(src, a.save_dir, with_optim=not a.no_optim, force=a.force)
+        else:
+            tp = a.target_tensor_parallel_size or src.saved.parallel.tensor_model_parallel_size
+            pp = a.target_pipeline_parallel_size or src.saved.parallel.pipeline_model_parallel_size
+            split = None if a.target_first is None and a.target_last is None else (a.target_first, a.target_last)
+            write_sharded(src, a.save_dir, tp, pp, a.target_data_parallel_size, a.distributed,
+                          with_optim=not a.no_optim, force=a.force, split=split)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"done in {time.time() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Train a SentencePiece BPE tokenizer on your text (offline, deterministic).
+
+    python tools/train_tokenizer.py --input docs.jsonl [more.txt ...] --json-keys text \\
+        --model-prefix out/spm --vocab-size 8000
+    python tools/preprocess_data.py --tokenizer-type SentencePieceTokenizer \\
+        --tokenizer-model out/spm.model ...
+
+.jsonl(.gz) inputs are read through --json-keys; other files are used as plain text.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import tempfile
+
+from megapar.data.train_tokenizer import train_sentencepiece
+
+
+def _jsonl_to_text(path: str, keys: list[str], out) -> None:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"error: {path}:{lineno}: malformed JSON line ({e})")
+            for k in keys:
+                for ln in str(obj.get(k, "")).split("\n"):
+                    if ln.strip():
+                        out.write(ln + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True)
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs = []
+        for i, path in enumerate(args.input):
+            if not os.path.isfile(path):
+                raise SystemExit(f"error: --input {path!r} not found")
+            if ".jsonl" in path or path.endswith(".json"):
+                txt = os.path.join(tmp, f"{i}.txt")
+                with open(txt, "w", encoding="utf-8") as out:
+                    _jsonl_to_text(path, args.json_keys, out)
+                inputs.append(txt)
+            else:
+                inputs.append(path)
+        model = train_sentencepiece(inputs, args.model_prefix, args.vocab_size, args.model_type)
+    print(f"wrote {model}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
