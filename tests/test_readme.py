@@ -1,0 +1,342 @@
+"""Every command in the README's (and docs/guide.md's) ```bash blocks works as written.
+
+Each command line is checked by what it runs:
+  * cheap ones run for real: `--help`, tools/estimate_memory.py, tools/preprocess_data.py on a small JSON-lines
+    file (with the GPT-2 BPE files from ../shared/data), `python -m megapar.data.validate`, modules that take no
+    argparse flags;
+  * training (`bash scripts/pretrain_gpt2.sh`, `python -m megapar.pretrain_gpt2`) is parsed and validated by
+    megapar.pretrain_gpt2.parse at the world size the launcher would start (tp x pp on CPU), so a bad layout or
+    batch fails here too;
+  * every other Python tool is run in-process and stopped the moment its own argparse parser has accepted the
+    flags (a checkpoint, a GPU or a download would be needed past that point);
+  * shell scripts with their own flag loops (prepare_openwebtext.sh, run_tests.sh, gpu_checks.sh) are run or
+    matched against the flags they handle; wrappers around one tools/*.py script check that script's flags.
+A misspelled flag, an unknown recipe or config name, or a command this file has no checker for fails the test
+(test_a_misspelled_flag_fails shows it can).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import runpy
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ["README.md", "docs/guide.md"]
+GPT2_DIR = ROOT.parent / "shared" / "data" / "gpt2"
+ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+# ---- extracting commands ----------------------------------------------------------------------
+def bash_blocks(doc: str) -> list[tuple[int, list[str]]]:
+    """(first line number, command lines) of every ```bash block; continuation lines joined."""
+    blocks, lines = [], (ROOT / doc).read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() == "```bash":
+            start, body = i + 1, []
+            i += 1
+            while i < len(lines) and lines[i].strip() != "```":
+                body.append(lines[i])
+                i += 1
+            commands, pending = [], ""
+            for line in body:
+                if line.rstrip().endswith("\\"):
+                    pending += line.rstrip()[:-1] + " "
+                    continue
+                full = (pending + line).strip()
+                pending = ""
+                if full and not full.startswith("#"):
+                    commands.append(full)
+            blocks.append((start + 1, commands))
+        i += 1
+    return blocks
+
+
+def all_blocks() -> list[tuple[str, list[str]]]:
+    return [(f"{doc}:{line}", cmds) for doc in DOCS for line, cmds in bash_blocks(doc)]
+
+
+# ---- running a Python entry point in-process ----------------------------------------------------
+class _Parsed(Exception):
+    """Raised by the patched ArgumentParser.parse_args once a tool's parser accepted its flags."""
+
+
+@contextlib.contextmanager
+def stop_after_parse():
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop):
+        yield
+
+
+def run_python(target: str, args: list[str], *, module: bool, parse_only: bool, cwd: Path) -> str:
+    """Run `python [-m] target args` in this process (cwd = `cwd`). With parse_only, stop once
+    argparse accepted the flags. Returns captured stdout; raises AssertionError on failure."""
+    out, err = io.StringIO(), io.StringIO()
+    argv0 = target if module else str(ROOT / target)
+    old_argv, old_cwd, old_path = sys.argv, os.getcwd(), list(sys.path)
+    sys.argv = [argv0, *args]
+    os.chdir(cwd)
+    stopper = stop_after_parse() if parse_only else contextlib.nullcontext()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), stopper:
+            if module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(argv0, run_name="__main__")
+    except _Parsed:
+        return out.getvalue()
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise AssertionError(f"exit status {e.code}: {err.getvalue().strip()[-2000:]}") from None
+    finally:
+        sys.argv, sys.path[:] = old_argv, old_path
+        os.chdir(old_cwd)
+    return out.getvalue()
+
+
+def run_subprocess(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+# ---- checkers -----------------------------------------------------------------------------------
+def flag_value(args: list[str], flag: str, default=None):
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return default
+
+
+def check_training(args: list[str], world_size: int) -> None:
+    """Parse and validate training flags as megapar.pretrain_gpt2 does at this world size."""
+    from megapar.pretrain_gpt2 import parse
+    from megapar.topology import ConfigError
+    import torch
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            parse(args, world_size)
+    except SystemExit as e:
+        raise AssertionError(f"training flags rejected: {err.getvalue().strip()[-2000:]}") from None
+    except ConfigError as e:  # flags parsed; a GPU-only combination is refused on a CPU machine
+        if torch.cuda.is_available() or not re.search(r"CUDA|GPU", str(e)):
+            raise AssertionError(f"training flags rejected: {e}") from None
+
+
+LAUNCHER_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port")
+
+
+def check_pretrain_script(args: list[str], script_text: str) -> None:
+    """scripts/pretrain_gpt2.sh: launcher flags are its own, the rest goes to megapar.pretrain_gpt2.
+    World size as the script picks it on a CPU machine: --nproc-per-node, else tp x pp."""
+    for flag in LAUNCHER_FLAGS:
+        assert flag in script_text, f"scripts/pretrain_gpt2.sh no longer handles {flag}"
+    rest, launcher, i = [], {}, 0
+    while i < len(args):
+        if args[i] in LAUNCHER_FLAGS:
+            launcher[args[i]] = args[i + 1]
+            i += 2
+        else:
+            rest.append(args[i])
+            i += 1
+    tp = int(flag_value(rest, "--tensor-parallel", flag_value(rest, "--tensor-model-parallel-size", 1)))
+    pp = int(flag_value(rest, "--pipeline-parallel", flag_value(rest, "--pipeline-model-parallel-size", 1)))
+    nproc = int(launcher.get("--nproc-per-node", tp * pp))
+    check_training(rest, nproc * int(launcher.get("--nnodes", 1)))
+
+
+def check_prepare_openwebtext(args: list[str], cwd: Path) -> None:
+    """Run it for real where --dumps does not exist: it must get past its flag loop (no
+    'unknown argument') and stop at the --dumps folder check."""
+    dumps = flag_value(args, "--dumps")
+    assert dumps, "prepare_openwebtext.sh needs --dumps"
+    assert not (cwd / dumps).exists()
+    proc = run_subprocess(["bash", str(ROOT / "scripts/prepare_openwebtext.sh"), *args], cwd)
+    assert "unknown argument" not in proc.stderr, proc.stderr
+    assert proc.returncode != 0 and "--dumps" in proc.stderr, proc.stderr
+
+
+def check_run_tests(args: list[str], script_text: str) -> None:
+    """Never run the suite from inside it: each --flag must be one the script handles."""
+    for a in args:
+        assert not a.startswith("--") or re.search(rf'"{re.escape(a)}"', script_text), \
+            f"scripts/run_tests.sh does not handle {a}"
+
+
+def check_gpu_checks(args: list[str], script_text: str, cwd: Path) -> None:
+    """kernels | tests [pytest selections] | bench RECIPE...: selections must exist and the bench
+    names must be accepted by the benchmark's own parser."""
+    parts, current = {}, None
+    for a in args:
+        if a in ("kernels", "tests", "bench"):
+            current = parts.setdefault(a, [])
+        else:
+            assert current is not None, f"gpu_checks.sh: unknown part {a}"
+            current.append(a)
+    assert parts, "gpu_checks.sh without a part does nothing"
+    for sel in parts.get("tests", []):
+        assert (ROOT / sel.split("::")[0]).exists(), f"gpu_checks.sh tests: {sel} does not exist"
+    if parts.get("bench") is not None:
+        assert parts["bench"], "gpu_checks.sh bench needs recipe names"
+        bench = re.search(r"python3? (\S*bench_train\.py)", script_text)
+        assert bench, "gpu_checks.sh no longer names its benchmark script"
+        run_python(bench.group(1), ["--vocab-file", "v", "--merge-file", "m", "--configs", *parts["bench"]],
+                   module=False, parse_only=True, cwd=cwd)
+
+
+def check_preprocess(args: list[str], cwd: Path) -> None:
+    """Run it for real on a small JSON-lines file when the GPT-2 BPE files are available."""
+    if not ((GPT2_DIR / "encoder.json").is_file() and flag_value(args, "--tokenizer-type") == "GPT2BPETokenizer"):
+        run_python("tools/preprocess_data.py", args, module=False, parse_only=True, cwd=cwd)
+        return
+    for flag, source in (("--vocab-file", "encoder.json"), ("--merge-file", "vocab.bpe")):
+        path = cwd / flag_value(args, flag)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            path.symlink_to(GPT2_DIR / source)
+    inp = cwd / flag_value(args, "--input")
+    inp.parent.mkdir(parents=True, exist_ok=True)
+    keys = (flag_value(args, "--json-keys") or "text",)
+    with open(inp, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({k: f"Document {i}: the quick brown fox jumps over the lazy dog." for k in keys}) + "\n")
+    proc = run_subprocess([sys.executable, str(ROOT / "tools/preprocess_data.py"), *args], cwd)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    prefix = cwd / f"{flag_value(args, '--output-prefix')}_{keys[0]}_document"
+    assert prefix.with_suffix(".idx").is_file() and prefix.with_suffix(".bin").is_file()
+
+
+def check_validate(args: list[str], cwd: Path) -> None:
+    """Run it for real; when no earlier command wrote the prefix, write a small one first."""
+    from megapar.data.indexed_dataset import IndexedDatasetBuilder
+    import numpy as np
+
+    for prefix in args:
+        if not (cwd / f"{prefix}.idx").exists():
+            (cwd / prefix).parent.mkdir(parents=True, exist_ok=True)
+            b = IndexedDatasetBuilder(str(cwd / f"{prefix}.bin"), dtype=np.uint16)
+            b.add_document([1, 2, 3])
+            b.add_document([4, 5])
+            b.finalize(str(cwd / f"{prefix}.idx"))
+    out = run_python("megapar.data.validate", args, module=True, parse_only=False, cwd=cwd)
+    assert out.count(": OK") == len(args), out
+
+
+REAL_TOOLS = {"tools/estimate_memory.py"}   # cheap: run for real
+
+
+def check_python(tokens: list[str], cwd: Path) -> None:
+    if tokens[0] == "-m":
+        module, args = tokens[1], tokens[2:]
+        if module == "megapar.pretrain_gpt2":
+            return check_training(args, 1)
+        if module == "megapar.data.validate":
+            return check_validate(args, cwd)
+        run_python(module, args, module=True, parse_only="--help" not in args, cwd=cwd)
+        return
+    script, args = tokens[0], tokens[1:]
+    assert (ROOT / script).is_file(), f"{script} does not exist"
+    if script == "tools/preprocess_data.py" and "--help" not in args:
+        return check_preprocess(args, cwd)
+    real = script in REAL_TOOLS or "--help" in args
+    out = run_python(script, args, module=False, parse_only=not real, cwd=cwd)
+    if script == "tools/estimate_memory.py":
+        assert "tp " in out and "pp " in out, out
+
+
+def check_bash(tokens: list[str], env: dict, cwd: Path) -> None:
+    script, args = tokens[0], tokens[1:]
+    path = ROOT / script
+    assert path.is_file(), f"{script} does not exist"
+    text = path.read_text()
+    for name in env:
+        assert name in text, f"{script} does not read the environment variable {name}"
+    name = path.name
+    if name == "pretrain_gpt2.sh":
+        return check_pretrain_script(args, text)
+    if name == "prepare_openwebtext.sh":
+        return check_prepare_openwebtext(args, cwd)
+    if name == "run_tests.sh":
+        return check_run_tests(args, text)
+    if name == "gpu_checks.sh":
+        return check_gpu_checks(args, text, cwd)
+    if name in ("layout_check.sh", "gpu_kernel_checks.sh", "install.sh"):
+        assert not args, f"{script} takes no arguments (settings come from the environment)"
+        return
+    tools = sorted(set(re.findall(r"tools/\w+\.py", text)))
+    assert len(tools) == 1, f"no checker for {script}"
+    check_python([tools[0], *args], cwd)
+
+
+def check_command(line: str, cwd: Path) -> None:
+    tokens = shlex.split(line, comments=True)
+    env = {}
+    while tokens and ENV_ASSIGN.match(tokens[0]):
+        k, v = tokens.pop(0).split("=", 1)
+        env[k] = v
+    assert tokens, f"empty command: {line}"
+    prog, rest = tokens[0], tokens[1:]
+    if prog == "bash":
+        check_bash(rest, env, cwd)
+    elif prog in ("python", "python3"):
+        check_python(rest, cwd)
+    elif prog.startswith("megapar-"):  # console entry point = megapar.cli.<tool>
+        module = "megapar.cli." + prog[len("megapar-"):].replace("-", "_")
+        run_python(module, rest, module=True, parse_only="--help" not in rest, cwd=cwd)
+    else:
+        raise AssertionError(f"no checker for {prog!r} commands; add one to tests/test_readme.py")
+
+
+# ---- tests --------------------------------------------------------------------------------------
+BLOCKS = all_blocks()
+
+
+def test_readme_has_commands():
+    assert sum(len(cmds) for where, cmds in BLOCKS if where.startswith("README.md")) >= 10
+
+
+@pytest.mark.parametrize("where,commands", BLOCKS, ids=[w for w, _ in BLOCKS])
+def test_commands_work(where, commands, tmp_path):
+    """The commands of one block, in order, in one scratch directory (a later command may read
+    what an earlier one wrote)."""
+    for line in commands:
+        try:
+            check_command(line, tmp_path)
+        except AssertionError as e:
+            pytest.fail(f"{where}: `{line}`\n{e}")
+
+
+@pytest.mark.parametrize("line", [
+    "python tools/checkpoint_util.py --load-dir a --save-dir b --target-tensor-paralel-size 1",
+    "python tools/convert_to_hf.py --load-dir a --save-dir b --dtype bf61",
+    "bash scripts/pretrain_gpt2.sh --tensor-paralel 2",
+    "bash scripts/pretrain_gpt2.sh --tensor-parallel 3 --num-attention-heads 8",
+    "bash scripts/generate_text.sh --load ckpt --top_p 0.9",
+    "bash scripts/prepare_openwebtext.sh --dumps pushshift/ --output owt/ --wokers 8",
+    "bash scripts/gpu_checks.sh bench 345m-grph",
+    "bash scripts/run_tests.sh --quik",
+    "python tools/preprocess_data.py --input docs.jsonl --output-prefix x --vocab-file v --merge-file m",
+    "python tools/estimate_memory.py --world-size 4 --tensor-parallel 2 --micro-batch 8 --global-batch-size 6",
+    "curl http://localhost:5000/api",
+])
+def test_a_misspelled_flag_fails(line, tmp_path):
+    with pytest.raises(AssertionError):
+        check_command(line, tmp_path)
