@@ -1,4 +1,4 @@
-"""Checkpoints in Megatron's legacy layout (SPECS.md), written atomically.
+"""Checkpoints in Megatron's legacy layout (docs/design.md), written atomically.
 
     DIR/latest_checkpointed_iteration.txt                  written last, by rank 0
     DIR/iter_0000600/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
@@ -104,7 +104,7 @@ def read_saved_config(state: dict, path: str = "checkpoint") -> SavedConfig:
     return SavedConfig(args, model, section_from_args(ParallelConfig, args), section_from_args(DataConfig, args))
 
 
-# ---- model state nesting (SPECS.md) ---------------------------------------------------------
+# ---- model state nesting (docs/design.md) ----------------------------------------------------
 def nest_model_state(flat: dict[str, torch.Tensor]) -> dict:
     """Flat GPT2Model keys -> Megatron's nested `model` dict."""
     lm: dict = {}

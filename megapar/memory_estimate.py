@@ -17,7 +17,7 @@
     in flight   = microbatches whose activations a stage holds: 1F1B stage k keeps min(pp − k, m)
     head        = last stage: logits kept for the loss + their gradient (s·b·V/tp each)
 
-Calibrated against `max allocated` of the benchmark runs in the README (GPT-2 345M, bf16, flash,
+Calibrated against `max allocated` of the benchmark runs in docs/performance.md (GPT-2 345M, bf16, flash,
 dropout 0); see tests/test_memory_estimate.py.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ embeddings, the last the final LayerNorm, the (tied) output layer and the loss. 
 last stage keeps its own copy of the word embeddings (`word_embeddings_for_head`), initialised
 from the same seed as the first stage's, kept identical by all-reducing their gradients.
 
-State-dict keys follow Megatron's legacy layout (SPECS.md), with layer indices local to the stage:
+State-dict keys follow Megatron's legacy layout (docs/design.md), with layer indices local to the stage:
   language_model.embedding.{word_embeddings,position_embeddings}.weight
   language_model.encoder.layers.{i}.{input_layernorm,self_attention.query_key_value,...}.{weight,bias}
   language_model.encoder.final_layernorm.{weight,bias}

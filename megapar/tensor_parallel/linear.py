@@ -9,7 +9,7 @@ fp32 into `main_grad` (cuBLAS with bf16 inputs, an fp32 C and beta = 1:
 hook, and autograd receives uninitialised dummies so the GradBuffer's per-parameter hook still
 fires (it drives the bucketed all-reduce) but adds nothing. Tried against a 345M H100 profile that
 put 4.8 ms of a 49 ms step in the unfused path; the step's wall time moved by less than the
-run-to-run spread (it is partly launch-bound; README performance log).
+run-to-run spread (it is partly launch-bound; docs/performance.md).
 
 A parameter takes this path only when its layer marked it `fused_grad_accumulation` and it has a
 `main_grad` (set by the GradBuffer); the hook reads the same mark. The accumulations are custom
