@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -83,18 +84,21 @@ def stop_after_parse():
         yield
 
 
-def run_python(target: str, args: list[str], *, module: bool, parse_only: bool, cwd: Path) -> str:
-    """Run `python [-m] target args` in this process (cwd = `cwd`). With parse_only, stop once
-    argparse accepted the flags. Returns captured stdout; raises AssertionError on failure."""
+def run_python(target, args: list[str], *, module: bool, parse_only: bool, cwd: Path) -> str:
+    """Run `python [-m] target args` in this process (cwd = `cwd`); a callable target is a
+    console script's main(argv). With parse_only, stop once argparse accepted the flags.
+    Returns captured stdout; raises AssertionError on failure."""
     out, err = io.StringIO(), io.StringIO()
-    argv0 = target if module else str(ROOT / target)
+    argv0 = target.__module__ if callable(target) else target if module else str(ROOT / target)
     old_argv, old_cwd, old_path = sys.argv, os.getcwd(), list(sys.path)
     sys.argv = [argv0, *args]
     os.chdir(cwd)
     stopper = stop_after_parse() if parse_only else contextlib.nullcontext()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), stopper:
-            if module:
+            if callable(target):
+                sys.exit(target(args))
+            elif module:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
                 runpy.run_path(argv0, run_name="__main__")
@@ -298,9 +302,11 @@ def check_command(line: str, cwd: Path) -> None:
         check_bash(rest, env, cwd)
     elif prog in ("python", "python3"):
         check_python(rest, cwd)
-    elif prog.startswith("megapar-"):  # console entry point = megapar.cli.<tool>
-        module = "megapar.cli." + prog[len("megapar-"):].replace("-", "_")
-        run_python(module, rest, module=True, parse_only="--help" not in rest, cwd=cwd)
+    elif prog.startswith("megapar-"):  # console entry point megapar-x-y = megapar.cli.x_y:main (setup.py)
+        tool = prog[len("megapar-"):].replace("-", "_")
+        assert re.search(rf'"{tool}"', (ROOT / "setup.py").read_text()), f"setup.py installs no {prog}"
+        main = importlib.import_module(f"megapar.cli.{tool}").main
+        run_python(main, rest, module=False, parse_only="--help" not in rest, cwd=cwd)
     else:
         raise AssertionError(f"no checker for {prog!r} commands; add one to tests/test_readme.py")
 
@@ -335,6 +341,8 @@ def test_commands_work(where, commands, tmp_path):
     "bash scripts/run_tests.sh --quik",
     "python tools/preprocess_data.py --input docs.jsonl --output-prefix x --vocab-file v --merge-file m",
     "python tools/estimate_memory.py --world-size 4 --tensor-parallel 2 --micro-batch 8 --global-batch-size 6",
+    "megapar-checkpoint-util --load-dir a --save-dir b --to-fulll",
+    "megapar-no-such-tool --help",
     "curl http://localhost:5000/api",
 ])
 def test_a_misspelled_flag_fails(line, tmp_path):
