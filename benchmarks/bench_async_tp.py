@@ -7,7 +7,7 @@ takes with --sequence-parallel (NCCL all-gather then GEMM; GEMM then NCCL reduce
 torch's symmetric-memory fused ops (the GEMM split into chunks that start as each chunk arrives),
 eager and captured in a CUDA graph (megapar captures its training step). Prints max |difference|
 and microseconds per call. 2x H200 (2026-11-21): graphed, the fused all-gather GEMMs saved 23-30 µs,
-the fused reduce-scatter GEMMs -10 to +4 µs; eager they were 3-5x slower (README performance log).
+the fused reduce-scatter GEMMs -10 to +4 µs; eager they were 3-5x slower (docs/performance.md).
 """
 from __future__ import annotations
 

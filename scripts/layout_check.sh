@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue-12-style layout check on one multi-GPU machine: GPT-2 345M, bf16, tp x pp with ZeRO-1,
+# Layout check on one multi-GPU machine: GPT-2 345M, bf16, tp x pp with ZeRO-1,
 # ITERS iterations with a checkpoint mid-way, resumed for RESUME more; and the same data, seed
 # and global batch at (1,1,1) on one GPU for the first BASE iterations; losses side by side.
 # PRECISION=--bf16 (default), --fp16 or " " (fp32: the layouts then agree to float32 rounding).

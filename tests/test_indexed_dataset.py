@@ -1,4 +1,4 @@
-"""MMIDIDX writer -> reader round trip, the SPECS.md worked example, validator and merge."""
+"""MMIDIDX writer -> reader round trip, the worked example of docs/design.md, validator and merge."""
 import os
 import struct
 

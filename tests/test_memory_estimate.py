@@ -1,5 +1,5 @@
 """The memory estimator: parameter counts equal the real model's; the model of the bytes
-reproduces the peak memory measured on GPUs (README tables) within 10%."""
+reproduces the peak memory measured on GPUs (docs/performance.md) within 10%."""
 import pytest
 
 from gpt_helpers import tiny_model_config
@@ -25,7 +25,7 @@ def _peak(flags, world):
     return max(s.total for s in estimate(cfg)) / GiB, cfg
 
 
-# max allocated GiB measured by benchmarks/bench_train.py on an H100 / 4x H200 (2026-11-21, README)
+# max allocated GiB measured by benchmarks/bench_train.py on an H100 / 4x H200 (2026-11-21, docs/performance.md)
 MEASURED = [
     (["--micro-batch-size", "8"], 1, 13.6),
     (["--micro-batch-size", "8", "--global-batch-size", "32", "--use-distributed-optimizer"], 4, 10.6),
