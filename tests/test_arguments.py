@@ -58,3 +58,58 @@ def test_padded_vocab_matches_megatron():
     assert padded_vocab_size(50257, 128, 1) == 50304
     assert padded_vocab_size(50257, 128, 2) == 50432
     assert padded_vocab_size(50257, 128, 4) == 50688
+
+
+# ---- one default per setting -----------------------------------------------------------------------
+def test_every_flag_is_one_config_field_with_no_parser_default():
+    """The parser is built from the dataclasses: each flag writes one field and holds no default of
+    its own (argparse.SUPPRESS), so the field's default is the only one; every field but the derived
+    ones has a flag."""
+    import argparse
+    from dataclasses import fields
+
+    from megapar.arguments import ALIAS_FLAGS, SECTIONS, build_parser
+    parser = build_parser()
+    actions = [a for a in parser._actions if a.dest != "help"]
+    cli_fields = {f.name for cls, _ in SECTIONS.values() for f in fields(cls) if f.metadata["cli"]}
+    extra = set(ALIAS_FLAGS) | {"recipe"}
+    assert {a.dest for a in actions} == cli_fields | extra
+    second = {a.dest: a.default for a in actions if a.default is not argparse.SUPPRESS}
+    assert not second, f"flags with a parser default besides their dataclass field: {second}"
+    names = [f.name for cls, _ in SECTIONS.values() for f in fields(cls)]
+    assert len(names) == len(set(names)), "a setting is defined in two sections"
+
+
+def test_flags_not_given_take_the_field_default_and_given_ones_win():
+    from megapar.arguments import ModelConfig, TrainConfig, parse_flags
+    assert parse_flags(["--lr", "0.5"]) == {"lr": 0.5}
+    cfg = parse_config(["--lr", "0.5"], world_size=1)
+    assert cfg.train.lr == 0.5 and cfg.train.weight_decay == TrainConfig().weight_decay
+    assert cfg.model == ModelConfig()
+    assert parse_config(["--no-gradient-accumulation-fusion"], 1).model.gradient_accumulation_fusion is False
+
+
+def test_checkpoint_args_namespace_keeps_megatron_fields():
+    cfg = parse_config(BASE + ["--recompute-activations"], world_size=1)
+    ns = cfg.namespace()
+    assert ns.recompute_activations is True and ns.checkpoint_activations is False
+    assert ns.ffn_hidden_size == 256 and ns.tensor_model_parallel_size == 1 and ns.data_path == []
+
+
+def test_saved_config_from_a_megatron_args_namespace():
+    """Megatron's checkpoints have `args` and no `model_config`: the loader fills megapar's defaults."""
+    import argparse
+
+    from megapar.checkpointing import CheckpointError, read_saved_config
+    args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128,
+                              max_position_embeddings=None, padded_vocab_size=50304, tensor_model_parallel_size=2,
+                              pipeline_model_parallel_size=1, tokenizer_type="GPT2BPETokenizer")
+    saved = read_saved_config({"args": args})
+    assert (saved.model.ffn_hidden_size, saved.model.max_position_embeddings) == (256, 128)
+    assert saved.model.vocab_size is None and saved.model.padded_vocab_size == 50304
+    assert saved.parallel.tensor_model_parallel_size == 2 and saved.data.tokenizer_type == "GPT2BPETokenizer"
+    typed = read_saved_config({"args": args, "model_config": {"num_layers": 3, "hidden_size": 64,
+                                                              "num_attention_heads": 4}})
+    assert typed.model.num_layers == 3  # the typed config wins over args
+    with pytest.raises(CheckpointError, match="has no 'args'"):
+        read_saved_config({}, "ck/model_optim_rng.pt")
