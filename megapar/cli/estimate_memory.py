@@ -4,7 +4,7 @@
         --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \
         --micro-batch-size 8 --global-batch-size 64 --bf16 [--use-distributed-optimizer] [--checkpoint-activations]
 
-Takes the training flags (megapar/arguments.py) plus --world-size and --vocab-size (true size,
+Takes the training flags (megapar/arguments.py, `--recipe NAME` too) plus --world-size and --vocab-size (true size,
 default GPT-2's 50257); prints parameters, static memory (weights, fp32 grads, optimizer state),
 activations, logits and the predicted peak per stage. Model: megapar/memory_estimate.py.
 """
@@ -13,6 +13,7 @@ import sys
 
 from megapar.arguments import ConfigError, build_parser, config_from_namespace
 from megapar.memory_estimate import estimate, format_table
+from megapar.recipes import expand_recipes
 from megapar.model import set_vocab
 
 
@@ -24,7 +25,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     parser.description = __doc__
     try:
-        cfg = config_from_namespace(parser.parse_args(rest), known.world_size)
+        cfg = config_from_namespace(parser.parse_args(expand_recipes(rest)), known.world_size)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
