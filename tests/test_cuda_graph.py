@@ -9,7 +9,7 @@ import torch
 from megapar.arguments import ConfigError, parse_config
 from megapar.checkpointing import TRACKER
 from megapar.optimizer.lr_schedule import OptimizerParamScheduler
-from megapar.optimizer.optimizer import saved_param_groups
+from megapar.optimizer.base import saved_param_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRAPH = ["--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropout", "0"]

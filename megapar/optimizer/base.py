@@ -1,0 +1,300 @@
+"""What every megapar optimizer shares: AdamW on fp32 master weights, fed by the GradBuffer's fp32
+gradients, and one step path (`BaseOptimizer.step`):
+
+    1. reduce grads    the GradBuffer reduces during backward and in `grad_buffer.finish()`, which
+                       the caller runs before step(), in the optimizer's `grad_buffer_mode`
+    2. unscale         [fp16] this rank's gradients *= 1/scale; inf/nan on any rank of inf_group
+                       skips the step on every rank, and the loss scaler updates
+    3. norm            L2 norm of the gradients this rank counts, summed over norm_group
+    4. clip            gradients /= max(1, norm / clip_grad), without a host sync
+    5. step            AdamW on the masters this rank owns (torch's, or csrc's fused kernel)
+    6. publish         the model parameters take the new masters' values on every rank
+
+Subclasses differ only in what a rank owns and how it comes back together: the non-sharded
+MixedPrecisionOptimizer (optimizer.py) owns every parameter; ZeRO-1's DistributedOptimizer
+(distrib_optimizer.py) owns 1/dp of the flat buffer and all-gathers the parameters. Further
+variants plug in at the same points: ZeRO-2 changes the reduction (`grad_buffer_mode`), ZeRO-3
+the publishing, CPU offload where the masters and moments live.
+
+No weight decay on biases and LayerNorm parameters (every 1-D parameter). Checkpoints hold the
+full optimizer state keyed by parameter name, so they load at any layout and into either optimizer.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..model.sharding import tp_partition_dim
+from .grad_buffer import GradBuffer
+
+
+# ---- AdamW ---------------------------------------------------------------------------------------
+def no_weight_decay(name: str, p: nn.Parameter) -> bool:
+    return p.ndim < 2
+
+
+def counts_for_norm(name: str, tp_rank: int) -> bool:
+    """Count each distinct gradient once in the global norm: TP-replicated tensors only on TP
+    rank 0; the last stage's copy of the word embeddings never (the first stage counts it)."""
+    if name.startswith("word_embeddings_for_head"):
+        return False
+    return tp_partition_dim(name) is not None or tp_rank == 0
+
+
+def make_adamw(groups: list[dict], cfg, device: torch.device) -> torch.optim.AdamW:
+    """Fused AdamW on GPUs (foreach on CPU). With --enable-cuda-graph it is capturable and its
+    learning rate is a device tensor (the LR scheduler fills it in place; cuda_graph.py)."""
+    kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    if device.type == "cuda":
+        kw["fused"] = True
+    else:
+        kw["foreach"] = True
+    if getattr(cfg, "enable_cuda_graph", False):
+        kw.update(capturable=True, lr=torch.tensor(cfg.lr, dtype=torch.float32, device=device))
+    return torch.optim.AdamW(groups, **kw)
+
+
+def saved_param_groups(adam: torch.optim.Optimizer) -> list[dict]:
+    """The hyper-parameters of each param group for a checkpoint (plain numbers, no tensors)."""
+    return [{k: (v.item() if torch.is_tensor(v) else v) for k, v in g.items() if k != "params"}
+            for g in adam.param_groups]
+
+
+def resolve_adam_impl(impl: str, device: torch.device) -> str:
+    """--adam-impl auto -> "fused" on GPUs when the csrc kernels were built at install (as Megatron
+    takes apex's FusedAdam when it is importable), else "torch"; an explicit choice stays."""
+    if impl != "auto":
+        return impl
+    from ..kernels import aot_kernels_installed
+    return "fused" if device.type == "cuda" and aot_kernels_installed() else "torch"
+
+
+def fused_adamw(adam: torch.optim.AdamW, grad_and_param: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]]):
+    """csrc's one-launch AdamW (--adam-impl fused) over `adam`'s param groups; torch's AdamW object
+    keeps the groups (LR schedule) and the state (checkpoints). grad_and_param[id(master)]: the
+    master's gradient and the model tensor to write (None: the master is the parameter). Moments
+    missing from the state start at zero; every parameter's state then shares one step tensor."""
+    from ..kernels.adamw import MultiTensorAdamW
+    masters = [m for g in adam.param_groups for m in g["params"]]
+    seen = [adam.state[m]["step"] for m in masters if "step" in adam.state.get(m, {})]
+    step = torch.tensor(float(seen[0]) if seen else 0.0, dtype=torch.float32, device=masters[0].device)
+    groups = []
+    for g in adam.param_groups:
+        entries = []
+        for m in g["params"]:
+            s = adam.state[m]
+            if "exp_avg" not in s:
+                s.update(exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
+            s["step"] = step
+            grad, param = grad_and_param[id(m)]
+            entries.append((m, grad, s["exp_avg"], s["exp_avg_sq"], param))
+        groups.append((entries, g["weight_decay"]))
+    return MultiTensorAdamW(groups, adam.defaults["betas"], adam.defaults["eps"], step)
+
+
+def adamw_update(adam: torch.optim.AdamW, impl: str, fused, masters: list[torch.Tensor], grads: list[torch.Tensor],
+                 params: list[Optional[torch.Tensor]]):
+    """One AdamW update of `masters` from `grads` (after clipping). impl "fused": csrc's kernel,
+    which also writes `params` (the model's bf16/fp16 tensors, None where the master is the
+    parameter); pass the returned kernel object back as `fused` (built here on first use).
+    impl "torch": torch's AdamW, with .grad attached for the step only (with fp32 models the master
+    *is* the parameter, and a standing .grad would make autograd accumulate into it); the caller
+    copies the masters into `params`. Returns the kernel object (None for torch)."""
+    if impl == "fused":
+        if fused is None:
+            fused = fused_adamw(adam, {id(m): (g, p) for m, g, p in zip(masters, grads, params)})
+        fused.step([g["lr"] for g in adam.param_groups], getattr(adam, "grad_scale", None))
+        return fused
+    for m, g in zip(masters, grads):
+        m.grad = g
+    adam.step()
+    for m in masters:
+        m.grad = None
+    return None
+
+
+def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fused: bool) -> dict:
+    """One parameter's torch AdamW state (the step tensor lives where torch expects it)."""
+    device = exp_avg.device if fused else "cpu"
+    return {"step": torch.tensor(float(step), dtype=torch.float32, device=device),
+            "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+# ---- the shared step: unscale, norm, clip ----------------------------------------------------------
+def unscale_and_check(grads: list[torch.Tensor], scale: float, device: torch.device,
+                      inf_group: Optional[dist.ProcessGroup]) -> bool:
+    """Multiply grads by 1/scale in place; True if any rank of inf_group saw inf/nan (collective
+    when torch.distributed is initialised, so every rank must call it, even with no grads)."""
+    found = torch.zeros(1, device=device)
+    if grads:
+        inv = torch.full((1,), 1.0 / scale, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+    if dist.is_initialized():
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=inf_group)
+    return bool(found.item())
+
+
+def global_norm(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup], device) -> torch.Tensor:
+    """L2 norm of all `tensors` of every rank of `group` (one multi-tensor kernel locally), as a
+    0-dim fp32 device tensor (no host sync)."""
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    if tensors:
+        total += torch.stack(torch._foreach_norm(tensors)).float().square().sum()
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    return total.sqrt().reshape(())
+
+
+def clip_grads_(grads: list[torch.Tensor], norm: torch.Tensor, clip_grad: float, adam: torch.optim.AdamW) -> None:
+    """Make the global gradient norm `norm` (a device tensor) at most clip_grad (0: off), without a
+    host sync: grads are divided by max(1, (norm + 1e-6) / clip_grad), inside the fused AdamW
+    kernel (its `grad_scale`, read by the next adam.step()) or by one foreach division."""
+    if clip_grad <= 0:
+        return
+    divisor = ((norm + 1e-6) / clip_grad).clamp(min=1.0)
+    if adam.defaults.get("fused"):
+        adam.grad_scale = divisor
+    elif grads:
+        torch._foreach_div_(grads, divisor)
+
+
+# ---- the base class --------------------------------------------------------------------------------
+class Owned(NamedTuple):
+    """One tensor AdamW updates on this rank: a whole parameter, or the part of one this rank owns."""
+    name: str                     # the model parameter's name (weight decay, norm counting)
+    param: nn.Parameter           # the model parameter it belongs to
+    master: torch.Tensor          # fp32 weights AdamW updates (its state is keyed by this tensor)
+    grad: torch.Tensor            # the matching reduced fp32 gradient, a view of the GradBuffer
+    model_tensor: Optional[torch.Tensor]  # the bf16/fp16 model weights the fused AdamW writes; None: fp32,
+                                          # the master is the model's tensor
+
+
+class BaseOptimizer(ABC):
+    """AdamW with fp32 masters; `step()` runs the shared path of the module docstring.
+
+    A subclass
+      * sets `grad_buffer_mode`: how the GradBuffer must reduce ("all_reduce": every rank gets
+        every averaged gradient; "reduce_scatter": each rank only its owned ranges);
+      * in __init__, calls super().__init__(), lays out its state, then `self._own(owned)` with
+        the tensors this rank updates, in a fixed order (it fixes the norm's summation order);
+      * implements `_publish_params(params_written)`: after the update, make every model parameter
+        equal its master on every rank (`params_written`: the fused AdamW already wrote this
+        rank's `model_tensor`s);
+      * implements `_full_state()` and `_load_state(state, step)`: the checkpoint state
+        {name: {master_param, exp_avg, exp_avg_sq}} of every parameter (full, fp32, CPU) on the
+        rank that saves it (None elsewhere; it may be collective), and this rank's share of it;
+      * implements `optimizer_state_bytes()`, and may override `_step_count()` (e.g. to agree
+        over ranks; it is called on every rank when saving).
+    After `_own`, these lists are aligned and fixed for the run (the CUDA graph and the fused
+    AdamW's pointer tables rely on the tensors never moving): `masters`, `grads`, `params` (the
+    `model_tensor`s), and `norm_grads` (the grads this rank counts in the global norm).
+    """
+
+    is_distributed = False        # checkpoints: the state is saved by every data-parallel rank together
+    grad_buffer_mode = "all_reduce"
+
+    def __init__(self, model: nn.Module, grad_buffer: GradBuffer, cfg, scaler, tp_rank: int,
+                 norm_group: Optional[dist.ProcessGroup], inf_group: Optional[dist.ProcessGroup]):
+        """norm_group: the ranks whose norm_grads together hold each distinct gradient once;
+        inf_group: every rank (an overflow anywhere skips the step everywhere)."""
+        if grad_buffer.dp > 1 and grad_buffer.mode != self.grad_buffer_mode:
+            raise ValueError(f"{type(self).__name__} needs a GradBuffer built with mode={self.grad_buffer_mode!r}")
+        self.cfg, self.buffer, self.scaler, self.tp_rank = cfg, grad_buffer, scaler, tp_rank
+        self.norm_group, self.inf_group = norm_group, inf_group
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        missing = [n for n, p in self.named if id(p) not in grad_buffer.param_range]
+        if missing:
+            raise ValueError(f"parameters {missing[:3]} are not in the gradient buffer")
+        self.device = grad_buffer.data.device
+
+    def _own(self, owned: list[Owned]) -> None:
+        """Take `owned` as the tensors this rank updates; build AdamW over them (two param groups:
+        with and without weight decay)."""
+        self.masters = [o.master for o in owned]
+        self.grads = [o.grad for o in owned]
+        self.params = [o.model_tensor for o in owned]
+        self.norm_grads = [o.grad for o in owned if counts_for_norm(o.name, self.tp_rank)]
+        decay = [{"params": [o.master for o in owned if not no_weight_decay(o.name, o.param)],
+                  "weight_decay": self.cfg.weight_decay},
+                 {"params": [o.master for o in owned if no_weight_decay(o.name, o.param)], "weight_decay": 0.0}]
+        self.adam = make_adamw(decay, self.cfg, self.device)
+        self.adam_impl = resolve_adam_impl(self.cfg.adam_impl, self.device)
+        self.fused_adam = None  # --adam-impl fused: built at the first step (after a checkpoint load)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """AdamW's param groups (the LR scheduler sets their "lr")."""
+        return self.adam.param_groups
+
+    # ---- step ------------------------------------------------------------------------------
+    def step(self) -> tuple[bool, torch.Tensor]:
+        """Steps 2-6 of the module docstring; call after `grad_buffer.finish()`, on every rank.
+        Returns (applied, grad norm as a 0-dim device tensor); applied is False (and the norm
+        nan) when an fp16 overflow skipped the step. Nothing reads back to the host except
+        fp16's overflow check, so the step can be captured in a CUDA graph."""
+        if self.cfg.fp16:
+            found_inf = unscale_and_check(self.grads, self.scaler.scale, self.device, self.inf_group)
+            self.scaler.update(found_inf)
+            if found_inf:
+                return False, torch.full((), float("nan"), device=self.device)
+        norm = global_norm(self.norm_grads, self.norm_group, self.device)
+        clip_grads_(self.grads, norm, self.cfg.clip_grad, self.adam)
+        self.fused_adam = adamw_update(self.adam, self.adam_impl, self.fused_adam, self.masters, self.grads,
+                                       self.params)
+        self._publish_params(params_written=self.fused_adam is not None)
+        return True, norm
+
+    @abstractmethod
+    def _publish_params(self, params_written: bool) -> None:
+        """Make every model parameter equal its (new) master on every rank; params_written: the
+        fused AdamW already wrote this rank's `params`."""
+
+    @abstractmethod
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of fp32 master weights and Adam moments this rank holds."""
+
+    # ---- checkpoint state (full, keyed by parameter name) ------------------------------------------
+    def state_for_save(self) -> Optional[dict]:
+        """{"state": {name: {master_param, exp_avg, exp_avg_sq}} (full fp32 CPU tensors), "step",
+        "grad_scaler", "param_groups"} on the rank that saves, None on the others. With
+        `is_distributed` every data-parallel rank must call it (the state is gathered over them);
+        without, data-parallel rank 0 alone may."""
+        state = self._full_state()
+        step = self._step_count()
+        if state is None:
+            return None
+        return {"state": state, "step": step, "grad_scaler": self.scaler.state_dict(),
+                "param_groups": saved_param_groups(self.adam)}
+
+    def load_saved_state(self, saved: dict) -> None:
+        """Restore from `state_for_save()`'s format (saved at any layout, by either optimizer): the
+        masters, moments and step count, the model parameters (set to the masters), the loss scaler."""
+        missing = [n for n, _ in self.named if n not in saved["state"]]
+        if missing:
+            raise ValueError(f"optimizer state in checkpoint lacks parameters {missing[:3]}...")
+        for n, p in self.named:
+            if saved["state"][n]["master_param"].numel() != p.numel():
+                raise ValueError(f"optimizer state for {n} has shape {tuple(saved['state'][n]['master_param'].shape)}, "
+                                 f"the model's parameter {tuple(p.shape)}")
+        self.fused_adam = None  # its pointer tables point at the moments about to be replaced
+        self._load_state(saved["state"], int(saved["step"]))
+        self.scaler.load_state_dict(saved["grad_scaler"])
+
+    def _step_count(self) -> int:
+        """Completed AdamW steps on this rank (every owned tensor has the same count; 0 before the first)."""
+        state = self.adam.state.get(self.masters[0], {}) if self.masters else {}
+        return int(state["step"]) if "step" in state else 0
+
+    @abstractmethod
+    def _full_state(self) -> Optional[dict]:
+        """{name: {master_param, exp_avg, exp_avg_sq}} for every parameter (full-shape fp32 CPU
+        tensors, zero moments before the first step) on the rank that saves; None elsewhere."""
+
+    @abstractmethod
+    def _load_state(self, state: dict, step: int) -> None:
+        """Take this rank's share of a full name-keyed `state` (checked to cover every parameter):
+        masters, moments with step count `step`, and the model parameters set to the masters."""
