@@ -1,0 +1,43 @@
+"""The user tools: each megapar/cli module has main(argv), setup.py names it as a console script,
+tools/<tool>.py is a shim onto it, and neither tools/ nor benchmarks/ patches sys.path."""
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli_tools() -> list[str]:
+    """setup.py's CLI_TOOLS list (read, not run: running setup.py would install)."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "CLI_TOOLS")
+    return ast.literal_eval(node.value)
+
+
+def test_console_scripts_cover_every_cli_module():
+    modules = sorted(p.stem for p in (ROOT / "megapar" / "cli").glob("*.py") if p.stem != "__init__")
+    assert sorted(cli_tools()) == modules
+
+
+@pytest.mark.parametrize("tool", cli_tools())
+def test_tool_shim_runs_the_package_main(tool):
+    main = importlib.import_module(f"megapar.cli.{tool}").main
+    assert callable(main)
+    shim = (ROOT / "tools" / f"{tool}.py").read_text()
+    assert f"from megapar.cli.{tool} import main" in shim and len(shim.splitlines()) <= 6
+
+
+def test_no_sys_path_patches_in_tools_or_benchmarks():
+    for folder in ("tools", "benchmarks"):
+        for path in (ROOT / folder).glob("*.py"):
+            assert "sys.path.insert" not in path.read_text(), path
+
+
+def test_shim_gives_one_line_errors():
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "compare_losses.py"), "/dev/null", "/dev/null"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
