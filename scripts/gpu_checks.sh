@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 while [ $# -gt 0 ]; do
   case "$1" in
     kernels) bash scripts/gpu_kernel_checks.sh 2>&1 | tee "$OUT/kernels.log" | tail -30; shift;;
-    tests) shift; selected=()  # optional pytest selections (files, file::test): a full pass takes over 10 min
+    tests) shift; selected=()  # optional pytest selections (files, file::test); training runs: tests/gpu_runs.py
            while [ $# -gt 0 ] && [ "$1" != kernels ] && [ "$1" != bench ]; do selected+=("$1"); shift; done
            [ ${#selected[@]} -gt 0 ] || selected=($(grep -l "mark.gpu" tests/test_*.py))
            python3 -m pytest -q -m gpu -rf --durations=10 "${selected[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25;;

@@ -9,13 +9,19 @@ sys.path.insert(0, str(ROOT / "tests"))  # `from distributed import run_distribu
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "training_runs(*runs): GPU training runs (tests/gpu_runs.py Run) a test "
+                                       "reads; the session starts them together")
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
-    if has_cuda:
+    if has_cuda:  # tests that wait for training runs last: the other GPU tests run while they train
+        items.sort(key=lambda item: item.get_closest_marker("training_runs") is not None)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_checks.sh on a lent GPU)")
     for item in items:
@@ -58,3 +64,24 @@ def gpu_data(tmp_path_factory):
     info = prepare_embedded_dataset(str(tmp_path_factory.mktemp("embedded")), vocab_file=vocab, merge_file=merges)
     return ["--data-path", info["data_prefix"], "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
             "--merge-file", merges]
+
+
+@pytest.fixture(scope="session")
+def gpu_runs(gpu_data, tmp_path_factory, request):
+    """The training runs of the selected GPU tests, started together (tests/gpu_runs.py)."""
+    from gpu_runs import GpuRuns, runs_of
+    runner = GpuRuns(gpu_data, str(tmp_path_factory.mktemp("gpu_runs")))
+    runner.start(runs_of(request.session.items))
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(autouse=True)
+def _start_training_runs(request):
+    """The first GPU test of a session starts the training runs (in the background), if any
+    selected test reads one."""
+    if "gpu" in request.keywords and any(i.get_closest_marker("training_runs") for i in request.session.items):
+        try:
+            request.getfixturevalue("gpu_runs")
+        except pytest.skip.Exception:  # no GPT-2 BPE files: the tests that read runs skip themselves
+            pass

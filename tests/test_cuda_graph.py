@@ -1,17 +1,15 @@
 """--enable-cuda-graph: the flag's checks (CPU) and graph == eager training (GPU, NCCL)."""
 import os
 import re
-import subprocess
 
 import pytest
 import torch
 
+from gpu_runs import SAVE_AT, TRAIN_ITERS, Run, after, assert_close, uses
 from megapar.arguments import ConfigError, parse_config
-from megapar.checkpointing import TRACKER
 from megapar.optimizer.lr_schedule import OptimizerParamScheduler
 from megapar.optimizer.base import saved_param_groups
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRAPH = ["--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
@@ -49,63 +47,48 @@ def test_scheduler_fills_a_tensor_learning_rate_in_place():
 
 
 # ---- GPU: training with the graph == training without it -----------------------------------------
-GPU_TRAIN = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
-             "--micro-batch-size", "4", "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout",
-             "0", "--lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "linear", "--min-lr", "0",
-             "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1", "--split", "98,2,0",
-             "--train-iters", "8", "--cuda-graph-warmup-steps", "2"]
-LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ .*? lm loss: ([-\d.E+]+) .*? grad norm: ([\d.]+)")
-VALID_RE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([-\d.E+]+)")
+# The runs come from tests/gpu_runs.py: each configuration trains once per session (test_fused_adamw.py
+# reads some of the same runs), several at a time.
+ONE_GPU = {"fp32": ([], 2e-5), "bf16": (["--bf16"], 2e-3), "bf16-compiled": (["--bf16", "--torch-compile"], 2e-3)}
+TWO_GPUS = {"tp2": ["--tensor-parallel", "2"], "zero1": ["--use-distributed-optimizer"],
+            "tp2-compiled": ["--tensor-parallel", "2", "--torch-compile"],
+            "tp2-sp-compiled": ["--tensor-parallel", "2", "--sequence-parallel", "--torch-compile"]}
 
 
-def _train(argv: list[str], gpus: int = 1) -> dict:
-    cmd = ["bash", "scripts/pretrain_gpt2.sh", "--nproc-per-node", str(gpus), *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
-    return {"loss": {int(i): float(l) for i, l, _ in LOSS_RE.findall(out)},
-            "norm": {int(i): float(n) for i, _, n in LOSS_RE.findall(out)},
-            "valid": {int(i): float(l) for i, l in VALID_RE.findall(out)}, "out": out}
+def _one_gpu_runs(extra):
+    """Eager; graphed, checkpointing at iteration SAVE_AT on its way to the end; the graphed resume."""
+    graph = Run((*extra, "--enable-cuda-graph"), save=True)
+    return Run(tuple(extra)), graph, graph.resumed()
 
 
-def _assert_close(a: dict, b: dict, rel: float) -> None:
-    assert a.keys() == b.keys() and a, (a, b)
-    for k in a:
-        assert a[k] == pytest.approx(b[k], rel=rel), (k, a, b)
+def _two_gpu_runs(layout):
+    return Run(tuple(layout), gpus=2), Run((*layout, "--enable-cuda-graph"), gpus=2)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision, extra, rel", [("fp32", [], 2e-5), ("bf16", ["--bf16"], 2e-3),
-                                                   ("bf16-compiled", ["--bf16", "--torch-compile"], 2e-3)])
-def test_graph_matches_eager(gpu_data, tmp_path, precision, extra, rel):
-    argv = GPU_TRAIN + gpu_data + extra
-    eager = _train(argv)
-    graph = _train(argv + ["--enable-cuda-graph"])
-    assert "captured the training step as a CUDA graph" in graph["out"] and len(graph["loss"]) == 8
-    _assert_close(graph["loss"], eager["loss"], rel)        # the LR schedule reaches the replays too
-    _assert_close(graph["norm"], eager["norm"], 10 * rel)
-    _assert_close(graph["valid"], eager["valid"], rel)      # evaluation between replays
-    # stop at 4 and resume with a graph: the same losses as the uninterrupted graph run
-    ck = ["--enable-cuda-graph", "--save", str(tmp_path / "ck")]
-    _train(argv + ck + ["--exit-interval", "4"])
-    assert open(tmp_path / "ck" / TRACKER).read() == "4"
-    resumed = _train(argv + ck + ["--load", str(tmp_path / "ck")])
+@pytest.mark.parametrize("precision, extra, rel", [pytest.param(name, extra, rel, marks=uses(*_one_gpu_runs(extra)),
+                                                                id=name) for name, (extra, rel) in ONE_GPU.items()])
+def test_graph_matches_eager(gpu_runs, precision, extra, rel):
+    eager, graph, resumed = (gpu_runs.get(r) for r in _one_gpu_runs(extra))
+    assert "captured the training step as a CUDA graph" in graph["out"] and len(graph["loss"]) == TRAIN_ITERS
+    assert_close(graph["loss"], eager["loss"], rel)        # the LR schedule reaches the replays too
+    assert_close(graph["norm"], eager["norm"], 10 * rel)
+    assert_close(graph["valid"], eager["valid"], rel)      # evaluation between replays
+    # the graphed run saved at iteration 4 and went on; resumed from that checkpoint with a graph,
+    # iterations 5-8 give its losses again
+    assert os.path.isdir(os.path.join(graph["save"], f"iter_{SAVE_AT:07d}"))
     # fp32 repeats itself. In bf16 one command run twice differs by up to 8e-6 (the attention
     # backward sums with atomics) and a graphed resume was 1e-5 off (H100, iteration 8: 10.02474 vs
     # 10.02464); a resume that lost the optimizer state is 3e-3 to 7e-3 off (test_fused_adamw.py).
     tol = 1e-6 if precision == "fp32" else 1e-4
-    _assert_close(resumed["loss"], {k: v for k, v in graph["loss"].items() if k > 4}, tol)
+    assert_close(resumed["loss"], after(graph["loss"]), tol)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", [["--tensor-parallel", "2"], ["--use-distributed-optimizer"],
-                                    ["--tensor-parallel", "2", "--torch-compile"],
-                                    ["--tensor-parallel", "2", "--sequence-parallel", "--torch-compile"]],
-                         ids=["tp2", "zero1", "tp2-compiled", "tp2-sp-compiled"])
-def test_graph_matches_eager_two_gpus(gpu_data, layout):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    argv = GPU_TRAIN + gpu_data + layout
-    eager, graph = _train(argv, gpus=2), _train(argv + ["--enable-cuda-graph"], gpus=2)
-    _assert_close(graph["loss"], eager["loss"], 2e-5)
-    _assert_close(graph["norm"], eager["norm"], 2e-4)
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=uses(*_two_gpu_runs(layout)), id=name)
+                                    for name, layout in TWO_GPUS.items()])
+def test_graph_matches_eager_two_gpus(gpu_runs, layout):
+    eager, graph = (gpu_runs.get(r) for r in _two_gpu_runs(layout))   # skips with fewer than 2 GPUs
+    assert "captured the training step as a CUDA graph" in graph["out"]
+    assert_close(graph["loss"], eager["loss"], 2e-5)
+    assert_close(graph["norm"], eager["norm"], 2e-4)

@@ -5,10 +5,10 @@ torch's AdamW (GPU, also under a CUDA graph, with ZeRO-1 and a resume)."""
 import pytest
 import torch
 
+from gpu_runs import Run, after, assert_close, uses
 from megapar.kernels import fused_kernels_available
 from megapar.kernels.adamw import MultiTensorAdamW, _check, adamw_reference
 from megapar.optimizer.base import resolve_adam_impl
-from test_cuda_graph import GPU_TRAIN, _assert_close, _train
 
 BETAS, EPS, WDS = (0.9, 0.95), 1e-8, (0.1, 0.0)
 
@@ -104,27 +104,33 @@ def test_kernel_matches_reference(param_dtype, offset, lr_tensor):
                 assert torch.equal(e[4], e[0].to(param_dtype))
 
 
+TRAINING = {"fp32": ([], 2e-5, 1), "bf16-graph-resume": (["--bf16", "--enable-cuda-graph"], 2e-3, 1),
+            "bf16-zero1-dp2": (["--bf16", "--use-distributed-optimizer"], 2e-3, 2)}
+
+
+def _training_runs(extra, gpus):
+    """torch's AdamW, the fused one and, for the graphed case, the fused run resumed from its
+    checkpoint at iteration 4. tests/gpu_runs.py shares them with test_cuda_graph.py where the
+    flags agree (--adam-impl auto is the fused one on a machine with the kernels built)."""
+    torch_run = Run((*extra, "--adam-impl", "torch"), gpus)
+    graphed = "--enable-cuda-graph" in extra
+    fused = Run((*extra, "--adam-impl", "fused"), gpus, save=graphed)
+    return (torch_run, fused) + ((fused.resumed(),) if graphed else ())
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra, rel, gpus", [
-    pytest.param([], 2e-5, 1, id="fp32"),
-    pytest.param(["--bf16", "--enable-cuda-graph"], 2e-3, 1, id="bf16-graph-resume"),
-    pytest.param(["--bf16", "--use-distributed-optimizer"], 2e-3, 2, id="bf16-zero1-dp2")])
-def test_training_matches_torch_adamw(gpu_data, tmp_path, extra, rel, gpus):
-    if torch.cuda.device_count() < gpus:
-        pytest.skip(f"needs {gpus} GPUs")
-    argv = GPU_TRAIN + gpu_data + extra
-    torch_run, fused = _train(argv + ["--adam-impl", "torch"], gpus), _train(argv + ["--adam-impl", "fused"], gpus)
+@pytest.mark.parametrize("extra, rel, gpus", [pytest.param(extra, rel, gpus, marks=uses(*_training_runs(extra, gpus)),
+                                                           id=name) for name, (extra, rel, gpus) in TRAINING.items()])
+def test_training_matches_torch_adamw(gpu_runs, extra, rel, gpus):
+    torch_run, fused, *resumed = (gpu_runs.get(r) for r in _training_runs(extra, gpus))  # skips without the GPUs
     assert "AdamW (csrc fused" in fused["out"] and "AdamW (torch" in torch_run["out"]
-    _assert_close(fused["loss"], torch_run["loss"], rel)
-    _assert_close(fused["norm"], torch_run["norm"], 10 * rel)
-    if "--enable-cuda-graph" in extra:  # stop at 4 and resume: moments and step count come back
-        ck = ["--adam-impl", "fused", "--save", str(tmp_path / "ck")]
-        _train(argv + ck + ["--exit-interval", "4"])
-        resumed = _train(argv + ck + ["--load", str(tmp_path / "ck")])
+    assert_close(fused["loss"], torch_run["loss"], rel)
+    assert_close(fused["norm"], torch_run["norm"], 10 * rel)
+    if resumed:  # saved at 4 on the way to 8 and resumed from there: moments and step count come back
         # Two runs of one bf16 command already differ by up to 8e-6 (H100: the attention backward
         # sums dQ with atomics); a resume that lost the optimizer state (--no-load-optim, this
         # config, fp32 on CPU) is 3e-3 to 7e-3 off at iterations 6-8.
-        _assert_close(resumed["loss"], {k: v for k, v in fused["loss"].items() if k > 4}, 1e-4)
+        assert_close(resumed[0]["loss"], after(fused["loss"]), 1e-4)
 
 
 class _ReferenceKernel:
