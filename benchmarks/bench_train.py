@@ -6,10 +6,9 @@ scripts/pretrain_gpt2.sh and prints tokens/s, TFLOP/s per GPU, MFU and peak memo
 
 Each run is the recipe's flags (model, batch, precision, kernels, parallel sizes: what
 `--recipe NAME` gives any training run) followed by benchmark-only flags: iteration count, log
-interval, no evaluation or checkpoint, a short warm-up, and the data (the embedded default corpus
-tokenised with GPT-2 BPE, built on first use). Dropout is the recipe's: 0 in the CUDA-graph
-recipes, the default elsewhere; `--extra --hidden-dropout 0 --attention-dropout 0` measures without it
-(as nanoGPT's bench.py). The numbers are those of the last logged window of --log-window iterations.
+interval, no evaluation or checkpoint, a short warm-up, dropout 0 (as nanoGPT's bench.py, so that
+every recipe is measured alike), and the data (the embedded default corpus tokenised with GPT-2
+BPE, built on first use). The numbers are those of the last logged window of --log-window iterations.
 """
 from __future__ import annotations
 
@@ -29,9 +28,10 @@ MEM_RE = re.compile(r"max allocated: (\d+)")
 
 
 def bench_flags(args) -> list[str]:
-    """The flags every benchmark run adds after its recipe's: length, logging, no eval/save, data."""
+    """The flags every benchmark run adds after its recipe's: length, logging, no eval/save, dropout 0, data."""
     return ["--train-iters", str(args.iters), "--log-interval", str(args.log_window), "--eval-interval", "0",
             "--eval-iters", "0", "--save-interval", "0", "--save", "", "--lr", "3e-4", "--lr-warmup-iters", "5",
+            "--hidden-dropout", "0", "--attention-dropout", "0",
             "--vocab-file", args.vocab_file, "--merge-file", args.merge_file, "--tokenizer-type", "GPT2BPETokenizer"]
 
 

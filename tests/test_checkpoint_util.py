@@ -267,10 +267,10 @@ def test_inconsistent_shards_are_named(ckpts, tmp_path, capsys):
     torch.save(st, path)
     _fails(capsys, ["--load-dir", src, "--save-dir", tmp_path / "o"], path, "iteration 30")
     st["iteration"] = 20
-    st["args"].hidden_size = 64
+    st["args"].hidden_size = st["model_config"]["hidden_size"] = 64
     torch.save(st, path)
     _fails(capsys, ["--load-dir", src, "--save-dir", tmp_path / "o"], path, "hidden_size")
-    st["args"].hidden_size = 32
+    st["args"].hidden_size = st["model_config"]["hidden_size"] = 32
     st["model"]["language_model"]["encoder"]["layers.0.mlp.dense_h_to_4h.weight"] = torch.zeros(3, 32)
     torch.save(st, path)
     _fails(capsys, ["--load-dir", src, "--save-dir", tmp_path / "o"], "dense_h_to_4h.weight", "shapes")
