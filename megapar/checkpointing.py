@@ -170,7 +170,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
         os.makedirs(staging)
     _barrier()
     shard = os.path.join(staging, shard_dir_name(c.tp, c.pp, topo.pp))
-    distributed = getattr(optimizer, "is_distributed", False)
+    distributed = optimizer is not None and optimizer.is_distributed
     # ZeRO-1 gathers its shards over dp (every dp rank takes part); the full optimizer's state is
     # identical on all dp ranks, so only the writer copies it out.
     wants_optim = save_optim and optimizer is not None and (distributed or c.dp == 0)

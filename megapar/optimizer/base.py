@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..arguments import TrainConfig
 from ..model.sharding import tp_partition_dim
 from .grad_buffer import GradBuffer
 
@@ -45,7 +46,7 @@ def counts_for_norm(name: str, tp_rank: int) -> bool:
     return tp_partition_dim(name) is not None or tp_rank == 0
 
 
-def make_adamw(groups: list[dict], cfg, device: torch.device) -> torch.optim.AdamW:
+def make_adamw(groups: list[dict], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """Fused AdamW on GPUs (foreach on CPU). With --enable-cuda-graph it is capturable and its
     learning rate is a device tensor (the LR scheduler fills it in place; cuda_graph.py)."""
     kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
@@ -53,7 +54,7 @@ def make_adamw(groups: list[dict], cfg, device: torch.device) -> torch.optim.Ada
         kw["fused"] = True
     else:
         kw["foreach"] = True
-    if getattr(cfg, "enable_cuda_graph", False):
+    if cfg.enable_cuda_graph:
         kw.update(capturable=True, lr=torch.tensor(cfg.lr, dtype=torch.float32, device=device))
     return torch.optim.AdamW(groups, **kw)
 
