@@ -43,6 +43,7 @@ def test_sequence_parallel_pipeline_matches_serial(embedded_data):
     assert sp == pytest.approx(serial, rel=2e-5), (serial, sp)
 
 
+@pytest.mark.slow  # --quick skips it; test_gpt2.py's recompute/RNG-restore tests check the replay in-process
 def test_sequence_parallel_dropout_is_replayed_by_recompute(embedded_data):
     """With dropout each TP rank draws its tokens' masks from its own RNG stream; recompute must
     replay them exactly, so checkpointed and plain runs give the same losses."""

@@ -52,6 +52,7 @@ def test_unfused_layers_without_buffer_keep_plain_grads():
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.slow  # --quick skips it (two training runs); the layer-level checks above stay
 def test_training_with_and_without_fusion_match(embedded_data):
     base = TINY_TRAIN + embedded_data + ["--train-iters", "6"]
     fused = [l for _, l in run_training(base)["losses"]]
