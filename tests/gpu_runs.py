@@ -21,6 +21,7 @@ their results from the session fixture `gpu_runs` (conftest.py): `gpu_runs.get(r
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import functools
 import os
 import re
@@ -42,7 +43,7 @@ GPU_TRAIN = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads
              "--train-iters", str(TRAIN_ITERS), "--cuda-graph-warmup-steps", "2"]
 LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ .*? lm loss: ([-\d.E+]+) .*? grad norm: ([\d.]+)")
 VALID_RE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([-\d.E+]+)")
-RUN_TIMEOUT_S = int(os.environ.get("MEGAPAR_GPU_RUN_TIMEOUT", "480"))  # a hung NCCL run fails instead of stalling
+RUN_TIMEOUT_S = int(os.environ.get("MEGAPAR_GPU_RUN_TIMEOUT", "480"))  # a hung NCCL run fails, not stalls
 
 
 @functools.cache
@@ -127,6 +128,8 @@ class GpuRuns:
         self.lock = threading.Lock()
         self.busy = [0] * max(1, self.gpu_count)       # 1-GPU runs in flight per GPU
         self.t0 = time.time()
+        self.procs: set[subprocess.Popen] = set()      # runs in flight
+        self.closing = False
 
     # ---- scheduling -----------------------------------------------------------------------------
     def start(self, runs) -> None:
@@ -166,13 +169,23 @@ class GpuRuns:
         return fut.result()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=False)
+        """End of the session: no test reads a run any more; stop what still runs (after -x, say)."""
+        with self.lock:
+            self.closing = True
+            for proc in self.procs:
+                _signal(proc, signal.SIGTERM)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for fut in self.futures.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError("the test session ended before this run started"))
 
     # ---- running --------------------------------------------------------------------------------
     def _run_chain(self, chain: list[Run]) -> None:
         for r in chain:
             fut = self.futures[r.key()]
             try:
+                if self.closing:
+                    raise RuntimeError("the test session ended before this run started")
                 fut.set_result(self._run(r))
             except BaseException as e:  # noqa: BLE001 -- reported by the test that reads it
                 fut.set_exception(e)
@@ -210,19 +223,32 @@ class GpuRuns:
         start = time.time()
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": self._visible(gpus),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
-        try:  # own process group: a run past its time is killed with its torchrun workers
+        proc = None
+        try:  # own process group, so that a run past its time can be stopped with its torchrun workers
             proc = subprocess.Popen(["bash", "scripts/pretrain_gpt2.sh", "--nproc-per-node", str(run.gpus), *argv],
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
-                                    start_new_session=True)
+                                    process_group=0)
+            with self.lock:
+                self.procs.add(proc)
+                if self.closing:
+                    _signal(proc, signal.SIGTERM)
             try:
                 out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out = proc.communicate()[0] + f"\n[gpu_runs] killed after {RUN_TIMEOUT_S} s"
+                # torchrun stops its workers (each in a session of its own) on SIGTERM, not on SIGKILL
+                _signal(proc, signal.SIGTERM)
+                try:
+                    out, _ = proc.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    _signal(proc, signal.SIGKILL)
+                    out, _ = proc.communicate()
+                out += f"\n[gpu_runs] stopped after {RUN_TIMEOUT_S} s"
             rc = proc.returncode
         finally:
-            if counted:
-                with self.lock:
+            with self.lock:
+                if proc is not None:
+                    self.procs.discard(proc)
+                if counted:
                     self.busy[gpus[0]] -= 1
         with open(os.path.join(self.workdir, run.name() + ".log"), "w") as f:  # header: when and how long
             f.write(f"# started at +{start - self.t0:.0f} s on GPUs {gpus}, took {time.time() - start:.0f} s, "
@@ -232,6 +258,12 @@ class GpuRuns:
                 "norm": {int(i): float(n) for i, _, n in LOSS_RE.findall(out)},
                 "valid": {int(i): float(l) for i, l in VALID_RE.findall(out)}, "out": out,
                 "save": save_dir if run.save else None}
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the run's process group (bash exec's torchrun, which leads it)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
 
 
 def assert_close(a: dict, b: dict, rel: float) -> None:
