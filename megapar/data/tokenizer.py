@@ -11,6 +11,7 @@ token (this matches Megatron's legacy GPT2BPETokenizer).
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 from typing import Optional, Sequence
@@ -51,35 +52,79 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
+def _load_vocab(vocab_file: str) -> dict[str, int]:
+    """--vocab-file as a JSON object token -> unique non-negative int id, with every byte token
+    and <|endoftext|>; raise TokenizerError naming the file and what is wrong otherwise."""
+    hint = "it should be GPT-2's encoder.json / gpt2-vocab.json"
+    try:
+        encoder = json.loads(_read_text(vocab_file, "--vocab-file"))
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"--vocab-file {vocab_file!r} is not valid JSON ({e}); {hint}") from None
+    if not isinstance(encoder, dict):
+        raise TokenizerError(f"--vocab-file {vocab_file!r} is a JSON {type(encoder).__name__}, not an object "
+                             f"mapping token -> id; {hint}")
+    bad = next(((k, v) for k, v in encoder.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0), None)
+    if bad is not None:
+        raise TokenizerError(f"--vocab-file {vocab_file!r} maps {bad[0]!r} to {bad[1]!r}, not a non-negative "
+                             f"integer id; {hint}")
+    if len(set(encoder.values())) != len(encoder):
+        dup = collections.Counter(encoder.values()).most_common(1)[0][0]
+        raise TokenizerError(f"--vocab-file {vocab_file!r} gives id {dup} to more than one token "
+                             f"(ids must be unique); {hint}")
+    if ENDOFTEXT not in encoder:
+        raise TokenizerError(f"--vocab-file {vocab_file!r} has no {ENDOFTEXT} token; {hint}")
+    missing = [c for c in _byte_decoder() if c not in encoder]
+    if missing:
+        raise TokenizerError(f"--vocab-file {vocab_file!r} lacks {len(missing)} of the 256 byte-level tokens "
+                             f"(e.g. {missing[0]!r}); {hint}")
+    return encoder
+
+
+def _merge_lines(merge_file: str) -> list[tuple[int, str]]:
+    """(line number, line) of the merges in --merge-file. Like Megatron, the first line (the
+    `#version` header) and the last '\\n'-separated piece are dropped; a first line that is neither
+    a `#` comment nor a pair means the file is not a merges file (e.g. encoder.json), an error."""
+    text = _read_text(merge_file, "--merge-file")
+    lines = text.split("\n")
+    first = lines[0]
+    if not first.strip():
+        raise TokenizerError(f"--merge-file {merge_file!r} is empty or starts with a blank line; it should be "
+                             "GPT-2's vocab.bpe / gpt2-merges.txt ('#version: 0.2' then one 'a b' pair a line)")
+    if not first.startswith("#") and len(first.split()) != 2:
+        raise TokenizerError(f"--merge-file {merge_file!r} is not a BPE merges file: line 1 is neither a "
+                             f"'#version' header nor a pair of tokens ({first[:60]!r}); it should be GPT-2's "
+                             "vocab.bpe / gpt2-merges.txt (did you swap --vocab-file and --merge-file?)")
+    return list(enumerate(lines[1:-1], start=2))
+
+
 def gpt2_mergeable_ranks(vocab_file: str, merge_file: str) -> tuple[dict[bytes, int], int]:
     """Build tiktoken ranks from GPT-2 `encoder.json` + `vocab.bpe`.
 
     Returns (ranks: token bytes -> id, eod id). Like Megatron, the merges are the lines from the
     second to the second-to-last '\\n'-separated line; a token is mergeable only if it is a
     single byte or the result of a listed merge, and its rank is its id in the vocab file.
+    Both files are checked (format, unique ids, every merge result in the vocab) and a mismatch
+    raises TokenizerError naming the file and flag.
     """
-    vocab_text = _read_text(vocab_file, "--vocab-file")
-    merges_text = _read_text(merge_file, "--merge-file")
-    try:
-        encoder = json.loads(vocab_text)
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"--vocab-file {vocab_file!r} is not valid JSON ({e}); "
-                             "it should be GPT-2's encoder.json / gpt2-vocab.json") from None
-    if ENDOFTEXT not in encoder:
-        raise TokenizerError(f"--vocab-file {vocab_file!r} has no {ENDOFTEXT} token; "
-                             "it should be GPT-2's encoder.json / gpt2-vocab.json")
+    encoder = _load_vocab(vocab_file)
+    merges = _merge_lines(merge_file)
     dec = _byte_decoder()
-
-    def to_bytes(tok: str) -> bytes:
-        return bytes(dec[c] for c in tok)
-
     ranks = {bytes([b]): encoder[c] for c, b in dec.items()}
-    for lineno, line in enumerate(merges_text.split("\n")[1:-1], start=2):
+    for lineno, line in merges:
         parts = line.split()
         if len(parts) != 2 or (parts[0] + parts[1]) not in encoder:
             raise TokenizerError(f"--merge-file {merge_file!r} line {lineno} is not a merge of two "
-                                 f"tokens in --vocab-file: {line[:80]!r}")
-        ranks[to_bytes(parts[0]) + to_bytes(parts[1])] = encoder[parts[0] + parts[1]]
+                                 f"tokens in --vocab-file {vocab_file!r}: {line[:80]!r}; the two files must "
+                                 "come from the same tokenizer")
+        try:
+            ranks[bytes(dec[c] for c in parts[0] + parts[1])] = encoder[parts[0] + parts[1]]
+        except KeyError as e:
+            raise TokenizerError(f"--merge-file {merge_file!r} line {lineno} has the character {e.args[0]!r}, "
+                                 "which is not a GPT-2 byte-level character; it should be GPT-2's vocab.bpe") from None
+    if not merges and len(encoder) > 257:
+        raise TokenizerError(f"--merge-file {merge_file!r} has no merges but --vocab-file {vocab_file!r} has "
+                             f"{len(encoder)} tokens: tokenization would be character-level; pass the merges "
+                             "file that belongs to the vocabulary")
     return ranks, encoder[ENDOFTEXT]
 
 
