@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .arguments import DataConfig, ModelConfig, ParallelConfig, section_from_args
 from .topology import layer_counts
 from .atomic import atomic_write, atomic_write_text
+from .errors import MegaparError
 from .tensor_parallel.random import get_rng_tracker
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -37,7 +38,7 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "vocab_size")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MegaparError, RuntimeError):
     """A missing, truncated, corrupt or incompatible checkpoint; the message names the file."""
 
 
@@ -73,7 +74,14 @@ def read_tracker(root: str) -> Optional[int | str]:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    with open(path, "rb") as f:
+        raw = f.read(4096)
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not text (should hold an iteration number or 'release'); it is corrupt: "
+                              f"write the iteration of a complete iter_* folder into it, or load another "
+                              f"checkpoint") from None
     if text == "release":
         return "release"
     if not text.isdigit():

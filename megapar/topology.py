@@ -20,8 +20,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .errors import MegaparError
 
-class ConfigError(ValueError):
+
+class ConfigError(MegaparError, ValueError):
     """A bad flag or flag combination; the message says which flags and how to fix it."""
 
 

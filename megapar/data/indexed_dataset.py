@@ -20,6 +20,8 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from ..errors import MegaparError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34
@@ -29,7 +31,7 @@ CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 _COPY_CHUNK = 1 << 22  # elements per streamed chunk in merge()
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(MegaparError, ValueError):
     """A .bin/.idx pair is missing, truncated or corrupt; the message says which file and what."""
 
 

@@ -27,6 +27,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from ..errors import MegaparError
 from .indexed_dataset import IndexedDatasetBuilder, best_dtype
 from .tokenizer import build_tokenizer
 
@@ -38,7 +39,7 @@ except ImportError:  # pragma: no cover
 BATCH_BYTES = 1 << 18
 
 
-class PreprocessError(RuntimeError):
+class PreprocessError(MegaparError, RuntimeError):
     """Preprocessing stopped; the message names the file/line or worker error and the fix."""
 
 

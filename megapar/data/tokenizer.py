@@ -16,13 +16,15 @@ import json
 import os
 from typing import Optional, Sequence
 
+from ..errors import MegaparError
+
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "TikTokenizer")
 ENDOFTEXT = "<|endoftext|>"
 # GPT-2's pre-tokenizer regex (tiktoken's r50k/gpt2 pattern).
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MegaparError, ValueError):
     """A tokenizer could not be built; the message names the file/flag and the fix."""
 
 

@@ -1,0 +1,18 @@
+"""The common base of megapar's user-error types.
+
+Every mistake a user can make -- a bad flag (ConfigError), a truncated or incompatible checkpoint
+(CheckpointError), a broken tokenizer file (TokenizerError), a damaged dataset
+(IndexedDatasetError), bad generation input (GenerationError), ... -- raises a subclass of
+`MegaparError` whose message is one line that names the flag or file and the fix. Entry points
+catch `MegaparError` and print `error: <message>` instead of a traceback. Each subclass keeps its
+own name and its old builtin base (ValueError, RuntimeError), so existing `except` clauses still work.
+"""
+from __future__ import annotations
+
+
+class MegaparError(Exception):
+    """A user-caused failure with a one-line message (what is wrong and how to fix it)."""
+
+
+# Exit status of a run stopped by a user error (argparse's usage-error status).
+USER_ERROR_EXIT = 2
