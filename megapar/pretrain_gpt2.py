@@ -9,6 +9,7 @@ a checkpoint, and what to run next. No downloads, no network.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from typing import Optional, Sequence
@@ -69,7 +70,8 @@ def build_datasets(cfg: Config):
     eval_runs = (total // log.eval_interval + 1) if log.eval_interval else 1
     counts = (total * gbs, eval_runs * log.eval_iters * gbs, log.eval_iters * gbs)
     return build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-                                           cfg.train.seed, counts, cache_dir=cfg.data.data_cache_path)
+                                           cfg.train.seed, counts, cache_dir=cfg.data.data_cache_path,
+                                           check=False)  # checked at the start of pretrain()
 
 
 def build_tokenizer_for(cfg: Config):
@@ -90,8 +92,9 @@ def tensorboard_writer(cfg: Config, rank: int):
     return SummaryWriter(log_dir=cfg.log.tensorboard_dir)
 
 
-def pretrain(cfg: Config) -> TrainState:
-    """Run training in an initialised process group; returns the final TrainState."""
+def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None) -> TrainState:
+    """Run training in an initialised process group; returns the final TrainState. `argv` (the
+    flags as given) lets the closing "train longer" command repeat them."""
     rank, world, device = init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
     p = cfg.parallel
     topo = Topology(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
@@ -105,6 +108,9 @@ def pretrain(cfg: Config) -> TrainState:
         load_fused_kernels()  # an explicit request never falls back: this raises without CUDA/nvcc
         print_rank0(f"> fused kernels: {fused_kernels_source()}")
     prepare_data(cfg, rank)
+    if train_iters(cfg) > 0:
+        from .data.gpt_dataset import check_datasets
+        check_datasets(cfg.data.data_path)  # a broken or empty .bin/.idx pair stops here, before the model
     tokenizer = build_tokenizer_for(cfg)
     run = build_run(cfg, topo, rank, device, tokenizer.vocab_size)
     state = TrainState()
@@ -113,13 +119,17 @@ def pretrain(cfg: Config) -> TrainState:
     if train_iters(cfg) == 0:
         print_rank0("> --train-iters 0: model built, exiting without training")
         return state
+    if state.iteration >= train_iters(cfg):  # resumed at (or past) the end: nothing to train, nothing to save
+        print_rank0(f"> nothing to do: the checkpoint in {cfg.ckpt.load} is at iteration {state.iteration} and this "
+                    f"run ends at iteration {train_iters(cfg)}; give a larger --train-iters to train longer")
+        return state
     train_ds, valid_ds, test_ds = build_datasets(cfg)
     start = time.time()
     state = train(run, train_ds, valid_ds, state, tensorboard_writer(cfg, rank))
     if state.exit_reason is None:
         _finish(run, state, valid_ds, test_ds)
     print_rank0(f"> training done in {time.time() - start:.1f} s at iteration {state.iteration}")
-    _print_next_steps(cfg)
+    _print_next_steps(cfg, run.scheduler, argv)
     return state
 
 
@@ -133,7 +143,40 @@ def _finish(run, state: TrainState, valid_ds, test_ds) -> None:
         save(run, state)
 
 
-def _print_next_steps(cfg: Config) -> None:
+def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]]) -> str:
+    """The command that trains this run's checkpoint as long again: this run's flags, with --load and
+    --save at the checkpoint and twice the iterations. The resume keeps the saved LR schedule (a
+    changed one is refused) by passing --lr-decay-iters at the old horizon: past it the LR stays at
+    --min-lr. A schedule that ends at LR 0 would train nothing more, so then the schedule is
+    stretched over the longer run instead (--override-opt_param-scheduler: the LR rises again)."""
+    valued = {"--load", "--save", "--train-iters", "--train-samples", "--lr-decay-iters"}
+    ends_at_zero = scheduler.min_lr == 0 and scheduler.decay_style != "constant"
+    switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler"}
+    if ends_at_zero:
+        switches |= {"--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"}
+    kept, skip = [], False
+    for a in (argv or []):
+        name = a.split("=", 1)[0]
+        if skip or name in switches:
+            skip = False
+            continue
+        if name in valued:
+            skip = "=" not in a
+            continue
+        kept.append(a)
+    total = 2 * max(1, train_iters(cfg))
+    kept += ["--load", cfg.ckpt.save, "--save", cfg.ckpt.save, "--train-iters", str(total)]
+    if ends_at_zero:
+        kept.append("--override-opt_param-scheduler")
+        why = f"# train longer: the LR schedule stretched over {total} iterations (it ended at LR 0)"
+    else:
+        kept += ["--lr-decay-iters", str(scheduler.decay_steps)]
+        why = f"# train longer at the saved LR schedule (--min-lr {scheduler.min_lr} after iteration " \
+              f"{scheduler.decay_steps})"
+    return f"bash scripts/pretrain_gpt2.sh {shlex.join(kept)}   {why}"
+
+
+def _print_next_steps(cfg: Config, scheduler, argv: Optional[Sequence[str]]) -> None:
     if not cfg.ckpt.save:
         return
     p = cfg.parallel
@@ -141,10 +184,18 @@ def _print_next_steps(cfg: Config) -> None:
     print_rank0(
         "> next steps:\n"
         f"    bash scripts/generate_text.sh --load {cfg.ckpt.save}            # sample text from the checkpoint\n"
-        f"    bash scripts/pretrain_gpt2.sh --load {cfg.ckpt.save} --save {cfg.ckpt.save} "
-        f"--train-iters {2 * max(1, train_iters(cfg))}   # train longer\n"
+        f"    {train_longer_command(cfg, scheduler, argv)}\n"
         f"    python tools/checkpoint_util.py --load-dir {cfg.ckpt.save} --save-dir {cfg.ckpt.save}_tp{other_tp} "
         f"--target-tensor-parallel-size {other_tp} --target-pipeline-parallel-size {p.pipeline_model_parallel_size}")
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Exception types that mean a user's input (flags, tokenizer files, data) is wrong; each
+    carries a one-line message naming the file or flag and the fix."""
+    from .data.gpt_dataset import DatasetError
+    from .data.indexed_dataset import IndexedDatasetError
+    from .data.tokenizer import TokenizerError
+    return ConfigError, TokenizerError, IndexedDatasetError, DatasetError
 
 
 def main(argv: Optional[Sequence[str]] = None) -> TrainState:
@@ -156,7 +207,10 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainState:
         raise SystemExit(2)
     init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
     try:
-        return pretrain(cfg)
+        return pretrain(cfg, sys.argv[1:] if argv is None else list(argv))
+    except user_errors() as e:  # bad tokenizer files or data: one line, no traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

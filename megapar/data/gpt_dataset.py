@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..atomic import atomic_write
-from .indexed_dataset import IndexedDataset
+from .indexed_dataset import IndexedDataset, IndexedDatasetError
 from .sample_index import build_blending_indices, build_indices
 
 INDEX_VERSION = 1  # bump when the index algorithm changes
@@ -194,11 +194,54 @@ def _build_split(sets: list[IndexedDataset], weights: Optional[list[float]], bou
     return blend
 
 
+class DatasetError(ValueError):
+    """The training data cannot be used as given (empty corpus, empty training split); the
+    message names the prefix or flag and the fix."""
+
+
+def check_datasets(data_path: Sequence[str] | str) -> list[dict]:
+    """Check every --data-path pair before training, without reading any token: the .idx header
+    and size, lengths, pointers monotonic and consistent, document index, the .bin size the index
+    implies (megapar.data.validate), and that the corpus is not empty. Raises IndexedDatasetError
+    or DatasetError, one line naming the prefix and the problem; returns the validate() summaries."""
+    from .validate import validate
+    prefixes, _ = parse_data_path(data_path)
+    out = []
+    for p in prefixes:
+        try:
+            summary = validate(p)
+        except IndexedDatasetError as e:
+            raise IndexedDatasetError(f"--data-path {p}: {e}; rebuild the pair with "
+                                      "tools/preprocess_data.py (check it: python -m megapar.data.validate "
+                                      f"{p})") from None
+        if summary["num_tokens"] == 0:
+            raise DatasetError(f"--data-path {p}: empty corpus ({summary['num_documents']} documents, 0 tokens); "
+                               "preprocess a non-empty input or drop this prefix")
+        out.append(summary)
+    return out
+
+
+def _check_splits(out: list, split: str, seq_length: int, num_samples: tuple[int, int, int]) -> None:
+    """An empty training split is an error; an empty validation split while evaluation is asked
+    for is a warning (printed once, rank 0)."""
+    if out[0] is None and num_samples[0] > 0:
+        raise DatasetError(f"--split {split!r} leaves no training sample of --seq-length {seq_length} "
+                           "(the training documents hold fewer than seq_length + 1 tokens); give training a "
+                           "larger share or use more data")
+    if out[1] is None and num_samples[1] > 0 and _dist_rank()[1] == 0:
+        print(f"warning: --split {split!r} leaves no validation sample of --seq-length {seq_length}: "
+              "evaluation is skipped (give validation a share, e.g. --split 949,50,1, or set --eval-iters 0)",
+              file=sys.stderr, flush=True)
+
+
 def build_train_valid_test_datasets(data_path: Sequence[str] | str, split: str, seq_length: int, seed: int,
                                     train_valid_test_num_samples: tuple[int, int, int],
-                                    cache_dir: Optional[str] = None):
-    """(train, valid, test) datasets (None for an empty split); see the module docstring."""
+                                    cache_dir: Optional[str] = None, check: bool = True):
+    """(train, valid, test) datasets (None for an empty split); see the module docstring.
+    With `check`, every pair is first checked by check_datasets()."""
     prefixes, weights = parse_data_path(data_path)
+    if check:
+        check_datasets(prefixes)
     sets = [IndexedDataset(p) for p in prefixes]
     splits = [parse_split(split, len(ds)) for ds in sets]
     out = []
@@ -208,6 +251,7 @@ def build_train_valid_test_datasets(data_path: Sequence[str] | str, split: str, 
                                 seq_length, seed, cache_dir))
     for name, ds in zip(("train", "valid", "test"), out):
         _log(f"{name}: {len(ds) if ds is not None else 0} samples")
+    _check_splits(out, split, seq_length, train_valid_test_num_samples)
     return tuple(out)
 
 

@@ -1,0 +1,239 @@
+"""Fault injection for tokenizer files and .bin/.idx data: real files, real processes, on CPU.
+
+Each case runs `tools/preprocess_data.py` or `python -m megapar.pretrain_gpt2` (1 layer, 1 step)
+on a broken input and checks with `refused` that it stops before doing any work, with one
+`error:` line naming the file and the problem, and leaves every file as it was.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness import ROOT, refused, run
+
+sys.path.insert(0, str(ROOT / "tests"))
+from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
+
+GPT2 = ROOT.parent / "shared" / "data" / "gpt2"
+TRAIN = ["python", "-m", "megapar.pretrain_gpt2", "--num-layers", "1", "--hidden-size", "32",
+         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
+         "--train-iters", "1", "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "1",
+         "--split", "1,0,0", "--make-vocab-size-divisible-by", "32", "--attention-backend", "torch",
+         "--tokenizer-type", "GPT2BPETokenizer"]
+PREPROCESS = ["python", "tools/preprocess_data.py", "--tokenizer-type", "GPT2BPETokenizer", "--append-eod"]
+
+
+@pytest.fixture
+def files(tmp_path) -> dict:
+    """A byte-level GPT-2 vocabulary, a random corpus of it, and a small JSON-lines input."""
+    vocab, merges = _byte_gpt2_files(str(tmp_path))
+    _random_corpus(str(tmp_path / "corpus"))
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": f"the other {i} then"}) + "\n" for i in range(20)))
+    return {"vocab": vocab, "merges": merges, "prefix": str(tmp_path / "corpus"), "jsonl": str(jsonl)}
+
+
+def train_cmd(files: dict, prefix: str | None = None, vocab: str | None = None, merges: str | None = None) -> list:
+    return TRAIN + ["--data-path", prefix or files["prefix"], "--vocab-file", vocab or files["vocab"],
+                    "--merge-file", merges or files["merges"]]
+
+
+def preprocess_cmd(files: dict, out: Path, inp: str | None = None, vocab: str | None = None,
+                   merges: str | None = None) -> list:
+    return PREPROCESS + ["--input", inp or files["jsonl"], "--output-prefix", str(out),
+                         "--vocab-file", vocab or files["vocab"], "--merge-file", merges or files["merges"]]
+
+
+def test_training_on_good_files_runs(files, tmp_path):
+    """The control: the same command with intact files trains (the cases below differ in one file)."""
+    out = run(train_cmd(files))
+    assert out.rc == 0, out.output[-3000:]
+    assert "warning:" not in out.output
+
+
+# ---- tokenizer files ---------------------------------------------------------------------------
+def test_wrong_format_merge_file_in_preprocess(files, tmp_path):
+    refused(preprocess_cmd(files, tmp_path / "out", merges=files["vocab"]), fault_class="tokenizer",
+            case="preprocess: --merge-file is the vocab JSON", expect=["--merge-file", files["vocab"],
+                                                                       "not a BPE merges file"], watch=[tmp_path])
+
+
+def test_wrong_format_merge_file_in_training(files, tmp_path):
+    refused(train_cmd(files, merges=files["vocab"]), fault_class="tokenizer",
+            case="training: --merge-file is the vocab JSON", expect=["--merge-file", "not a BPE merges file"],
+            watch=[tmp_path])
+
+
+def test_real_gpt2_files_swapped(files, tmp_path):
+    refused(preprocess_cmd(files, tmp_path / "out", vocab=str(GPT2 / "vocab.bpe"), merges=str(GPT2 / "encoder.json")),
+            fault_class="tokenizer", case="preprocess: GPT-2's vocab.bpe / encoder.json swapped",
+            expect=["--vocab-file", "vocab.bpe", "not valid JSON"], watch=[tmp_path])
+
+
+@pytest.mark.parametrize("content,expect", [('{"a": 0, "b": ', "not valid JSON"),
+                                            ('["a", "b"]', "not an object"),
+                                            ('{"a": 0, "b": 0}', "more than one token")])
+def test_malformed_vocab_json(files, tmp_path, content, expect):
+    bad = tmp_path / "bad_vocab.json"
+    bad.write_text(content)
+    refused(preprocess_cmd(files, tmp_path / "out", vocab=str(bad)), fault_class="tokenizer",
+            case=f"--vocab-file malformed ({expect})", expect=["--vocab-file", str(bad), expect], watch=[tmp_path])
+
+
+def test_merges_not_matching_vocab(files, tmp_path):
+    """GPT-2's real merges with the small byte-level vocabulary: the first merge's result is missing."""
+    refused(train_cmd(files, merges=str(GPT2 / "vocab.bpe")), fault_class="tokenizer",
+            case="training: --merge-file from another tokenizer", expect=["--merge-file", "vocab.bpe", "line 3",
+                                                                          "not a merge of two tokens"],
+            watch=[tmp_path])
+
+
+def test_bad_sentencepiece_model(files, tmp_path):
+    bad = tmp_path / "tok.model"
+    bad.write_bytes(b"not a protobuf \x00\x01\x02" * 10)
+    refused(PREPROCESS[:2] + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(bad),
+                              "--input", files["jsonl"], "--output-prefix", str(tmp_path / "out")],
+            fault_class="tokenizer", case="--tokenizer-model is not a SentencePiece model",
+            expect=["--tokenizer-model", str(bad), "not a SentencePiece model"], watch=[tmp_path])
+
+
+# ---- .bin/.idx data --------------------------------------------------------------------------
+def _truncate(path: str, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def test_bin_a_few_bytes_short(files, tmp_path):
+    bin_path = files["prefix"] + ".bin"
+    _truncate(bin_path, os.path.getsize(bin_path) - 4)
+    refused(train_cmd(files), fault_class="data", case=".bin 4 bytes shorter than its .idx",
+            expect=[bin_path, "truncated", "index says"], watch=[tmp_path])
+
+
+def test_bin_cut_in_half(files, tmp_path):
+    bin_path = files["prefix"] + ".bin"
+    _truncate(bin_path, os.path.getsize(bin_path) // 2)
+    refused(train_cmd(files), fault_class="data", case=".bin cut in half", expect=[bin_path, "truncated"],
+            watch=[tmp_path])
+
+
+def test_idx_of_another_corpus(files, tmp_path):
+    other = str(tmp_path / "other")
+    _random_corpus(other, docs=40)
+    shutil.copy(other + ".idx", files["prefix"] + ".idx")
+    refused(train_cmd(files), fault_class="data", case=".idx of another corpus", expect=[files["prefix"], "index says"],
+            watch=[tmp_path])
+
+
+def test_pointers_not_monotonic(files, tmp_path):
+    """Two byte pointers swapped in the .idx (sizes unchanged)."""
+    idx = Path(files["prefix"] + ".idx")
+    raw = bytearray(idx.read_bytes())
+    n = int(np.frombuffer(raw[18:26], "<u8")[0])
+    ptr = np.frombuffer(raw, "<i8", n, 34 + 4 * n).copy()
+    ptr[[1, 2]] = ptr[[2, 1]]
+    raw[34 + 4 * n:34 + 12 * n] = ptr.tobytes()
+    idx.write_bytes(bytes(raw))
+    refused(train_cmd(files), fault_class="data", case=".idx pointers not monotonic",
+            expect=[str(idx), "byte pointer of sequence 1"], watch=[tmp_path])
+
+
+def test_empty_corpus_in_training(files, tmp_path):
+    from megapar.data.indexed_dataset import IndexedDatasetBuilder
+    empty = str(tmp_path / "empty")
+    IndexedDatasetBuilder(empty + ".bin").finalize(empty + ".idx")
+    refused(train_cmd(files, prefix=empty), fault_class="data", case="training on an empty corpus",
+            expect=[empty, "empty corpus"], watch=[tmp_path])
+
+
+def test_empty_corpus_in_preprocess(files, tmp_path):
+    inp = tmp_path / "empty.jsonl"
+    inp.write_text("\n  \n")
+    refused(preprocess_cmd(files, tmp_path / "out", inp=str(inp)), fault_class="data",
+            case="preprocess: input with no documents", expect=[str(inp), "no documents", "--allow-empty"],
+            watch=[tmp_path])
+    out = run(preprocess_cmd(files, tmp_path / "out", inp=str(inp)) + ["--allow-empty"])
+    assert out.rc == 0, out.output
+
+
+def test_split_without_validation_warns_once(files, tmp_path):
+    out = run(train_cmd(files) + ["--eval-iters", "1", "--eval-interval", "1"])
+    assert out.rc == 0, out.output[-3000:]
+    warnings = [line for line in out.output.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "no validation sample" in warnings[0], out.output[-3000:]
+
+
+# ---- preprocess progress and interruption ------------------------------------------------------
+def _big_input(path: Path, mb: float) -> None:
+    line = json.dumps({"text": "the other then there " * 40}) + "\n"
+    path.write_text(line * int(mb * 1e6 / len(line)))
+
+
+def test_progress_percentage_grows(files, tmp_path):
+    inp = tmp_path / "big.jsonl"
+    _big_input(inp, 3)
+    out = run(preprocess_cmd(files, tmp_path / "out", inp=str(inp)) + ["--workers", "2", "--log-interval", "500"])
+    assert out.rc == 0, out.output[-3000:]
+    pcts = [float(line.split("|")[1].strip().rstrip("%")) for line in out.stderr.splitlines()
+            if line.startswith("Processed")]
+    assert len(pcts) >= 3 and pcts[0] < 50 and pcts == sorted(pcts) and pcts[-1] == 100.0, out.stderr
+
+
+def _descendants(pid: int) -> list[int]:
+    """PIDs of every live process whose parent chain leads to `pid` (from /proc)."""
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+                parents[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_preprocess_killed_leaves_no_workers_and_no_outputs(files, tmp_path, sig):
+    inp = tmp_path / "big.jsonl"
+    _big_input(inp, 8)
+    before = sorted(os.listdir(tmp_path))
+    cmd = [sys.executable if c == "python" else c for c in preprocess_cmd(files, tmp_path / "out", inp=str(inp))]
+    p = subprocess.Popen(cmd + ["--workers", "2", "--log-interval", "200"], cwd=ROOT, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    first = p.stderr.readline()  # a progress line: the workers are running
+    assert first.startswith("Processed"), first + p.stderr.read()
+    workers = _descendants(p.pid)
+    assert len(workers) >= 2, workers
+    p.send_signal(sig)
+    rest = p.communicate(timeout=60)[1]
+    deadline = time.time() + 10
+    while any(_alive(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert p.returncode != 0
+    assert not [w for w in workers if _alive(w)], f"workers left running after {sig.name}"
+    assert "Traceback" not in rest, rest
+    errors = [line for line in rest.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "interrupted" in errors[0], rest
+    assert sorted(os.listdir(tmp_path)) == before  # no partial or temporary outputs
