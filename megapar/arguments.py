@@ -237,10 +237,18 @@ def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
     group.add_argument(_flag(f.name), *m["aliases"], **kw)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An unknown flag or a value of the wrong type ends in one line `error: ...` (exit 2), not
+    the usage text followed by `prog: error: ...`."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}; see --help for the flags\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The pretraining command line, one flag per config field (Megatron's names and aliases)."""
-    p = argparse.ArgumentParser(description="megapar GPT-2 pretraining (Megatron-LM compatible flags)",
-                                allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    p = _Parser(description="megapar GPT-2 pretraining (Megatron-LM compatible flags)",
+                allow_abbrev=False, argument_default=argparse.SUPPRESS)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for cls, title in SECTIONS.values():
         hints = typing.get_type_hints(cls)
@@ -319,6 +327,7 @@ def _fail(msg: str) -> None:
 
 def validate(ns: argparse.Namespace, world_size: int) -> None:
     """Every check that needs no process group. Raises ConfigError naming flags and a fix."""
+    _check_ranges(ns)
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         _fail(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1")
@@ -354,11 +363,65 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
               f"smallest pipeline stage ({per_stage})")
     if ns.enable_cuda_graph:
         _check_cuda_graph(ns)
-    for flag in ("micro_batch_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        if getattr(ns, flag) < 1:
-            _fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
-    if ns.make_vocab_size_divisible_by < 1:
-        _fail("--make-vocab-size-divisible-by must be >= 1")
+
+
+# Numeric ranges, checked first (a zero head count must not reach `hidden_size % heads`).
+# name -> (rule, low, high, low inclusive, high inclusive); None (flag not given) always passes.
+# Integers: sizes and counts.
+_AT_LEAST_1 = ("micro_batch_size", "global_batch_size", "num_layers", "hidden_size", "num_attention_heads",
+               "seq_length", "ffn_hidden_size", "max_position_embeddings", "make_vocab_size_divisible_by",
+               "log_interval", "save_interval", "exit_interval", "lr_decay_iters", "loss_scale_window",
+               "hysteresis")
+_AT_LEAST_0 = ("train_iters", "train_samples", "lr_warmup_iters", "eval_iters", "eval_interval",
+               "profile_step_start", "profile_step_end")
+_WHY = {"train_iters": "0 builds the model and exits", "eval_interval": "0 never evaluates during training",
+        "eval_iters": "0 skips evaluation", "save_interval": "leave it out to save only at the end",
+        "exit_interval": "leave it out to run to the end",
+        "global_batch_size": "leave it out for --micro-batch-size x the data-parallel size"}
+# Floats: (low, high, low included, high included); every one must also be finite.
+_FLOAT_RANGES = {
+    "lr": (0.0, None, True, None), "min_lr": (0.0, None, True, None), "weight_decay": (0.0, None, True, None),
+    "clip_grad": (0.0, None, True, None), "hidden_dropout": (0.0, 1.0, True, False),
+    "attention_dropout": (0.0, 1.0, True, False), "adam_beta1": (0.0, 1.0, True, False),
+    "adam_beta2": (0.0, 1.0, True, False), "adam_eps": (0.0, None, False, None),
+    "layernorm_epsilon": (0.0, None, False, None), "init_method_std": (0.0, None, False, None),
+    "lr_warmup_fraction": (0.0, 1.0, True, True), "loss_scale": (0.0, None, False, None),
+    "initial_loss_scale": (0.0, None, False, None), "min_loss_scale": (0.0, None, False, None),
+    "exit_duration_in_mins": (0.0, None, False, None), "distributed_timeout_minutes": (0.0, None, False, None),
+}
+
+
+def _range_text(low, high, low_in, high_in) -> str:
+    if high is None:
+        return f"a finite number {'>=' if low_in else '>'} {low:g}"
+    return f"a number in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+
+
+def _check_ranges(ns: argparse.Namespace) -> None:
+    """Sizes, counts and rates that would crash or train nonsense (--train-iters -5, --lr nan,
+    --hidden-dropout 1.5, ...): one ConfigError naming the flag, the allowed range and a fix."""
+    import math
+
+    for names, low in ((_AT_LEAST_1, 1), (_AT_LEAST_0, 0)):
+        for name in names:
+            v = getattr(ns, name)
+            if v is not None and v < low:
+                default = default_of(name)
+                fix = _WHY.get(name) or (f"the default is {default}" if default is not None else "")
+                _fail(f"{_flag(name)} {v} must be >= {low}" + (f"; {fix}" if fix else ""))
+    for name, (low, high, low_in, high_in) in _FLOAT_RANGES.items():
+        v = getattr(ns, name)
+        if v is None:
+            continue
+        ok = math.isfinite(v) and (v >= low if low_in else v > low)
+        if ok and high is not None:
+            ok = v <= high if high_in else v < high
+        if not ok:
+            default = default_of(name)
+            _fail(f"{_flag(name)} {v} is out of range: it must be {_range_text(low, high, low_in, high_in)}"
+                  + (f"; the default is {default:g}" if default is not None else ""))
+    if not 0 <= ns.seed < 2**32:
+        _fail(f"--seed {ns.seed} must be in [0, 2**32); e.g. the default {default_of('seed')}")
 
 
 def _check_cuda_graph(ns: argparse.Namespace) -> None:
