@@ -68,6 +68,8 @@ class SamplingParams:
             raise GenerationError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:
             raise GenerationError(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:   # checked before any rank sees it
+            raise GenerationError(f"seed must be an integer in [0, 2^63), got {self.seed}")
 
     @property
     def is_greedy(self) -> bool:

@@ -3,27 +3,85 @@
     PUT /api   {"prompts": ["Hello"], "tokens_to_generate": 32, "temperature": 0.9, "top_k": 0,
                 "top_p": 0.9, "logprobs": true, "random_seed": 1234}
     200        {"text": ["Hello world..."], "segments": [["Hello", " world", ...]], "logprobs": [[...]] | null}
-    400        a plain-text message naming the bad field
+    4xx / 5xx  {"message": "..."} naming the bad field or the problem
 
 `text` is each prompt followed by its continuation; `segments` the same split into tokens;
 `logprobs` the log-probability of every segment after the first (when asked for). An empty prompt
-starts from the end-of-document token (unconditional sample). Requests are served one at a time.
+starts from the end-of-document token (unconditional sample).
+
+Concurrency: every connection gets a daemon thread, so a slow, idle or half-sent client never
+holds up the others; each connection has a read/write timeout (`Limits.timeout`) and is closed when
+it runs out. Generation itself is collective over the model's ranks (rank 0 ships each request to
+the others), so requests pass through the engine one at a time under one lock; everything else
+(reading, parsing, validating, replying) runs outside it. Every field is type- and range-checked
+before a request reaches the lock, so a bad request is answered with a 4xx and never reaches a rank.
 Bound to 127.0.0.1 by default; pass host="0.0.0.0" to expose it.
 """
 from __future__ import annotations
 
 import json
-from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Callable
+import math
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Optional
 
 from .generation import GenerationError, SamplingParams
 
 MAX_PROMPTS = 128
+MAX_PROMPT_CHARS = 100_000
+MAX_TOKENS_TO_GENERATE = 1 << 16        # beyond any context; the engine cuts generation to the context
+MAX_SEED = 2**63                        # exclusive: random_seed in [0, 2^63), a non-negative int64
+MAX_TEMPERATURE, MAX_TOP_K = 100.0, 1000
+
+GenerateFn = Callable[[list[str], SamplingParams], dict]
 
 
-def parse_request(req: dict, defaults: SamplingParams) -> tuple[list[str], SamplingParams]:
-    """Validate a Megatron /api request; raise GenerationError with Megatron-style messages."""
-    if not isinstance(req, dict) or "prompts" not in req:
+class RequestError(Exception):
+    """A request the server refuses: an HTTP status and a message for the client."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass
+class Limits:
+    """Per-connection and per-request bounds (what one client may cost the server)."""
+    timeout: float = 30.0                 # seconds a connection may sit idle on a read or write
+    max_body_bytes: int = 1 << 20         # larger bodies get 413
+    max_connections: int = 256            # open connections beyond this get 503 at once
+    backlog: int = 128                    # the listen queue (connections not yet accepted)
+
+    def validate(self) -> None:
+        """Refuse limits that would make the server unusable."""
+        if not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise GenerationError(f"the request timeout must be a positive number of seconds, got {self.timeout}")
+        for name in ("max_body_bytes", "max_connections", "backlog"):
+            if getattr(self, name) < 1:
+                raise GenerationError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+# ---- request validation ------------------------------------------------------------------------
+def _field(req: dict, name: str, kind: type, default: Any, ok: Callable[[Any], bool], msg: str) -> Any:
+    """req[name] (or default) if it has type `kind` (an int passes as a float; a bool is never a
+    number) and passes `ok`; else GenerationError "name msg"."""
+    value = req.get(name, default)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool) or not ok(value):
+        raise GenerationError(f"{name} {msg}, got {json.dumps(value)[:80]}")
+    return value
+
+
+def _check_prompts(req: dict) -> list[str]:
+    """The prompts: a non-empty list of at most MAX_PROMPTS strings, each valid Unicode (no lone
+    surrogates, which JSON's \\ud800 escapes can smuggle in and tokenizers choke on) and at most
+    MAX_PROMPT_CHARS long."""
+    if "prompts" not in req:
         raise GenerationError("prompts argument required")
     prompts = req["prompts"]
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
@@ -31,75 +89,222 @@ def parse_request(req: dict, defaults: SamplingParams) -> tuple[list[str], Sampl
     if not prompts:
         raise GenerationError("prompts is empty")
     if len(prompts) > MAX_PROMPTS:
-        raise GenerationError(f"Maximum number of prompts is {MAX_PROMPTS}")
+        raise GenerationError(f"Maximum number of prompts is {MAX_PROMPTS}, got {len(prompts)}")
+    for i, p in enumerate(prompts):
+        if len(p) > MAX_PROMPT_CHARS:
+            raise GenerationError(f"prompt {i} has {len(p)} characters; at most {MAX_PROMPT_CHARS} are accepted")
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:
+            raise GenerationError(f"prompt {i} is not valid Unicode (a lone surrogate escape)") from None
+    return prompts
 
-    def get(name, kind, ok, msg, default):
-        value = req.get(name, default)
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool or not ok(value):
-            raise GenerationError(f"{name} {msg}")
-        return value
 
+def parse_request(req: Any, defaults: SamplingParams) -> tuple[list[str], SamplingParams]:
+    """Validate a Megatron /api request body; raise GenerationError with Megatron-style messages.
+    Every numeric field is range-checked here so that nothing out of range reaches a rank."""
+    if not isinstance(req, dict):
+        raise GenerationError("the request body must be a JSON object with a prompts field")
+    prompts = _check_prompts(req)
     p = SamplingParams(**{**defaults.__dict__, "logprobs": False, "return_logits": False})
-    p.tokens_to_generate = get("tokens_to_generate", int, lambda v: v >= 0,
-                               "must be an integer greater than or equal to 0", defaults.tokens_to_generate)
-    p.logprobs = get("logprobs", bool, lambda v: True, "must be a boolean value", False)
+    p.tokens_to_generate = _field(req, "tokens_to_generate", int, defaults.tokens_to_generate,
+                                  lambda v: 0 <= v <= MAX_TOKENS_TO_GENERATE,
+                                  f"must be an integer between 0 and {MAX_TOKENS_TO_GENERATE}")
+    p.logprobs = _field(req, "logprobs", bool, False, lambda v: True, "must be a boolean value")
     if p.tokens_to_generate == 0 and not p.logprobs:
         raise GenerationError("tokens_to_generate=0 implies logprobs should be True")
-    p.temperature = get("temperature", float, lambda v: 0.0 <= v <= 100.0,
-                        "must be a positive number less than or equal to 100.0", defaults.temperature)
-    p.top_k = get("top_k", int, lambda v: 0 <= v <= 1000, "must be an integer between 0 and 1000", defaults.top_k)
-    p.top_p = get("top_p", float, lambda v: 0.0 <= v <= 1.0, "must be a number between 0 and 1", defaults.top_p)
+    p.temperature = _field(req, "temperature", float, defaults.temperature,
+                           lambda v: 0.0 <= v <= MAX_TEMPERATURE,
+                           f"must be a number between 0 and {MAX_TEMPERATURE}")
+    p.top_k = _field(req, "top_k", int, defaults.top_k, lambda v: 0 <= v <= MAX_TOP_K,
+                     f"must be an integer between 0 and {MAX_TOP_K}")
+    p.top_p = _field(req, "top_p", float, defaults.top_p, lambda v: 0.0 <= v <= 1.0,
+                     "must be a number between 0 and 1")
     # Without random_seed every request draws fresh randomness (like Megatron's server).
-    p.seed = get("random_seed", int, lambda v: v >= 0, "must be a non-negative integer", 0) \
-        if "random_seed" in req else None
+    p.seed = _field(req, "random_seed", int, None, lambda v: 0 <= v < MAX_SEED,
+                    "must be an integer in [0, 2^63)") if "random_seed" in req else None
     p.greedy = defaults.greedy and not any(k in req for k in ("temperature", "top_k", "top_p"))
     return prompts, p
 
 
-def make_handler(generate: Callable[[list[str], SamplingParams], dict], defaults: SamplingParams):
-    """A request handler class calling generate(prompts, params) -> response dict (HTTPServer
-    serves one request at a time, so generations never overlap)."""
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
 
-    class Handler(BaseHTTPRequestHandler):
-        def _reply(self, code: int, body, content_type: str) -> None:
-            data = body.encode("utf-8") if isinstance(body, str) else body
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
+
+def decode_body(body: bytes) -> Any:
+    """The JSON value of a request body; RequestError 400 for bad UTF-8, bad JSON (NaN and Infinity
+    included), integers too long to convert or nesting too deep to parse."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(400, f"request body is not UTF-8: {e}") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise RequestError(400, "request body is not JSON: nested too deeply") from None
+    except ValueError as e:   # JSONDecodeError, NaN/Infinity, an integer of thousands of digits
+        raise RequestError(400, f"request body is not JSON: {e}") from None
+
+
+# ---- the server --------------------------------------------------------------------------------
+class GenerationServer(ThreadingHTTPServer):
+    """A thread per connection in front of one generation lock (see the module docstring)."""
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], generate: GenerateFn, defaults: SamplingParams,
+                 limits: Optional[Limits] = None):
+        self.limits = limits or Limits()
+        self.limits.validate()
+        self.request_queue_size = self.limits.backlog          # read by server_activate's listen()
+        self.generate_fn, self.defaults = generate, defaults
+        self.generation_lock = threading.Lock()
+        self.closed = False
+        self.connection_slots = threading.BoundedSemaphore(self.limits.max_connections)
+        super().__init__(address, Handler)
+
+    def run_generation(self, prompts: list[str], params: SamplingParams) -> dict:
+        """generate(prompts, params) with no other generation in flight; RequestError 503 once
+        close_generation() has run (the other ranks have been or are being told to stop)."""
+        with self.generation_lock:
+            if self.closed:
+                raise RequestError(503, "the server is shutting down")
+            return self.generate_fn(prompts, params)
+
+    def close_generation(self) -> None:
+        """Wait for the generation in flight (if any) and refuse any later one: call this before
+        telling the other ranks to stop, so that no request thread starts a collective after."""
+        with self.generation_lock:
+            self.closed = True
+
+    def process_request(self, request: socket.socket, client_address) -> None:
+        """Start the connection's thread, or answer 503 at once when max_connections are open."""
+        if not self.connection_slots.acquire(blocking=False):
+            self._refuse_busy(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.connection_slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.connection_slots.release()
+
+    def _refuse_busy(self, request: socket.socket) -> None:
+        body = json.dumps({"message": f"too many open connections (at most {self.limits.max_connections}); "
+                                      "retry later"}).encode()
+        try:
+            request.settimeout(1.0)
+            request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+
+class Handler(BaseHTTPRequestHandler):
+    """PUT /api; every other method or path, and every error, is answered with a JSON message."""
+    server: GenerationServer
+    error_content_type = "application/json"
+
+    def setup(self) -> None:
+        self.timeout = self.server.limits.timeout     # StreamRequestHandler.setup: socket.settimeout
+        super().setup()
+
+    def _reply(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode("utf-8")
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if code == 405:
+            self.send_header("Allow", "PUT")
+        self.end_headers()
+        if self.command != "HEAD":
             self.wfile.write(data)
 
-        def do_PUT(self) -> None:
-            if self.path.rstrip("/") != "/api":
-                return self._reply(404, f"unknown path {self.path}; use PUT /api\n", "text/plain")
+    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+        """The stdlib's own errors (bad request line, headers too long, unknown method, timeout) as
+        JSON messages too."""
+        short, long = self.responses.get(code, ("error", ""))
+        self.close_connection = True
+        try:
+            self._reply(code, {"message": message or explain or long or short})
+        except OSError:
+            pass
+
+    def _read_body(self) -> bytes:
+        """The request body, of exactly Content-Length bytes (RequestError 411/400/413/408)."""
+        if self.headers.get("Transfer-Encoding"):
+            raise RequestError(411, "chunked or other Transfer-Encoding is not supported; send Content-Length")
+        raw = self.headers.get_all("Content-Length") or []
+        if not raw:
+            raise RequestError(411, "Content-Length header required")
+        if len(set(raw)) != 1 or not raw[0].strip().isdigit():
+            raise RequestError(400, f"bad Content-Length {', '.join(raw)[:40]!r}; it must be one non-negative integer")
+        n = int(raw[0])
+        if n > self.server.limits.max_body_bytes:
+            raise RequestError(413, f"request body of {n} bytes is larger than the limit of "
+                                    f"{self.server.limits.max_body_bytes}")
+        return self._read_exactly(n)
+
+    def _read_exactly(self, n: int) -> bytes:
+        """n bytes within one timeout in all (not per read: a client trickling a byte at a time
+        is cut off too); RequestError 408 when they do not come in time, 400 when the client
+        closes first."""
+        deadline, parts, got = time.monotonic() + self.server.limits.timeout, [], 0
+        try:
+            while got < n:
+                chunk = self.rfile.read1(min(n - got, 1 << 16))
+                if not chunk:
+                    raise RequestError(400, f"request body ended after {got} of {n} bytes (Content-Length)")
+                parts.append(chunk)
+                got += len(chunk)
+                if got < n and time.monotonic() > deadline:
+                    raise TimeoutError
+        except TimeoutError:
+            raise RequestError(408, f"request body not received within {self.server.limits.timeout} s") from None
+        return b"".join(parts)
+
+    def do_PUT(self) -> None:
+        try:
+            if self.path.split("?")[0].rstrip("/") != "/api":
+                raise RequestError(404, f"unknown path {self.path[:200]}; use PUT /api")
+            req = decode_body(self._read_body())
             try:
-                n = int(self.headers.get("Content-Length") or 0)
-                req = json.loads(self.rfile.read(n) or b"null")
-                prompts, params = parse_request(req, defaults)
-                resp = generate(prompts, params)
-            except json.JSONDecodeError as e:
-                return self._reply(400, f"request body is not JSON: {e}\n", "text/plain")
+                prompts, params = parse_request(req, self.server.defaults)
             except GenerationError as e:
-                return self._reply(400, f"{e}\n", "text/plain")
-            self._reply(200, json.dumps(resp), "application/json")
+                raise RequestError(400, str(e)) from None
+            try:
+                resp = self.server.run_generation(prompts, params)
+            except GenerationError as e:     # e.g. a prompt longer than the context, caught before any rank
+                raise RequestError(400, str(e)) from None
+        except RequestError as e:
+            self.close_connection = True
+            return self._reply(e.status, {"message": e.message})
+        except Exception as e:  # a bug or a failed generation: tell the client, keep serving
+            self.log_error("generation failed: %s: %s", type(e).__name__, e)
+            self.close_connection = True
+            return self._reply(500, {"message": f"generation failed: {type(e).__name__}: {e}"})
+        self._reply(200, resp)
 
-        def do_GET(self) -> None:
-            self._reply(405, "use PUT /api with a JSON body (see megapar/text_generation_server.py)\n", "text/plain")
+    def _wrong_method(self) -> None:
+        self.close_connection = True
+        self._reply(405, {"message": f"{self.command} is not supported; use PUT /api with a JSON body"})
 
-        do_POST = do_GET
+    do_GET = do_POST = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _wrong_method
 
-        def log_message(self, fmt, *args) -> None:  # one short line per request
-            print(f"> {self.address_string()} {fmt % args}", flush=True)
+    def log_message(self, fmt: str, *args) -> None:
+        """One short line per request, on stderr (stdout is for generated text)."""
+        print(f"> {self.address_string()} {fmt % args}", file=sys.stderr, flush=True)
 
-    return Handler
 
-
-def make_server(generate: Callable[[list[str], SamplingParams], dict], defaults: SamplingParams,
-                host: str = "127.0.0.1", port: int = 5000) -> HTTPServer:
-    """An HTTPServer (not yet serving); port 0 picks a free port (see server.server_address)."""
-    return HTTPServer((host, port), make_handler(generate, defaults))
+def make_server(generate: GenerateFn, defaults: SamplingParams, host: str = "127.0.0.1", port: int = 5000,
+                limits: Optional[Limits] = None) -> GenerationServer:
+    """A GenerationServer (listening, not yet serving); port 0 picks a free port (see server.server_address)."""
+    return GenerationServer((host, port), generate, defaults, limits)
 
 
 def response_for(tokenizer, prompts: list[str], out, want_logprobs: bool) -> dict:

@@ -62,7 +62,10 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--num-samples", type=int, default=0, help="unconditional samples to generate")
     g.add_argument("--server", action="store_true", help="serve Megatron's PUT /api")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=5000)
+    g.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed at start)")
+    g.add_argument("--request-timeout", type=float, default=30.0,
+                   help="server: seconds a connection may sit idle on a read or write before it is closed")
+    g.add_argument("--max-request-bytes", type=int, default=1 << 20, help="server: larger request bodies get 413")
     return p.parse_args(argv)
 
 
@@ -118,7 +121,10 @@ class Session:
         return full[len(head):] if full.startswith(head) else self.tok.detokenize(generated)
 
     def api(self, prompts: list[str], params: SamplingParams) -> dict:
+        """A server request (run in the server's request thread, one at a time)."""
         from megapar.text_generation_server import response_for
+        if self.engine.device.type == "cuda":      # the current device is per thread
+            torch.cuda.set_device(self.engine.device)
         out, _ = self.complete(prompts, params)
         return response_for(self.tok, prompts, out, params.logprobs)
 
@@ -181,9 +187,28 @@ def unconditional(s: Session, a: argparse.Namespace) -> None:
     write_samples(a.sample_output_file, pairs)
 
 
+def server_limits(a: argparse.Namespace):
+    """The server's Limits from the flags; GenerationError (before the model loads) when they or
+    --port are out of range."""
+    from megapar.text_generation_server import Limits
+    if not 0 <= a.port <= 65535:
+        raise GenerationError(f"--port {a.port} is not a TCP port; pass 1-65535 (0 picks a free one)")
+    limits = Limits(timeout=a.request_timeout, max_body_bytes=a.max_request_bytes)
+    try:
+        limits.validate()
+    except GenerationError as e:
+        raise GenerationError(f"--request-timeout / --max-request-bytes: {e}") from None
+    return limits
+
+
 def serve(s: Session, a: argparse.Namespace) -> None:
+    """Serve PUT /api until Ctrl-C; the generation in flight finishes, later ones are refused,
+    before the caller tells the other ranks to stop."""
     from megapar.text_generation_server import make_server
-    server = make_server(s.api, s.params, a.host, a.port)
+    try:
+        server = make_server(s.api, s.params, a.host, a.port, server_limits(a))
+    except OSError as e:
+        raise GenerationError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
     print(f"> serving PUT http://{a.host}:{server.server_address[1]}/api (Ctrl-C to stop)", file=sys.stderr,
           flush=True)
     try:
@@ -191,6 +216,7 @@ def serve(s: Session, a: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        server.close_generation()
         server.server_close()
 
 
@@ -210,6 +236,8 @@ def generate(argv: Optional[Sequence[str]] = None) -> int:
         if a.num_samples < 0 or a.batch_size < 1:
             raise GenerationError("--num-samples must be >= 0 and --batch-size >= 1")
         params = sampling_params(a)
+        if a.server:
+            server_limits(a)                    # bad --port etc.: refuse before loading the model
         rank, topo, device = setup(a)
         dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
         model, saved = load_inference_model(a.load, topo, rank, device, dtype)

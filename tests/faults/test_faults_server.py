@@ -1,0 +1,293 @@
+"""The generation server under faults: idle and half-sent connections, many concurrent clients,
+every class of bad request, out-of-range seeds, too many connections, shutdown; plus the CLI's
+refusal of a bad --port (through the fault harness) and of a port already in use.
+
+The server runs in-process on a tiny random model with a character tokenizer (no files), with a
+1 s connection timeout so the timeout cases stay fast."""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import threading
+import time
+from typing import Optional
+
+import pytest
+import torch
+
+from gpt_helpers import tiny_model_config
+from harness import refused
+from megapar.cli import generate_text
+from megapar.generation import GenerationError, InferenceEngine, SamplingParams
+from megapar.model import GPT2Model, Stage
+from megapar.text_generation_server import Limits, make_server, response_for
+
+VOCAB, EOD = 100, 99
+GOOD = {"prompts": ["Hello"], "tokens_to_generate": 3, "temperature": 0.9, "random_seed": 7}
+
+
+class CharTokenizer:
+    """ids 1..98 <-> characters; 99 is end-of-document."""
+    vocab_size, eod = VOCAB, EOD
+
+    def tokenize(self, text: str) -> list[int]:
+        return [1 + (ord(ch) - 32) % 98 for ch in text]
+
+    def detokenize(self, ids) -> str:
+        return "".join(chr(31 + i) for i in ids if i != EOD)
+
+
+class Generator:
+    """generate(prompts, params) on a tiny model, recording the most generations ever in flight."""
+
+    def __init__(self):
+        cfg = tiny_model_config(["--seq-length", "48"], vocab=VOCAB)
+        model = GPT2Model(cfg.model, Stage.of(cfg.model.num_layers, 1, 0), 1234).eval()
+        from megapar.topology import Topology
+        self.engine = InferenceEngine(model, Topology(1, 1, 1), 0, VOCAB, EOD)
+        self.tok, self.in_flight, self.max_in_flight, self.calls = CharTokenizer(), 0, 0, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, prompts: list[str], params: SamplingParams) -> dict:
+        with self.lock:
+            self.in_flight += 1
+            self.calls += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            out = self.engine.generate([self.tok.tokenize(p) if p else [EOD] for p in prompts], params)
+            time.sleep(0.002)   # widen the window in which an overlap would show
+            return response_for(self.tok, prompts, out, params.logprobs)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """2 shared cores: OpenMP spinning with 2 threads makes tiny ops 100x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def start(gen: Generator, **limits) -> tuple:
+    """A served GenerationServer on a free port; (server, port)."""
+    server = make_server(gen, SamplingParams(tokens_to_generate=4), port=0,
+                         limits=Limits(timeout=1.0, max_body_bytes=1 << 16, **limits))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, server.server_address[1]
+
+
+@pytest.fixture(scope="module")
+def served(one_thread):
+    """(port, generator) of a server shared by the tests of this module."""
+    gen = Generator()
+    server, port = start(gen)
+    yield port, gen
+    server.shutdown()
+    server.server_close()
+
+
+def put(port: int, body, method: str = "PUT", path: str = "/api") -> tuple[int, dict]:
+    """(status, JSON body) of one request; body is a dict (sent as JSON) or bytes."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def raw(port: int, data: bytes) -> tuple[int, dict]:
+    """(status, JSON body) of a hand-written request (for broken headers http.client would fix)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def answers_good(port: int) -> None:
+    status, body = put(port, GOOD)
+    assert status == 200 and body["text"][0].startswith("Hello"), body
+
+
+# ---- (a) idle and half-sent connections ----------------------------------------------------------
+def test_idle_and_half_sent_connections_block_no_one_and_are_closed(served):
+    port, _ = served
+    idle = socket.create_connection(("127.0.0.1", port))                       # sends nothing
+    half = socket.create_connection(("127.0.0.1", port))
+    half.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompts\"")   # 10 of 100
+    try:
+        t0 = time.monotonic()
+        for _ in range(3):
+            answers_good(port)
+        assert time.monotonic() - t0 < 1.0          # answered while both connections are still open
+        half.settimeout(5)
+        reply = b""
+        while chunk := half.recv(4096):
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.0 408") and b'"message"' in reply
+        idle.settimeout(5)
+        assert idle.recv(4096) == b""                # closed by the server after its timeout
+    finally:
+        idle.close()
+        half.close()
+    answers_good(port)
+
+
+# ---- (b) many concurrent clients -----------------------------------------------------------------
+def test_32_concurrent_clients_all_answered_one_generation_at_a_time(served):
+    port, gen = served
+    n, statuses = 32, []
+    barrier = threading.Barrier(n)
+
+    def client(i: int) -> None:
+        barrier.wait()
+        statuses.append(put(port, {**GOOD, "prompts": [f"client {i}"]})[0])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert statuses == [200] * n
+    assert gen.max_in_flight == 1
+
+
+# ---- (c) every class of bad request --------------------------------------------------------------
+def request(method: str, path: str, body: bytes, headers: Optional[dict] = None) -> bytes:
+    head = [f"{method} {path} HTTP/1.1", "Host: x", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def framed(body: bytes) -> bytes:
+    return request("PUT", "/api", body, {"Content-Length": len(body)})
+
+
+BAD_RAW = [  # (case, raw request, status, fragment of the message)
+    ("bad JSON", framed(b'{"prompts": ['), 400, "not JSON"),
+    ("bad UTF-8", framed(b'{"prompts": ["\xff\xfe"]}'), 400, "not UTF-8"),
+    ("NaN", framed(b'{"prompts": ["a"], "temperature": NaN}'), 400, "not JSON"),
+    ("nesting too deep", framed(b"[" * 30000), 400, "nested too deeply"),
+    ("integer of 5000 digits", framed(b'{"prompts": ["a"], "random_seed": 1' + b"0" * 5000 + b"}"), 400, "not JSON"),
+    ("missing Content-Length", request("PUT", "/api", b""), 411, "Content-Length"),
+    ("Content-Length not a number", request("PUT", "/api", b"{}", {"Content-Length": "abc"}), 400, "Content-Length"),
+    ("negative Content-Length", request("PUT", "/api", b"{}", {"Content-Length": "-1"}), 400, "Content-Length"),
+    ("two Content-Lengths", request("PUT", "/api", b"{}", {"Content-Length": "2\r\nContent-Length: 3"}), 400,
+     "Content-Length"),
+    ("chunked body", request("PUT", "/api", b"2\r\n{}\r\n0\r\n\r\n", {"Transfer-Encoding": "chunked"}), 411,
+     "Transfer-Encoding"),
+    ("body over the cap", request("PUT", "/api", b"", {"Content-Length": 10**9}), 413, "larger than the limit"),
+    ("body shorter than Content-Length", request("PUT", "/api", b"{}", {"Content-Length": 50}), 400, "ended after"),
+    ("GET", request("GET", "/api", b""), 405, "use PUT /api"),
+    ("POST", framed(b"{}").replace(b"PUT", b"POST", 1), 405, "use PUT /api"),
+    ("unknown method", request("BREW", "/api", b""), 501, "Unsupported method"),
+    ("wrong path", framed(json.dumps(GOOD).encode()).replace(b"/api", b"/generate", 1), 404, "unknown path"),
+]
+
+BAD_FIELDS = [  # (request body, fragment of the message); all 400
+    ([GOOD], "JSON object"),
+    ({"tokens_to_generate": 3}, "prompts argument required"),
+    ({"prompts": "x"}, "not a list of strings"),
+    ({"prompts": ["x", 3]}, "not a list of strings"),
+    ({"prompts": []}, "prompts is empty"),
+    ({"prompts": ["x"] * 129}, "Maximum number of prompts"),
+    ({"prompts": ["\ud800"]}, "not valid Unicode"),
+    ({"prompts": ["x" * 60]}, "longer than"),                  # 60 tokens, context 48
+    ({**GOOD, "tokens_to_generate": "3"}, "tokens_to_generate"),
+    ({**GOOD, "tokens_to_generate": 3.0}, "tokens_to_generate"),
+    ({**GOOD, "tokens_to_generate": True}, "tokens_to_generate"),
+    ({**GOOD, "tokens_to_generate": -1}, "tokens_to_generate"),
+    ({**GOOD, "tokens_to_generate": 2**16 + 1}, "tokens_to_generate"),
+    ({**GOOD, "tokens_to_generate": 0}, "implies logprobs"),
+    ({**GOOD, "temperature": "hot"}, "temperature"),
+    ({**GOOD, "temperature": -0.1}, "temperature"),
+    ({**GOOD, "temperature": 101}, "temperature"),
+    ({**GOOD, "temperature": 1e999}, "temperature"),           # json.dumps writes Infinity: refused as JSON
+    ({**GOOD, "top_k": 1.5}, "top_k"),
+    ({**GOOD, "top_k": -1}, "top_k"),
+    ({**GOOD, "top_k": 1001}, "top_k"),
+    ({**GOOD, "top_p": 1.5}, "top_p"),
+    ({**GOOD, "top_p": -0.1}, "top_p"),
+    ({**GOOD, "top_p": None}, "top_p"),
+    ({**GOOD, "logprobs": "yes"}, "logprobs"),
+    ({**GOOD, "logprobs": 1}, "logprobs"),
+    ({**GOOD, "random_seed": -1}, "random_seed"),
+    ({**GOOD, "random_seed": 1.0}, "random_seed"),
+    ({**GOOD, "random_seed": "7"}, "random_seed"),
+]
+
+
+def test_every_bad_request_gets_a_4xx_json_message_and_the_server_goes_on(served):
+    port, gen = served
+    calls = gen.calls
+    for case, data, status, fragment in BAD_RAW:
+        got, body = raw(port, data)
+        assert (got, fragment in body.get("message", "")) == (status, True), (case, got, body)
+    for req, fragment in BAD_FIELDS:
+        got, body = put(port, req)
+        msg = body.get("message", "")
+        assert got == 400 and (fragment in msg or fragment == "temperature" and "not JSON" in msg), (req, got, body)
+    assert gen.calls == calls + 1      # only the over-long prompt, refused by check_prompts before any rank
+    answers_good(port)
+
+
+# ---- (d) seeds beyond int64 ----------------------------------------------------------------------
+def test_random_seed_of_2_63_or_more_is_refused_before_any_rank(served):
+    port, _ = served
+    for seed in (2**63, 2**64):
+        status, body = put(port, {**GOOD, "random_seed": seed})
+        assert status == 400 and "random_seed" in body["message"] and "2^63" in body["message"]
+    a, b = (put(port, {**GOOD, "random_seed": 2**63 - 1}) for _ in range(2))
+    assert a[0] == 200 and a == b
+    with pytest.raises(GenerationError, match="2\\^63"):           # the engine refuses it too
+        SamplingParams(seed=2**63).validate()
+
+
+# ---- connection cap and shutdown -----------------------------------------------------------------
+def test_connections_beyond_the_cap_get_503_and_shutdown_refuses_new_generations(one_thread):
+    gen = Generator()
+    server, port = start(gen, max_connections=2)
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+    try:
+        time.sleep(0.2)                                   # both accepted and holding their slots
+        status, body = put(port, GOOD)
+        assert status == 503 and "too many open connections" in body["message"]
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 5
+    while put(port, GOOD)[0] != 200:                     # slots come back as the threads end
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    server.close_generation()
+    status, body = put(port, GOOD)
+    assert status == 503 and "shutting down" in body["message"]
+    server.shutdown()
+    server.server_close()
+
+
+# ---- the CLI -------------------------------------------------------------------------------------
+def test_cli_refuses_a_port_out_of_range(tmp_path):
+    refused(["python", "tools/generate_text.py", "--load", tmp_path / "ckpt", "--server", "--port", "70000"],
+            fault_class="generation server", case="--port 70000", expect="--port 70000", watch=[tmp_path])
+
+
+def test_cli_refuses_a_port_in_use():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        a = argparse.Namespace(host="127.0.0.1", port=port, request_timeout=1.0, max_request_bytes=1024)
+        session = argparse.Namespace(api=lambda prompts, params: {}, params=SamplingParams())
+        with pytest.raises(GenerationError, match=f"cannot listen on 127.0.0.1:{port}"):
+            generate_text.serve(session, a)
