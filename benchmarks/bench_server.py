@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Load test of the generation server (PUT /api): N concurrent clients, each sending a few requests.
 
-  python benchmarks/bench_server.py [--clients 16 64] [--requests 4] [--tokens 8]
+  python benchmarks/bench_server.py [--clients 16 64] [--requests 4] [--tokens 8] [--tp 2]
         [--url http://127.0.0.1:5000/api] [--server-repo DIR] [--workdir /tmp/bench_server]
 
 Without --url it builds a tiny GPT-2 checkpoint (random weights, GPT-2 BPE vocabulary from
@@ -64,12 +64,15 @@ def build_checkpoint(root: str, vocab_file: str, merge_file: str, layers: int, h
                     save_rng=False)
 
 
-def start_server(ckpt: str, repo: str, log_path: str, tokens: int, timeout: float = 120.0
+def start_server(ckpt: str, repo: str, log_path: str, tokens: int, tp: int = 1, timeout: float = 120.0
                  ) -> tuple[subprocess.Popen, str]:
-    """tools/generate_text.py --server on a free port (from `repo`); (process, URL) once it listens."""
+    """tools/generate_text.py --server on a free port (from `repo`; under torchrun with tp ranks
+    when tp > 1); (process, URL) once it listens."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": repo}
-    cmd = [sys.executable, os.path.join(repo, "tools", "generate_text.py"), "--load", ckpt, "--server", "--port",
-           "0", "--device", "cpu", "--out-seq-length", str(tokens)]
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp)]
+                                 if tp > 1 else [])
+    cmd = launch + [os.path.join(repo, "tools", "generate_text.py"), "--load", ckpt, "--server", "--port", "0",
+                    "--device", "cpu", "--out-seq-length", str(tokens), "--tensor-model-parallel-size", str(tp)]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=repo)
     deadline = time.monotonic() + timeout
@@ -163,6 +166,7 @@ def main() -> int:
     p.add_argument("--server-repo", default=ROOT, help="checkout whose tools/generate_text.py serves")
     p.add_argument("--vocab-file", default=os.path.join(GPT2_DIR, "encoder.json"))
     p.add_argument("--merge-file", default=os.path.join(GPT2_DIR, "vocab.bpe"))
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the server (torchrun, gloo)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -177,8 +181,9 @@ def main() -> int:
             ckpt = os.path.join(work, "ckpt")
             build_checkpoint(ckpt, a.vocab_file, a.merge_file, a.layers, a.hidden, a.heads)
             proc, url = start_server(ckpt, os.path.abspath(a.server_repo), os.path.join(work, "server.log"),
-                                     a.tokens)
-            print(f"> server {url} (log {work}/server.log); tiny model: {a.layers} layers, hidden {a.hidden}",
+                                     a.tokens, a.tp)
+            print(f"> server {url} (log {work}/server.log); tiny model: {a.layers} layers, hidden {a.hidden}, "
+                  f"tp {a.tp}",
                   file=sys.stderr)
         one_request(url, json.dumps({"prompts": ["warm up"], "tokens_to_generate": a.tokens}).encode(), a.timeout)
         results = []
