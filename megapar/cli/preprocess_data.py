@@ -9,6 +9,7 @@ writes out/my-gpt2_text_document.{bin,idx}. See megapar/data/preprocess.py for t
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from megapar.data.preprocess import PreprocessConfig, PreprocessError, preprocess
@@ -24,6 +25,8 @@ def get_args(argv=None) -> argparse.Namespace:
     g.add_argument("--keep-newlines", action="store_true", help="only meaningful with --split-sentences")
     g.add_argument("--skip-bad-lines", action="store_true",
                    help="skip and count malformed lines instead of stopping at the first")
+    g.add_argument("--allow-empty", action="store_true",
+                   help="write an empty dataset when the input has no text (otherwise an error)")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-file", default=None)
@@ -50,6 +53,14 @@ def get_args(argv=None) -> argparse.Namespace:
     return args
 
 
+class Interrupted(BaseException):
+    """SIGTERM, raised in the main process so that the outputs are cleaned up and workers stopped."""
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
 def main(argv=None) -> int:
     args = get_args(argv)
     cfg = PreprocessConfig(input=args.input, output_prefix=args.output_prefix, json_keys=args.json_keys,
@@ -57,12 +68,20 @@ def main(argv=None) -> int:
                            merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
                            tiktoken_name=args.tiktoken_name, append_eod=args.append_eod,
                            workers=args.workers, log_interval=args.log_interval,
-                           skip_bad_lines=args.skip_bad_lines)
+                           skip_bad_lines=args.skip_bad_lines, allow_empty=args.allow_empty)
+    signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         result = preprocess(cfg)
     except (PreprocessError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, Interrupted) as e:
+        name = "SIGINT" if isinstance(e, KeyboardInterrupt) else str(e)
+        print(f"error: interrupted by {name}; workers stopped and no output written (partial files removed); "
+              "rerun the same command to convert from the start", file=sys.stderr)
+        return 128 + (signal.SIGINT if name == "SIGINT" else signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     mb = result["bytes"] / 1e6
     print(f"Done: {mb:.1f} MB in {result['seconds']:.1f}s ({mb / max(result['seconds'], 1e-9):.2f} MB/s), "
           f"{result['bad_lines']} bad lines skipped", file=sys.stderr)

@@ -21,6 +21,7 @@ import gzip
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from typing import Iterator, Optional
@@ -58,6 +59,7 @@ class PreprocessConfig:
     log_interval: int = 1000
     skip_bad_lines: bool = False
     quiet: bool = False
+    allow_empty: bool = False  # else an input that yields no tokens is an error
 
     def output_paths(self, key: str) -> tuple[str, str]:
         base = f"{self.output_prefix}_{key}_document"
@@ -68,7 +70,20 @@ class PreprocessConfig:
 _STATE: dict = {}
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel send this worker SIGTERM when the main process dies, even by
+    SIGKILL, so no worker outlives it (best effort elsewhere)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _init_worker(cfg: PreprocessConfig) -> None:
+    if mp.parent_process() is not None:  # a pool worker: Ctrl-C is the main process's to handle
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _die_with_parent()
     if _STATE.get("cfg") is cfg:  # inherited through fork: nothing to build
         return
     tok = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model,
@@ -134,8 +149,9 @@ def _open_input(path: str):
     return raw, (gzip.open(raw, "rb") if path.endswith(".gz") else raw)
 
 
-def _batches(f) -> Iterator[tuple[int, bytes]]:
-    """Yield (first line number, blob of whole lines) of about BATCH_BYTES each."""
+def _batches(f, raw) -> Iterator[tuple[int, bytes, int]]:
+    """Yield (first line number, blob of whole lines of about BATCH_BYTES, position in the input
+    file after it) -- the position of the raw file, compressed bytes for .gz input."""
     lineno = 1
     while True:
         blob = f.read(BATCH_BYTES)
@@ -143,60 +159,93 @@ def _batches(f) -> Iterator[tuple[int, bytes]]:
             return
         if not blob.endswith(b"\n"):
             blob += f.readline()
-        yield lineno, blob
+        yield lineno, blob, raw.tell()
         lineno += blob.count(b"\n")
 
 
 def _results(cfg: PreprocessConfig, batches) -> Iterator[dict]:
-    """Encoded batches in input order: in-process for workers <= 1, else a process pool with a
-    bounded number of batches in flight. Any worker error or crash is raised here."""
+    """Encoded batches in input order, each with "pos" (the input position after it): in-process
+    for workers <= 1, else a process pool with a bounded number of batches in flight. Any worker
+    error or crash is raised here; on any exception (an interrupt included) the workers are
+    terminated before it propagates, so none outlives the run."""
     if cfg.workers <= 1:
         if _STATE.get("cfg") is not cfg:
             _init_worker(cfg)
-        for b in batches:
-            yield encode_batch(*b)
+        for lineno, blob, pos in batches:
+            yield {**encode_batch(lineno, blob), "pos": pos}
         return
     # fork starts workers fast; spawn when torch (threads) is loaded in this process
     ctx = mp.get_context("spawn" if "torch" in sys.modules else "fork")
-    with cf.ProcessPoolExecutor(cfg.workers, mp_context=ctx, initializer=_init_worker, initargs=(cfg,)) as ex:
-        pending: collections.deque = collections.deque()
-        try:
-            for b in batches:
-                pending.append(ex.submit(encode_batch, *b))
-                if len(pending) >= 4 * cfg.workers:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        except cf.process.BrokenProcessPool as e:
-            raise PreprocessError(f"a preprocessing worker died ({e}); rerun with --workers 1 to see "
-                                  "the failing document's error") from None
-        finally:
-            for p in pending:
-                p.cancel()
+    ex = cf.ProcessPoolExecutor(cfg.workers, mp_context=ctx, initializer=_init_worker, initargs=(cfg,))
+    pending: collections.deque = collections.deque()
+    try:
+        for lineno, blob, pos in batches:
+            pending.append((ex.submit(encode_batch, lineno, blob), pos))
+            if len(pending) >= 4 * cfg.workers:
+                fut, at = pending.popleft()
+                yield {**fut.result(), "pos": at}
+        while pending:
+            fut, at = pending.popleft()
+            yield {**fut.result(), "pos": at}
+    except cf.process.BrokenProcessPool as e:
+        _stop_workers(ex)
+        raise PreprocessError(f"a preprocessing worker died ({e}); rerun with --workers 1 to see "
+                              "the failing document's error") from None
+    except BaseException:
+        _stop_workers(ex)
+        raise
+    ex.shutdown(wait=True)
+
+
+def _stop_workers(ex: cf.ProcessPoolExecutor) -> None:
+    """Cancel what is queued, terminate the worker processes and reap them."""
+    procs = list((getattr(ex, "_processes", None) or {}).values())  # private, but stable since 3.8
+    ex.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 class _Progress:
-    """Prints documents, MB/s and ETA (from the input file position) every `interval` docs."""
+    """Prints documents, MB/s, % and ETA every `interval` docs. The % is the input position
+    after the last batch whose documents were written (not how far reading ran ahead of the
+    workers)."""
 
-    def __init__(self, raw, total: int, interval: int, quiet: bool):
-        self.raw, self.total, self.interval, self.quiet = raw, total, interval, quiet
+    def __init__(self, total: int, interval: int, quiet: bool):
+        self.total, self.interval, self.quiet = total, interval, quiet
         self.start = time.time()
-        self.docs = self.bytes = self.next_log = 0
+        self.docs = self.bytes = self.pos = 0
         self.next_log = interval
 
-    def update(self, docs: int, nbytes: int, final: bool = False) -> None:
+    def update(self, docs: int, nbytes: int, pos: Optional[int] = None, final: bool = False) -> None:
         self.docs += docs
         self.bytes += nbytes
+        self.pos = self.total if final else (self.pos if pos is None else pos)
         due = self.interval > 0 and self.docs >= self.next_log
         if self.quiet or not (due or (final and self.docs + self.interval > self.next_log)):
             return
         self.next_log = self.docs + self.interval
         el = max(time.time() - self.start, 1e-9)
-        pos = self.raw.tell() if not self.raw.closed else self.total
+        pos = self.pos
         rate = pos / el
         eta = (self.total - pos) / rate if rate > 0 else 0.0
         print(f"Processed {self.docs} documents ({self.docs / el:.1f} docs/s, {self.bytes / el / 1e6:.2f} MB/s)"
               f" | {100.0 * pos / max(self.total, 1):.1f}% | ETA {eta:.0f}s", file=sys.stderr, flush=True)
+
+
+def _check_not_empty(cfg: PreprocessConfig, stats: dict) -> None:
+    """No tokens for a key means a corpus training cannot use: an error unless allow_empty."""
+    for k, st in stats.items():
+        if st["num_tokens"] == 0 and not cfg.allow_empty:
+            raise PreprocessError(f"--input {cfg.input!r} has no documents with text under key {k!r} "
+                                  f"({st['num_docs']} documents, 0 tokens): nothing to train on, no output "
+                                  "written; check --input and --json-keys, or pass --allow-empty to write "
+                                  "an empty dataset anyway")
 
 
 def preprocess(cfg: PreprocessConfig) -> dict:
@@ -212,16 +261,17 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     builders = {k: IndexedDatasetBuilder(cfg.output_paths(k)[0], dtype) for k in cfg.json_keys}
     stats = {k: {"num_docs": 0, "num_tokens": 0} for k in cfg.json_keys}
     bad_lines: list = []
-    prog = _Progress(raw, os.path.getsize(cfg.input), cfg.log_interval, cfg.quiet)
+    prog = _Progress(os.path.getsize(cfg.input), cfg.log_interval, cfg.quiet)
     try:
         with raw, f:
-            for res in _results(cfg, _batches(f)):
+            for res in _results(cfg, _batches(f, raw)):
                 for k, (tokens, lens) in res["docs"].items():
                     builders[k].add_documents(tokens, lens[lens > 0], (lens > 0).astype(np.int64))
                     stats[k]["num_docs"] += lens.size
                     stats[k]["num_tokens"] += tokens.size
                 bad_lines.extend(res["bad"])
-                prog.update(res["docs"][cfg.json_keys[0]][1].size, res["bytes"])
+                prog.update(res["docs"][cfg.json_keys[0]][1].size, res["bytes"], res["pos"])
+        _check_not_empty(cfg, stats)
     except BaseException:
         for b in builders.values():
             b.abort()

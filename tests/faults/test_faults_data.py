@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import ROOT, refused, run
+from harness import ROOT, ROWS, Row, refused, run
 
 sys.path.insert(0, str(ROOT / "tests"))
 from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
@@ -222,18 +222,30 @@ def test_preprocess_killed_leaves_no_workers_and_no_outputs(files, tmp_path, sig
     cmd = [sys.executable if c == "python" else c for c in preprocess_cmd(files, tmp_path / "out", inp=str(inp))]
     p = subprocess.Popen(cmd + ["--workers", "2", "--log-interval", "200"], cwd=ROOT, stderr=subprocess.PIPE,
                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    first = p.stderr.readline()  # a progress line: the workers are running
-    assert first.startswith("Processed"), first + p.stderr.read()
-    workers = _descendants(p.pid)
-    assert len(workers) >= 2, workers
-    p.send_signal(sig)
-    rest = p.communicate(timeout=60)[1]
-    deadline = time.time() + 10
-    while any(_alive(w) for w in workers) and time.time() < deadline:
-        time.sleep(0.1)
-    assert p.returncode != 0
-    assert not [w for w in workers if _alive(w)], f"workers left running after {sig.name}"
-    assert "Traceback" not in rest, rest
+    workers: list[int] = []
+    try:
+        first = p.stderr.readline()  # a progress line: the workers are running
+        assert first.startswith("Processed"), first + p.stderr.read()
+        workers = _descendants(p.pid)
+        assert len(workers) >= 2, workers
+        p.send_signal(sig)
+        rest = p.communicate(timeout=60)[1]
+        deadline = time.time() + 10
+        while any(_alive(w) for w in workers) and time.time() < deadline:
+            time.sleep(0.1)
+        left = [w for w in workers if _alive(w)]
+    finally:  # never leave this test's processes behind, whatever failed
+        for pid in [p.pid] + workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        p.wait()
     errors = [line for line in rest.splitlines() if line.startswith("error:")]
+    new_files = sorted(set(os.listdir(tmp_path)) - set(before))
+    ROWS.append(Row("data", f"preprocess --workers 2 killed by {sig.name}",
+                    p.returncode != 0 and len(errors) == 1 and "Traceback" not in rest and not left,
+                    not new_files))
+    assert p.returncode != 0
+    assert not left, f"workers {left} left running after {sig.name}"
+    assert "Traceback" not in rest, rest
     assert len(errors) == 1 and "interrupted" in errors[0], rest
-    assert sorted(os.listdir(tmp_path)) == before  # no partial or temporary outputs
+    assert not new_files, new_files  # no partial or temporary outputs
