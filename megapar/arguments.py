@@ -111,6 +111,12 @@ class TrainConfig:
     lr_warmup_fraction: Optional[float] = arg(None)
     lr_warmup_iters: int = arg(0)
     weight_decay: float = arg(0.01)
+    override_opt_param_scheduler: bool = arg(
+        False, "on resume, take the LR schedule (--lr, --min-lr, warmup, decay iterations and style, "
+               "--weight-decay) from these flags, not from the checkpoint", aliases=["--override-opt_param-scheduler"])
+    use_checkpoint_opt_param_scheduler: bool = arg(
+        False, "on resume, keep the checkpoint's LR schedule whatever these flags say",
+        aliases=["--use-checkpoint-opt_param-scheduler"])
     clip_grad: float = arg(1.0)
     adam_beta1: float = arg(0.9)
     adam_beta2: float = arg(0.999)
@@ -354,6 +360,9 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
         _fail("--train-iters and --train-samples were both given; choose one")
     if ns.lr_warmup_fraction is not None and ns.lr_warmup_iters:
         _fail("--lr-warmup-fraction and --lr-warmup-iters were both given; choose one")
+    if ns.override_opt_param_scheduler and ns.use_checkpoint_opt_param_scheduler:
+        _fail("--override-opt_param-scheduler (take the LR schedule from the flags) and "
+              "--use-checkpoint-opt_param-scheduler (take the checkpoint's) were both given; choose one")
     if ns.recompute_method is not None and ns.recompute_granularity != "full":
         _fail("--recompute-method needs --recompute-granularity full")
     per_stage = min(pipeline_layer_counts(ns.num_layers, pp, ns.decoder_first_pipeline_num_layers,

@@ -218,6 +218,16 @@ def _publish(root: str, final: str, staging: str, iteration: int) -> None:
 
 
 # ---- load -------------------------------------------------------------------------------------
+def saved_layout_flags(saved: SavedConfig) -> str:
+    """The layout flags of the run that wrote a checkpoint (what a resume at that layout passes)."""
+    flags = [f"--tensor-model-parallel-size {saved.parallel.tensor_model_parallel_size}",
+             f"--pipeline-model-parallel-size {saved.parallel.pipeline_model_parallel_size}"]
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if getattr(saved.model, name, None) is not None:
+            flags.append(f"--{name.replace('_', '-')} {getattr(saved.model, name)}")
+    return " ".join(flags)
+
+
 def check_compatible(saved: SavedConfig, model: ModelConfig, topo, path: str) -> None:
     """Explain every incompatibility between the checkpoint's run and this one (`model` at `topo`)."""
     s_tp, s_pp = saved.parallel.tensor_model_parallel_size, saved.parallel.pipeline_model_parallel_size
@@ -225,17 +235,38 @@ def check_compatible(saved: SavedConfig, model: ModelConfig, topo, path: str) ->
         raise CheckpointError(
             f"checkpoint {path} holds {layer_counts(saved.model, s_pp)} layers per pipeline stage, but this run "
             f"splits them {layer_counts(model, s_pp)}; set --decoder-first/last-pipeline-num-layers as the "
-            f"checkpoint did, or reshard it with tools/checkpoint_util.py")
+            f"checkpoint did (its layout: {saved_layout_flags(saved)}), or reshard it with tools/checkpoint_util.py")
     if (s_tp, s_pp) != (topo.tp, topo.pp):
         raise CheckpointError(
             f"checkpoint {path} was saved with tensor-parallel {s_tp} x pipeline-parallel {s_pp}, but this run "
-            f"uses {topo.tp} x {topo.pp}; reshard it first: python tools/checkpoint_util.py --load-dir <ckpt> "
-            f"--save-dir <new> --target-tensor-parallel-size {topo.tp} --target-pipeline-parallel-size {topo.pp}")
+            f"uses {topo.tp} x {topo.pp}; resume with the layout it was saved with ({saved_layout_flags(saved)}, "
+            f"on a multiple of {s_tp * s_pp} processes), or reshard it first: python tools/checkpoint_util.py "
+            f"--load-dir <ckpt> --save-dir <new> --target-tensor-parallel-size {topo.tp} "
+            f"--target-pipeline-parallel-size {topo.pp}")
     diffs = [f"--{a.replace('_', '-')} {getattr(saved.model, a)} (checkpoint) vs {getattr(model, a)} (run)"
              for a in SHAPE_FIELDS if getattr(saved.model, a) != getattr(model, a)]
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match this model: " + "; ".join(diffs) +
                               "; use the checkpoint's model flags (or a matching tokenizer)")
+
+
+def restore_scheduler(scheduler, saved: dict, path: str, rank: int) -> None:
+    """Resume the LR schedule as Megatron does: its step count always; its settings (--lr, --min-lr,
+    warmup, decay iterations and style, --weight-decay) must match this run's flags unless
+    --override-opt_param-scheduler (the flags win) or --use-checkpoint-opt_param-scheduler (the
+    checkpoint wins) is given -- a silently re-stretched schedule is refused."""
+    diffs = scheduler.differences(saved)
+    override, keep = scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler
+    if diffs and not (override or keep):
+        raise CheckpointError(
+            f"checkpoint {path} was saved with another LR schedule: {'; '.join(diffs)}"
+            f"{' (--lr-decay-iters defaults to --train-iters)' if any('--lr-decay-iters' in d for d in diffs) else ''}"
+            f"; pass --use-checkpoint-opt_param-scheduler to keep the checkpoint's "
+            f"schedule, or --override-opt_param-scheduler to take this run's flags")
+    scheduler.load_state_dict(saved, use_checkpoint_settings=not override)
+    if diffs and rank == 0:
+        print(f"> LR schedule: {'this run' if override else 'the checkpoint'}'s settings "
+              f"({'; '.join(diffs)}), from step {scheduler.num_steps}", flush=True)
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelConfig, topo, rank: int,
@@ -265,7 +296,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
             saved = load_file(os.path.join(shard, DISTRIB_OPTIM_FILE))
         optimizer.load_saved_state(saved)
         if scheduler is not None and "opt_param_scheduler" in state:
-            scheduler.load_state_dict(state["opt_param_scheduler"])
+            restore_scheduler(scheduler, state["opt_param_scheduler"], path, rank)
     if load_rng and not finetune and "rng_state" in state:
         set_rng_state(state["rng_state"][0])
     if finetune:

@@ -126,7 +126,9 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
     t = cfg.train
     decay = t.lr_decay_iters or train_iters(cfg)
     warmup = int(t.lr_warmup_fraction * decay) if t.lr_warmup_fraction is not None else t.lr_warmup_iters
-    return OptimizerParamScheduler(optimizer, t.lr, t.min_lr, warmup, decay, t.lr_decay_style, t.weight_decay)
+    return OptimizerParamScheduler(optimizer, t.lr, t.min_lr, warmup, decay, t.lr_decay_style, t.weight_decay,
+                                   override_opt_param_scheduler=t.override_opt_param_scheduler,
+                                   use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler)
 
 
 def checkpoint_args(run: Run, consumed_samples: int) -> argparse.Namespace:

@@ -150,7 +150,8 @@ def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]]) 
     --min-lr. A schedule that ends at LR 0 would train nothing more, so then the schedule is
     stretched over the longer run instead (--override-opt_param-scheduler: the LR rises again)."""
     valued = {"--load", "--save", "--train-iters", "--train-samples", "--lr-decay-iters"}
-    ends_at_zero = scheduler.min_lr == 0 and scheduler.decay_style != "constant"
+    ends_at_zero = (scheduler.min_lr == 0 and scheduler.decay_style != "constant"
+                    and scheduler.decay_steps <= train_iters(cfg))
     switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler"}
     if ends_at_zero:
         switches |= {"--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"}

@@ -283,6 +283,7 @@ class StepLog:
         self.peak, self.peak_desc = device_peak_tflops(run.device)
         self.excluded_s = 0.0
         self.window_start, self.window_iters, self.window_loss = self.clock(), 0, 0.0
+        self.first = state.iteration + 1  # this run's first iteration: it gets a line of its own
 
     def clock(self) -> float:
         """time.perf_counter() that stands still during excluded work."""
@@ -314,6 +315,15 @@ class StepLog:
             if step.iteration == min(self.total, log.log_interval):
                 _print_memory(self.run)
             self.window_start, self.window_iters, self.window_loss = done, 0, 0.0
+        elif step.iteration == self.first:  # a first sign of life (the window goes on: Megatron's lines stay)
+            print_rank0(self._first_line(step, done - self.window_start, loss))
+
+    def _first_line(self, step: LaunchedStep, elapsed: float, loss: float) -> str:
+        interval = self.run.cfg.log.log_interval
+        next_line = min(self.total, (step.iteration // interval + 1) * interval)
+        return (f" iteration {step.iteration:8d}/{self.total:8d} | first iteration (ms): {elapsed * 1000:.1f} | "
+                f"learning rate: {step.lr:.3E} | lm loss: {loss:.6E} | ETA: {eta(elapsed, self.total - step.iteration)} "
+                f"| next line at iteration {next_line} (--log-interval {interval})")
 
     def _line(self, step: LaunchedStep, elapsed: float, loss: float, grad_norm: float) -> str:
         cfg, state = self.run.cfg, self.state
@@ -324,9 +334,18 @@ class StepLog:
                 f"loss scale: {self.run.optimizer.scaler.scale:.1f} | grad norm: {grad_norm:.3f} | "
                 f"number of skipped iterations: {state.skipped_iters:3d} | number of nan iterations: "
                 f"{state.nan_iters:3d} | "
-                f"{throughput_fields(tokens, elapsed, self.fpt, self.run.topo.world_size, self.peak)} |")
+                f"{throughput_fields(tokens, elapsed, self.fpt, self.run.topo.world_size, self.peak)} | "
+                f"ETA: {eta(elapsed, self.total - step.iteration)} |")
         timing = self.timers.report(self.window_iters)
         return line + ("\n " + timing if timing else "")
+
+
+def eta(seconds_per_iter: float, iters_left: int) -> str:
+    """Time left at `seconds_per_iter` (evaluation and saves not counted), e.g. 1h02m, 4m05s, 42s."""
+    s = max(0, round(seconds_per_iter * iters_left))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def _evaluates_at(cfg, iteration: int) -> bool:
@@ -378,7 +397,7 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
         if pending is not None:
             steps.record(pending)
         pending = launched
-        if not runs_ahead(cfg, state.iteration, total):
+        if not runs_ahead(cfg, state.iteration, total) or state.iteration == steps.first:  # first: log it now
             steps.record(pending)
             pending = None
         if valid_ds is not None and _evaluates_at(cfg, state.iteration):

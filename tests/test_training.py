@@ -76,7 +76,8 @@ def test_sigterm_leaves_loadable_checkpoint(embedded_data, tmp_path):
     assert proc.returncode == 0, out
     assert "exiting after SIGTERM" in out
     it = int(open(tmp_path / "ck" / TRACKER).read())
-    resumed = run_training(TINY_TRAIN + embedded_data + ["--train-iters", str(it + 1), "--load", str(tmp_path / "ck")])
+    resumed = run_training(TINY_TRAIN + embedded_data + ["--train-iters", str(it + 1), "--load", str(tmp_path / "ck"),
+                                                         "--use-checkpoint-opt_param-scheduler"])  # saved: 100000 iterations
     assert resumed["iteration"] == it + 1
 
 

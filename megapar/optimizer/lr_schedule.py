@@ -9,7 +9,8 @@ import torch
 
 class OptimizerParamScheduler:
     def __init__(self, optimizer, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
-                 decay_style: str = "cosine", weight_decay: float = 0.0):
+                 decay_style: str = "cosine", weight_decay: float = 0.0, override_opt_param_scheduler: bool = False,
+                 use_checkpoint_opt_param_scheduler: bool = False):
         if decay_style not in ("constant", "linear", "cosine"):
             raise ValueError(f"unknown --lr-decay-style {decay_style!r}")
         if not 0 <= min_lr <= max_lr:
@@ -17,6 +18,9 @@ class OptimizerParamScheduler:
         self.optimizer, self.max_lr, self.min_lr = optimizer, max_lr, min_lr
         self.warmup_steps, self.decay_steps = warmup_steps, max(decay_steps, warmup_steps)
         self.decay_style, self.weight_decay = decay_style, weight_decay
+        # On resume (checkpointing.restore_scheduler): whose settings win when they differ, if anyone's.
+        self.override_opt_param_scheduler = override_opt_param_scheduler
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
         self.num_steps = 0
         self.step(0)
 
@@ -48,6 +52,32 @@ class OptimizerParamScheduler:
                 "num_steps": self.num_steps, "start_wd": self.weight_decay, "end_wd": self.weight_decay,
                 "wd_incr_style": "constant"}
 
-    def load_state_dict(self, state: dict) -> None:
+    def differences(self, state: dict) -> list[str]:
+        """The schedule settings of a saved `state_dict()` that differ from this schedule's, each
+        as '--flag SAVED (checkpoint) vs RUN (run)' (settings the state lacks are not compared)."""
+        out = []
+        for key, attr, flag in SETTINGS:
+            if key in state and state[key] != getattr(self, attr):
+                out.append(f"{flag} {state[key]} (checkpoint) vs {getattr(self, attr)} (run)")
+        return out
+
+    def load_state_dict(self, state: dict, use_checkpoint_settings: bool = True) -> None:
+        """Resume at the saved step count (Megatron's num_steps). The settings (SETTINGS) come from
+        the checkpoint, or stay this run's with `use_checkpoint_settings=False`
+        (--override-opt_param-scheduler). Refusing a mismatch is the caller's job (`differences`)."""
+        if use_checkpoint_settings:
+            for key, attr, _ in SETTINGS:
+                if key in state:
+                    setattr(self, attr, state[key])
+            if self.optimizer.param_groups:  # the first param group is the decayed one (optimizer/base.py)
+                self.optimizer.param_groups[0]["weight_decay"] = self.weight_decay
         self.num_steps = int(state["num_steps"])
         self.step(0)
+
+
+# (state_dict key, attribute, the flag that sets it): the settings a resume compares (Megatron's
+# OptimizerParamScheduler checks the same ones when it loads).
+SETTINGS = (("max_lr", "max_lr", "--lr"), ("min_lr", "min_lr", "--min-lr"),
+            ("lr_warmup_steps", "warmup_steps", "--lr-warmup-iters"),
+            ("lr_decay_steps", "decay_steps", "--lr-decay-iters"), ("lr_decay_style", "decay_style", "--lr-decay-style"),
+            ("start_wd", "weight_decay", "--weight-decay"))

@@ -1,0 +1,175 @@
+"""Resuming a training run: the LR schedule it was saved with is kept (a changed one is refused
+unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler says whose settings
+win), a resume at another layout names the flags of the saved layout, the printed "train longer"
+command runs, a resume with nothing left to train exits 0 without writing, and the first log line
+comes after the first iteration, with an ETA. Tiny real runs (one process, CPU) on an offline
+byte-level GPT-2 vocabulary and a random corpus."""
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from harness import ROOT, refused, run, snapshot
+
+sys.path.insert(0, str(ROOT / "tests"))
+from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
+
+TRAIN = ["python", "-m", "megapar.pretrain_gpt2"]
+LR, MIN_LR, WARMUP, ITERS = 1e-3, 1e-4, 1, 4
+
+
+def _tiny(data: Path) -> list[str]:
+    return ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", str(LR), "--min-lr", str(MIN_LR),
+            "--lr-warmup-iters", str(WARMUP), "--eval-interval", "0", "--eval-iters", "0", "--split", "98,2,0",
+            "--make-vocab-size-divisible-by", "32", "--data-path", str(data / "corpus"),
+            "--vocab-file", str(data / "vocab.json"), "--merge-file", str(data / "merges.txt")]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 4-iteration run saved to ck/ (cosine from 1e-3 to 1e-4 over 4 iterations), its flags and output."""
+    d = tmp_path_factory.mktemp("resume")
+    _byte_gpt2_files(str(d))
+    _random_corpus(str(d / "corpus"))
+    base = _tiny(d)
+    out = run(TRAIN + base + ["--train-iters", str(ITERS), "--log-interval", "3", "--save", d / "ck"])
+    assert out.rc == 0, out.output[-3000:]
+    return types.SimpleNamespace(dir=d, ck=d / "ck", base=base, output=out.output)
+
+
+def _lrs(output: str) -> dict[int, str]:
+    """{iteration: learning rate as logged} of Megatron's iteration lines."""
+    return {int(m[1]): m[2] for m in re.finditer(r"^ iteration +(\d+)/ *\d+ \| consumed samples:.*?"
+                                                 r"learning rate: ([\d.E+-]+)", output, re.M)}
+
+
+def _expected_lrs(first: int, last: int, decay: int) -> dict[int, str]:
+    """The LR logged at iterations first..last by the schedule (LR, MIN_LR, WARMUP, `decay`)."""
+    from megapar.optimizer.lr_schedule import OptimizerParamScheduler
+    sched = OptimizerParamScheduler(types.SimpleNamespace(param_groups=[{"lr": 0.0}]), LR, MIN_LR, WARMUP, decay)
+    sched.step(first - 1)
+    out = {}
+    for it in range(first, last + 1):
+        out[it] = f"{sched.get_lr():.3E}"
+        sched.step()
+    return out
+
+
+def test_first_line_after_iteration_one_and_an_eta_on_every_line(trained):
+    first = [line for line in trained.output.splitlines() if line.startswith(" iteration        1/")]
+    assert len(first) == 1 and "first iteration (ms): " in first[0] and re.search(r"\| ETA: \d+s \|", first[0]), first
+    assert "next line at iteration 3 (--log-interval 3)" in first[0]
+    lines = [line for line in trained.output.splitlines() if "elapsed time per iteration (ms)" in line]
+    assert len(lines) == 2 and all(re.search(r"\| ETA: (\d+h\d\dm|\d+m\d\ds|\d+s) \|$", line) for line in lines), lines
+    from megapar.training import eta
+    assert (eta(1.0, 3725), eta(0.5, 490), eta(2.0, 21), eta(1.0, 0)) == ("1h02m", "4m05s", "42s", "0s")
+
+
+def test_resume_with_another_schedule_is_refused(trained):
+    refused(TRAIN + trained.base + ["--train-iters", "8", "--load", trained.ck, "--save", trained.ck],
+            fault_class="resume", case="resume with another --train-iters (LR decay horizon)",
+            expect=["--lr-decay-iters 4 (checkpoint) vs 8 (run)", "--use-checkpoint-opt_param-scheduler",
+                    "--override-opt_param-scheduler"], watch=[trained.ck])
+    refused(TRAIN + trained.base + ["--train-iters", str(ITERS), "--lr", "2e-3", "--weight-decay", "0.1",
+                                    "--load", trained.ck, "--save", trained.ck],
+            fault_class="resume", case="resume with another --lr and --weight-decay",
+            expect=["--lr 0.001 (checkpoint) vs 0.002 (run)", "--weight-decay 0.01 (checkpoint) vs 0.1 (run)"],
+            watch=[trained.ck])
+
+
+def test_both_schedule_flags_are_refused(trained):
+    refused(TRAIN + trained.base + ["--train-iters", "8", "--load", trained.ck, "--override-opt_param-scheduler",
+                                    "--use-checkpoint-opt_param-scheduler"],
+            fault_class="resume", case="--override- and --use-checkpoint-opt_param-scheduler together",
+            expect="choose one", watch=[trained.ck])
+
+
+@pytest.mark.parametrize("flag, decay", [("--use-checkpoint-opt_param-scheduler", ITERS),
+                                         ("--override-opt_param-scheduler", 8)])
+def test_a_schedule_flag_says_whose_schedule_continues(trained, flag, decay):
+    """Without --save nothing is written: the checkpoint stays byte-identical."""
+    before = snapshot([trained.ck])
+    out = run(TRAIN + trained.base + ["--train-iters", "8", "--log-interval", "1", "--load", trained.ck, flag])
+    assert out.rc == 0, out.output[-3000:]
+    assert _lrs(out.output) == _expected_lrs(ITERS + 1, 8, decay)
+    if decay == ITERS:
+        assert set(_lrs(out.output).values()) == {f"{MIN_LR:.3E}"}      # past the saved horizon: --min-lr
+    assert snapshot([trained.ck]) == before
+
+
+def _train_longer(output: str, ck: Path, copy: Path) -> list[str]:
+    """The printed "train longer" command, run with python instead of the torchrun launcher, on `copy`."""
+    line = next(line for line in output.splitlines() if "# train longer" in line)
+    cmd = shlex.split(line.split("#", 1)[0].replace(str(ck), str(copy)))
+    assert cmd[:2] == ["bash", "scripts/pretrain_gpt2.sh"], line
+    return TRAIN + cmd[2:] + ["--log-interval", "1"]
+
+
+def test_printed_train_longer_command_continues_the_schedule(trained, tmp_path):
+    copy = tmp_path / "ck"
+    shutil.copytree(trained.ck, copy)
+    out = run(_train_longer(trained.output, trained.ck, copy))
+    assert out.rc == 0, out.output[-3000:]
+    assert "training 8 iterations from iteration 4" in out.output
+    assert _lrs(out.output) == _expected_lrs(ITERS + 1, 8, ITERS)    # the saved horizon: --min-lr from here on
+    assert (copy / "latest_checkpointed_iteration.txt").read_text() == "8"
+    again = run(_train_longer(out.output, copy, copy))                   # and its own hint runs too
+    assert again.rc == 0 and "training 16 iterations from iteration 8" in again.output, again.output[-3000:]
+
+
+def test_printed_train_longer_command_when_the_schedule_ends_at_zero(trained, tmp_path):
+    """A schedule that decays to LR 0 would train nothing more: the hint stretches it (the LR rises)."""
+    flags = [a if a != str(MIN_LR) else "0" for a in trained.base]
+    first = run(TRAIN + flags + ["--train-iters", "2", "--save", tmp_path / "ck"])
+    assert first.rc == 0, first.output[-3000:]
+    out = run(_train_longer(first.output, tmp_path / "ck", tmp_path / "ck"))
+    assert out.rc == 0, out.output[-3000:]
+    assert "--override-opt_param-scheduler" in next(line for line in first.output.splitlines() if "# train longer" in line)
+    lrs = _lrs(out.output)
+    assert sorted(lrs) == [3, 4] and all(float(v) > 0 for v in lrs.values()), lrs
+
+
+def test_resume_at_another_layout_names_the_saved_layout(trained, tmp_path):
+    tp2 = tmp_path / "ck_tp2"
+    conv = run(["python", "tools/checkpoint_util.py", "--load-dir", trained.ck, "--save-dir", tp2,
+                "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "1"])
+    assert conv.rc == 0, conv.output[-3000:]
+    refused(TRAIN + trained.base + ["--train-iters", str(ITERS + 2), "--load", tp2, "--save", tp2],
+            fault_class="resume", case="resume a tp 2 checkpoint at tp 1",
+            expect=["saved with tensor-parallel 2 x pipeline-parallel 1",
+                    "(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1, on a multiple of 2 processes)",
+                    "python tools/checkpoint_util.py"], watch=[tp2])
+
+
+def test_another_pipeline_split_names_the_saved_split():
+    import argparse
+
+    from megapar.arguments import ModelConfig
+    from megapar.checkpointing import CheckpointError, check_compatible, read_saved_config
+    from megapar.topology import Topology
+    saved = read_saved_config({"args": argparse.Namespace(num_layers=4, tensor_model_parallel_size=1,
+                                                          pipeline_model_parallel_size=2,
+                                                          decoder_first_pipeline_num_layers=3)})
+    with pytest.raises(CheckpointError, match=r"its layout: --tensor-model-parallel-size 1 "
+                                              r"--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 3"):
+        check_compatible(saved, ModelConfig(num_layers=4), Topology(1, 2, 1), "ck")
+    with pytest.raises(CheckpointError, match=r"\(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 "
+                                              r"--decoder-first-pipeline-num-layers 3, on a multiple of 2 processes\)"):
+        check_compatible(saved, ModelConfig(num_layers=4), Topology(1, 1, 1), "ck")
+
+
+def test_nothing_left_to_do_exits_0_without_writing(trained):
+    before = snapshot([trained.ck])
+    out = run(TRAIN + trained.base + ["--train-iters", str(ITERS), "--load", trained.ck, "--save", trained.ck])
+    assert out.rc == 0, out.output[-3000:]
+    assert "> nothing to do: the checkpoint in" in out.output and "at iteration 4 and this run ends at iteration 4" \
+        in out.output
+    assert "training 4 iterations" not in out.output and "saving checkpoint" not in out.output
+    assert snapshot([trained.ck]) == before                                  # nothing changed, nothing new
