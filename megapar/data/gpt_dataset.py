@@ -24,10 +24,16 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..atomic import atomic_write
+from ..errors import MegaparError
 from .indexed_dataset import IndexedDataset, IndexedDatasetError
 from .sample_index import build_blending_indices, build_indices
 
 INDEX_VERSION = 1  # bump when the index algorithm changes
+
+
+class DatasetError(MegaparError, ValueError):
+    """The training data cannot be used as given (empty corpus, empty training split); the
+    message names the prefix or flag and the fix."""
 
 
 def _log(msg: str) -> None:
@@ -41,9 +47,9 @@ def parse_split(split: str, size: int) -> list[int]:
     try:
         parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
     except ValueError:
-        raise ValueError(msg) from None
+        raise DatasetError(msg) from None
     if not parts or any(p < 0 for p in parts) or sum(parts) <= 0 or len(parts) > 3:
-        raise ValueError(msg)
+        raise DatasetError(msg)
     parts = (parts + [0.0, 0.0])[:3]
     total = sum(parts)
     bounds = [0]
@@ -57,7 +63,7 @@ def parse_data_path(data_path: Sequence[str] | str) -> tuple[list[str], Optional
     """[PREFIX] | [W1, P1, W2, P2, ...] | [P1, P2, ...] -> (prefixes, weights or None)."""
     items = data_path.split() if isinstance(data_path, str) else list(data_path)
     if not items:
-        raise ValueError("--data-path is empty; pass PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
+        raise DatasetError("--data-path is empty; pass PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
 
     def is_num(s: str) -> bool:
         try:
@@ -68,7 +74,7 @@ def parse_data_path(data_path: Sequence[str] | str) -> tuple[list[str], Optional
     if len(items) % 2 == 0 and all(is_num(w) for w in items[0::2]):
         return items[1::2], [float(w) for w in items[0::2]]
     if any(is_num(s) for s in items):
-        raise ValueError(f"--data-path {items} mixes weights and prefixes; use W1 PREFIX1 W2 PREFIX2 ...")
+        raise DatasetError(f"--data-path {items} mixes weights and prefixes; use W1 PREFIX1 W2 PREFIX2 ...")
     return items, None
 
 
@@ -192,11 +198,6 @@ def _build_split(sets: list[IndexedDataset], weights: Optional[list[float]], bou
     blend.datasets = [GPTDataset(sets[i], name, *bounds[i], int(max(counts[j], 1)), seq_length, seed, cache_dir)
                       for j, i in enumerate(live)]
     return blend
-
-
-class DatasetError(ValueError):
-    """The training data cannot be used as given (empty corpus, empty training split); the
-    message names the prefix or flag and the fix."""
 
 
 def check_datasets(data_path: Sequence[str] | str) -> list[dict]:

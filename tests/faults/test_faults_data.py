@@ -155,6 +155,16 @@ def test_empty_corpus_in_training(files, tmp_path):
             expect=[empty, "empty corpus"], watch=[tmp_path])
 
 
+def test_corpus_smaller_than_one_sample(files, tmp_path):
+    from megapar.data.indexed_dataset import IndexedDatasetBuilder
+    tiny = str(tmp_path / "tiny")
+    b = IndexedDatasetBuilder(tiny + ".bin")
+    b.add_document(list(range(10)))
+    b.finalize(tiny + ".idx")
+    refused(train_cmd(files, prefix=tiny), fault_class="data", case="corpus shorter than one --seq-length sample",
+            expect=["--split", "no training sample", "--seq-length 32"], watch=[tmp_path])
+
+
 def test_empty_corpus_in_preprocess(files, tmp_path):
     inp = tmp_path / "empty.jsonl"
     inp.write_text("\n  \n")
