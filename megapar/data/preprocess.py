@@ -81,8 +81,9 @@ def _die_with_parent() -> None:
 
 
 def _init_worker(cfg: PreprocessConfig) -> None:
-    if mp.parent_process() is not None:  # a pool worker: Ctrl-C is the main process's to handle
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if mp.parent_process() is not None:  # a pool worker: Ctrl-C is the main process's to handle,
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # and SIGTERM (from it or the kernel) ends it quietly
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _die_with_parent()
     if _STATE.get("cfg") is cfg:  # inherited through fork: nothing to build
         return
