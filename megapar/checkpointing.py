@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .arguments import DataConfig, ModelConfig, ParallelConfig, section_from_args
+from .arguments import ConfigError, DataConfig, ModelConfig, ParallelConfig, section_from_args
 from .topology import layer_counts
 from .atomic import atomic_write, atomic_write_text
 from .errors import MegaparError
@@ -218,6 +218,25 @@ def _publish(root: str, final: str, staging: str, iteration: int) -> None:
 
 
 # ---- load -------------------------------------------------------------------------------------
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(os.path.abspath(a)) == os.path.realpath(os.path.abspath(b))
+
+
+def check_load_dir(load: Optional[str], save: Optional[str]) -> None:
+    """Before any work: `--load` must name a checkpoint directory, unless it is also `--save`
+    (the first run of a resumable job, which starts from scratch). Raises ConfigError."""
+    if not load or (save and _same_dir(load, save)):
+        return
+    fix = (f"give the directory a run saved into (the one holding {TRACKER}), the same directory as --save "
+           f"for a job that resumes itself, or drop --load to start from scratch")
+    if not os.path.exists(load):
+        raise ConfigError(f"--load {load} does not exist; {fix}")
+    if not os.path.isdir(load):
+        raise ConfigError(f"--load {load} is not a directory; {fix}")
+    if not os.path.isfile(os.path.join(load, TRACKER)):
+        raise ConfigError(f"--load {load} holds no checkpoint (no {TRACKER}); {fix}")
+
+
 def saved_layout_flags(saved: SavedConfig) -> str:
     """The layout flags of the run that wrote a checkpoint (what a resume at that layout passes)."""
     flags = [f"--tensor-model-parallel-size {saved.parallel.tensor_model_parallel_size}",
@@ -272,11 +291,12 @@ def restore_scheduler(scheduler, saved: dict, path: str, rank: int) -> None:
 def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelConfig, topo, rank: int,
                     load_optim: bool = True, load_rng: bool = True, finetune: bool = False) -> tuple[int, int]:
     """Load this rank's shard. Returns (iteration, consumed_train_samples); (0, 0) when `root`
-    holds no checkpoint yet (a warning is printed, training starts from scratch)."""
+    holds no checkpoint yet (the first run of a job whose --load is its --save: a note is printed,
+    training starts from scratch; check_load_dir refuses a --load that names nothing otherwise)."""
     iteration = read_tracker(root)
     if iteration is None:
         if rank == 0:
-            print(f"WARNING: no {TRACKER} in {root}; not loading a checkpoint, starting from scratch", flush=True)
+            print(f"> no checkpoint in {root} yet: starting from scratch", flush=True)
         return 0, 0
     c = topo.coord(rank)
     shard = os.path.join(iter_dir(root, iteration), shard_dir_name(c.tp, c.pp, topo.pp))

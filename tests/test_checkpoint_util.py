@@ -230,14 +230,19 @@ def _copy(ckpts, tmp_path, name="tp2pp2"):
     return dst
 
 
-def test_refuses_non_empty_output_unless_forced(ckpts, tmp_path, capsys):
+def test_force_replaces_only_a_previous_output(ckpts, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
+    _fails(capsys, ["--load-dir", ckpts / "tp2pp2", "--save-dir", out, "--force"], str(out), "not a previous output")
+    assert (out / "keep.txt").read_text() == "x"
+    os.remove(out / "keep.txt")
+    assert checkpoint_util.main(["--load-dir", str(ckpts / "tp2pp2"), "--save-dir", str(out)]) == 0
     _fails(capsys, ["--load-dir", ckpts / "tp2pp2", "--save-dir", out], str(out), "not empty", "--force")
     assert checkpoint_util.main(["--load-dir", str(ckpts / "tp2pp2"), "--save-dir", str(out), "--force",
                                  "--target-tensor-parallel-size", "1"]) == 0
-    assert not (out / "keep.txt").exists() and (out / IT / "mp_rank_00_000").is_dir()
+    assert sorted(os.listdir(out / IT)) == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert sorted(os.listdir(tmp_path)) == ["out"]                          # no staging or old copy left
 
 
 def test_missing_tracker_and_missing_shard(ckpts, tmp_path, capsys):
@@ -256,7 +261,7 @@ def test_truncated_shard_is_named(ckpts, tmp_path, capsys):
     data = open(path, "rb").read()
     open(path, "wb").write(data[: len(data) // 2])
     _fails(capsys, ["--load-dir", src, "--save-dir", tmp_path / "o"], path, "truncated or corrupt")
-    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+    assert sorted(os.listdir(tmp_path)) == ["src"]                          # no output, no staging folder
 
 
 def test_inconsistent_shards_are_named(ckpts, tmp_path, capsys):

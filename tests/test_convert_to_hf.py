@@ -41,3 +41,5 @@ def test_hf_export_refuses_non_empty_dir(tmp_path, capsys):
     save_tiny_checkpoint(str(tmp_path / "ck"), tp=1, pp=1, steps=0)
     assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf")]) == 1
     assert "not empty" in capsys.readouterr().err
+    assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf"), "--force"]) == 1
+    assert "not a previous output" in capsys.readouterr().err and (tmp_path / "hf" / "x").read_text() == "x"

@@ -11,7 +11,6 @@ at a time. See megapar/reshard/convert.py for what is carried and how.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -19,6 +18,7 @@ from megapar.checkpointing import CheckpointError
 from megapar.reshard import bounded_heap
 from megapar.reshard.canonical import CanonicalFolder, is_canonical, write_canonical
 from megapar.reshard.convert import write_sharded
+from megapar.reshard.output import check_not_overlapping
 from megapar.reshard.source import ShardedCheckpoint
 
 
@@ -43,8 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-distributed-optimizer", dest="distributed", action="store_false")
     p.add_argument("--to-full", action="store_true", help="write the canonical unsharded folder")
     p.add_argument("--from-full", action="store_true", help="--load-dir is a canonical folder")
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty --save-dir")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --save-dir that holds a previous output of this tool "
+                        "(never anything else)")
     return p
+
+
+def check_targets(a: argparse.Namespace) -> None:
+    """Refuse a target size below 1 (0 would silently mean 'as in the source')."""
+    for flag, value in (("--target-tensor-parallel-size", a.target_tensor_parallel_size),
+                        ("--target-pipeline-parallel-size", a.target_pipeline_parallel_size),
+                        ("--target-data-parallel-size", a.target_data_parallel_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}; omit it to keep the source's size")
 
 
 def open_source(load_dir: str, from_full: bool, iteration):
@@ -58,17 +69,19 @@ def open_source(load_dir: str, from_full: bool, iteration):
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     bounded_heap()
-    if os.path.abspath(a.load_dir) == os.path.abspath(a.save_dir):
-        print("error: --save-dir must differ from --load-dir", file=sys.stderr)
-        return 2
     t0 = time.time()
     try:
+        check_targets(a)
+        check_not_overlapping(a.load_dir, a.save_dir)
         src = open_source(a.load_dir, a.from_full, a.iteration)
         if a.to_full:
             write_canonical(src, a.save_dir, with_optim=not a.no_optim, force=a.force)
         else:
-            tp = a.target_tensor_parallel_size or src.saved.parallel.tensor_model_parallel_size
-            pp = a.target_pipeline_parallel_size or src.saved.parallel.pipeline_model_parallel_size
+            par = src.saved.parallel
+            tp = par.tensor_model_parallel_size if a.target_tensor_parallel_size is None \
+                else a.target_tensor_parallel_size
+            pp = par.pipeline_model_parallel_size if a.target_pipeline_parallel_size is None \
+                else a.target_pipeline_parallel_size
             split = None if a.target_first is None and a.target_last is None else (a.target_first, a.target_last)
             write_sharded(src, a.save_dir, tp, pp, a.target_data_parallel_size, a.distributed,
                           with_optim=not a.no_optim, force=a.force, split=split)

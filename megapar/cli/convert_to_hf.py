@@ -14,6 +14,7 @@ from megapar.checkpointing import CheckpointError
 from megapar.cli.checkpoint_util import open_source
 from megapar.reshard import bounded_heap
 from megapar.reshard.hf import export_hf
+from megapar.reshard.output import check_not_overlapping
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -25,10 +26,13 @@ def main(argv=None) -> int:
     p.add_argument("--save-dir", "--save", dest="save_dir", required=True)
     p.add_argument("--iteration", default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty --save-dir")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --save-dir that holds a previous export (exactly config.json + "
+                        "model.safetensors), never anything else")
     a = p.parse_args(argv)
     bounded_heap()
     try:
+        check_not_overlapping(a.load_dir, a.save_dir)
         export_hf(open_source(a.load_dir, False, a.iteration), a.save_dir,
                   DTYPES[a.dtype] if a.dtype else None, force=a.force)
     except (CheckpointError, ValueError, KeyError) as e:

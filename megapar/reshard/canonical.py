@@ -13,12 +13,12 @@ source through this form (ShardedCheckpoint is the same view computed on the fly
 from __future__ import annotations
 
 import os
-import shutil
 
 import torch
 
 from ..checkpointing import CheckpointError, SavedConfig, atomic_torch_save, read_saved_config
 from .layout import OPTIM_KINDS
+from .output import CANONICAL, CHECKPOINT, discard, new_staging, prepare_output, publish_dir, source_dir
 from .source import load_mmap
 from .stream_save import LazyTensor, StreamingSaver
 
@@ -76,10 +76,21 @@ class CanonicalFolder:
 
 def write_canonical(src, out_dir: str, with_optim: bool = True, force: bool = False, log=print) -> None:
     """Stream `src` (ShardedCheckpoint or CanonicalFolder) into a canonical folder, one
-    parameter at a time. Written into `out_dir.partial` and renamed into place at the end."""
-    prepare_output(out_dir, force)
-    staging = out_dir.rstrip("/") + ".partial"
-    shutil.rmtree(staging, ignore_errors=True)
+    parameter at a time. Written into a staging folder beside `out_dir`, renamed into place at the
+    end (megapar/reshard/output.py: what `force` may replace)."""
+    prepare_output(out_dir, force, (CHECKPOINT, CANONICAL), load_dir=source_dir(src))
+    staging = new_staging(out_dir)
+    try:
+        meta = _write_canonical_files(src, staging, with_optim)
+    except BaseException:
+        discard(staging)
+        raise
+    src.release()
+    publish_dir(staging, out_dir, (CHECKPOINT, CANONICAL))
+    log(f"wrote canonical checkpoint ({len(meta['specs'])} parameters, iteration {meta['iteration']}) to {out_dir}")
+
+
+def _write_canonical_files(src, staging: str, with_optim: bool) -> dict:
     os.makedirs(os.path.join(staging, "tensors"))
     kinds = ("param",) + (OPTIM_KINDS if with_optim and src.has_optim else ())
     specs = {}
@@ -94,27 +105,4 @@ def write_canonical(src, out_dir: str, with_optim: bool = True, force: bool = Fa
     if not (with_optim and src.has_optim):
         meta.update(has_optim=False, optim_meta=None)
     atomic_torch_save(meta, os.path.join(staging, META))
-    src.release()
-    publish_dir(staging, out_dir)
-    log(f"wrote canonical checkpoint ({len(specs)} parameters, iteration {meta['iteration']}) to {out_dir}")
-
-
-def prepare_output(out_dir: str, force: bool) -> None:
-    """Refuse an existing non-empty directory unless `force`."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise CheckpointError(f"output path {out_dir} exists and is not a directory")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
-        raise CheckpointError(f"output directory {out_dir} exists and is not empty; choose a new directory "
-                              f"or pass --force to overwrite it")
-
-
-def publish_dir(staging: str, out_dir: str) -> None:
-    if os.path.isdir(out_dir):
-        old = out_dir.rstrip("/") + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(staging, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
-        os.replace(staging, out_dir)
+    return meta

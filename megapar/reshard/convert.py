@@ -2,8 +2,9 @@
 
 Streaming: for every parameter, the full tensor is read once, split for each target TP rank
 and written straight into that rank's open shard file (StreamingSaver), so memory holds a
-few tensors, never the model. Output is staged in `<save_dir>.partial` and renamed into place
-when complete; the tracker file is inside it, so a crash never leaves a half checkpoint.
+few tensors, never the model. Output is staged in a hidden `.<save_dir>.partial.XXXXXXXX` folder
+beside it and renamed into place when complete (megapar/reshard/output.py); the tracker file
+is inside it, so a crash never leaves a half checkpoint.
 
 Carried: model weights (vocab re-padded with zero rows for the target tp), optimizer state
 (masters, moments, step, loss scaler, param_groups) in model_optim_rng.pt or -- for the
@@ -15,7 +16,6 @@ sizes, padded vocab). RNG states are carried only when tp and pp are unchanged (
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import asdict
 from typing import Optional
 
@@ -23,7 +23,7 @@ from ..topology import layer_counts
 from ..checkpointing import (CHECKPOINT_VERSION, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, atomic_write_text,
                              iter_dir, nest_model_state, shard_dir_name)
 from . import retarget
-from .canonical import prepare_output, publish_dir
+from .output import CANONICAL, CHECKPOINT, discard, new_staging, prepare_output, publish_dir, source_dir
 from .layout import OPTIM_KINDS, split, stage_keys
 from .stream_save import LazyTensor, StreamingSaver
 
@@ -98,10 +98,9 @@ def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None
     with_optim = with_optim and src.has_optim
     distributed = src.distributed if distributed is None else distributed
     target = retarget(src.saved, tp, pp, dp, distributed if with_optim else None, split)
-    prepare_output(save_dir, force)
+    prepare_output(save_dir, force, (CHECKPOINT, CANONICAL), load_dir=source_dir(src))
     padded = target.model.padded_vocab_size
-    staging = save_dir.rstrip("/") + ".partial"
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = new_staging(save_dir)
     it_dir = iter_dir(staging, src.iteration)
     for pp_rank in range(pp):
         keys = stage_keys(src.names, layer_counts(target.model, pp), pp_rank)
@@ -123,12 +122,12 @@ def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None
         except BaseException:
             for s in model_savers + optim_savers:
                 s.abort()
-            shutil.rmtree(staging, ignore_errors=True)
+            discard(staging)
             raise
         log(f"  wrote pipeline stage {pp_rank + 1}/{pp} ({tp} tensor-parallel shards)")
     atomic_write_text(os.path.join(staging, TRACKER), str(src.iteration))
     src.release()
-    publish_dir(staging, save_dir)
+    publish_dir(staging, save_dir, (CHECKPOINT, CANONICAL))
     log(f"wrote checkpoint at tensor-parallel {tp} x pipeline-parallel {pp} (iteration {src.iteration}, "
         f"optimizer: {'distributed' if distributed else 'in model file'}" + ("" if with_optim else ", none")
         + f") to {save_dir}")

@@ -17,14 +17,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from typing import Optional
 
 import torch
 
 from ..arguments import DataConfig
 from ..checkpointing import SavedConfig
-from .canonical import prepare_output, publish_dir
+from .output import HF, discard, new_staging, prepare_output, publish_dir, source_dir
 
 _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
 _LAYER_MAP = {"input_layernorm": ("ln_1", False), "self_attention.query_key_value": ("attn.c_attn", True),
@@ -83,7 +82,7 @@ def hf_config(saved: SavedConfig) -> dict:
 def export_hf(src, out_dir: str, dtype: Optional[torch.dtype] = None, force: bool = False, log=print) -> None:
     """Write `src` (ShardedCheckpoint / CanonicalFolder) as a transformers GPT2LMHeadModel folder."""
     from safetensors.torch import save_file
-    prepare_output(out_dir, force)
+    prepare_output(out_dir, force, (HF,), load_dir=source_dir(src))
     m = src.saved.model
     if m.vocab_size is None:
         raise ValueError("the checkpoint does not record its true vocab_size; cannot remove the dummy rows")
@@ -91,15 +90,17 @@ def export_hf(src, out_dir: str, dtype: Optional[torch.dtype] = None, force: boo
     for name in src.names:
         key, t = hf_name_and_tensor(name, src.full(name), m.num_attention_heads)
         tensors[key] = t.to(dtype) if dtype is not None else t
-    staging = out_dir.rstrip("/") + ".partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
     cfg = hf_config(src.saved)
     cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).replace("torch.", "")
-    with open(os.path.join(staging, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
+    staging = new_staging(out_dir)
+    try:
+        save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+    except BaseException:
+        discard(staging)
+        raise
     src.release()
-    publish_dir(staging, out_dir)
+    publish_dir(staging, out_dir, (HF,))
     log(f"wrote Hugging Face GPT2LMHeadModel ({m.num_layers} layers, hidden {m.hidden_size}, "
         f"vocab {m.vocab_size}) to {out_dir}")

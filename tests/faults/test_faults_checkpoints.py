@@ -1,0 +1,250 @@
+"""Checkpoint tools and --load, faulted with real files and real processes on CPU.
+
+data loss: tools/checkpoint_util.py and tools/convert_to_hf.py never delete what they did not
+write -- a --save-dir that is, contains or lies inside --load-dir is refused, and --force replaces
+only a previous output of the same tool (megapar/reshard/output.py).
+load: a --load that names no checkpoint stops before any work, unless it is also --save (a
+resumable job's first run: a note, then training from scratch); files are written with the umask.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import ROOT, refused, run
+
+sys.path.insert(0, str(ROOT / "tests"))
+from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
+
+CKPT_UTIL = str(ROOT / "tools" / "checkpoint_util.py")
+TO_HF = str(ROOT / "tools" / "convert_to_hf.py")
+VOCAB = 265  # the byte-level GPT-2 vocabulary of _byte_gpt2_files
+MODEL = "iter_0000001/mp_rank_00/model_optim_rng.pt"
+TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
+        "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--eval-iters", "0",
+        "--eval-interval", "0", "--log-interval", "1", "--lr", "1e-3", "--make-vocab-size-divisible-by", "8",
+        "--attention-backend", "torch", "--split", "100,0,0", "--lr-decay-iters", "10"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    """Flags for a tiny offline corpus with a byte-level GPT-2 vocabulary."""
+    d = tmp_path_factory.mktemp("data")
+    vocab, merge = _byte_gpt2_files(str(d))
+    _random_corpus(str(d / "corpus"))
+    return ["--data-path", str(d / "corpus"), "--vocab-file", vocab, "--merge-file", merge]
+
+
+def train(data: list[str], *extra, umask: int | None = None, cache: Path | None = None):
+    cmd = ["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, *map(str, extra)]
+    if cache is not None:
+        cmd += ["--data-cache-path", str(cache)]
+    if umask is not None:
+        cmd = ["bash", "-c", f"umask {umask:03o} && exec \"$@\"", "train", sys.executable, *cmd[1:]]
+    return run(cmd)
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory) -> Path:
+    """A real checkpoint written by one training iteration."""
+    ck = tmp_path_factory.mktemp("trained") / "ck"
+    out = train(data, "--save", ck, cache=ck.parent / "cache")
+    assert out.rc == 0, out.output[-3000:]
+    return ck
+
+
+@pytest.fixture
+def runs(trained, tmp_path) -> Path:
+    """runs/ck (a copy of the trained checkpoint) beside an unrelated file runs/notes.txt."""
+    runs = tmp_path / "runs"
+    shutil.copytree(trained, runs / "ck")
+    (runs / "notes.txt").write_text("the user's own notes\n")
+    return runs
+
+
+def model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    lm = torch.load(path, map_location="cpu", weights_only=False)["model"]["language_model"]
+    out = {f"embedding.{k}": v["weight"] for k, v in lm["embedding"].items()}
+    out.update({f"encoder.{k}": v for k, v in lm["encoder"].items()})
+    return out
+
+
+def assert_same_model(a: Path, b: Path) -> None:
+    """Same weights (the vocabulary's padding rows aside: resharding writes them as zeros)."""
+    ta, tb = model_tensors(a), model_tensors(b)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        n = VOCAB if k == "embedding.word_embeddings" else None
+        assert torch.equal(ta[k][:n], tb[k][:n]), k
+
+
+def reshard(load, save, *extra) -> list:
+    return ["python", CKPT_UTIL, "--load-dir", load, "--save-dir", save, *extra]
+
+
+def to_hf(load, save, *extra) -> list:
+    return ["python", TO_HF, "--load-dir", load, "--save-dir", save, *extra]
+
+
+def leftovers(folder: Path) -> list[str]:
+    return [p.name for p in folder.iterdir() if ".partial." in p.name or ".old." in p.name]
+
+
+# ---- checkpoint_util: where it writes ---------------------------------------------------------------
+def test_save_dir_containing_the_source_is_refused(runs):
+    refused(reshard(runs / "ck", runs, "--force"), fault_class="data loss",
+            case="checkpoint_util --save-dir = parent of --load-dir, --force", expect="contains the --load-dir",
+            watch=[runs])
+
+
+def test_save_dir_equal_to_the_source_is_refused(runs):
+    refused(reshard(runs / "ck", runs / "ck", "--force"), fault_class="data loss",
+            case="checkpoint_util --save-dir = --load-dir, --force", expect="is the --load-dir", watch=[runs])
+
+
+def test_save_dir_inside_the_source_is_refused(runs):
+    refused(reshard(runs / "ck", runs / "ck" / "tp2", "--target-tensor-parallel-size", "2"),
+            fault_class="data loss", case="checkpoint_util --save-dir inside --load-dir",
+            expect="lies inside the --load-dir", watch=[runs])
+    assert sorted(os.listdir(runs)) == ["ck", "notes.txt"]
+
+
+def test_relative_and_symlinked_paths_are_resolved(runs):
+    refused(reshard(".", "..", "--force"), fault_class="data loss",
+            case="checkpoint_util --load-dir . --save-dir .. (relative), --force", expect="contains the --load-dir",
+            watch=[runs], cwd=runs / "ck")
+    (runs.parent / "link").symlink_to(runs / "ck")
+    refused(reshard(runs / "ck", runs.parent / "link", "--force"), fault_class="data loss",
+            case="checkpoint_util --save-dir a symlink to --load-dir, --force", expect="is the --load-dir",
+            watch=[runs])
+
+
+def test_unrelated_non_empty_save_dir_is_not_replaced(runs):
+    other = runs / "other"
+    other.mkdir()
+    (other / "results.csv").write_text("step,loss\n1,5.6\n")
+    refused(reshard(runs / "ck", other, "--force"), fault_class="data loss",
+            case="checkpoint_util --force onto an unrelated non-empty folder",
+            expect=["not a previous output", "choose a new directory"], watch=[runs])
+
+
+def test_previous_output_with_a_user_file_is_not_replaced(runs):
+    out = runs / "tp1"
+    assert run(reshard(runs / "ck", out)).rc == 0
+    (out / "README.txt").write_text("what this checkpoint is\n")
+    refused(reshard(runs / "ck", out, "--force"), fault_class="data loss",
+            case="checkpoint_util --force onto a previous output plus a user's file",
+            expect="not a previous output", watch=[runs])
+
+
+def test_save_dir_that_is_a_file_is_refused(runs):
+    refused(reshard(runs / "ck", runs / "notes.txt", "--force"), fault_class="data loss",
+            case="checkpoint_util --save-dir is a file, --force", expect="is not a directory", watch=[runs])
+
+
+def test_previous_output_needs_force_and_is_replaced_with_it(runs):
+    out = runs / "out"
+    assert run(reshard(runs / "ck", out, "--target-tensor-parallel-size", "2")).rc == 0
+    refused(reshard(runs / "ck", out), fault_class="data loss",
+            case="checkpoint_util onto a previous output without --force", expect="--force", watch=[runs])
+    done = run(reshard(runs / "ck", out, "--force", "--target-tensor-parallel-size", "1"))
+    assert done.rc == 0, done.output[-3000:]
+    assert sorted(os.listdir(out / "iter_0000001")) == ["mp_rank_00"]
+    assert_same_model(runs / "ck" / MODEL, out / MODEL)
+    assert (runs / "notes.txt").read_text() == "the user's own notes\n" and not leftovers(runs)
+
+
+def test_canonical_output_is_replaced_with_force(runs):
+    full = runs / "full"
+    for _ in range(2):
+        done = run(reshard(runs / "ck", full, "--to-full", "--force"))
+        assert done.rc == 0, done.output[-3000:]
+    assert sorted(os.listdir(full)) == ["metadata.pt", "tensors"] and not leftovers(runs)
+
+
+@pytest.mark.parametrize("flag,value", [("--target-tensor-parallel-size", "0"),
+                                        ("--target-pipeline-parallel-size", "-1")])
+def test_target_size_below_one_is_refused(runs, flag, value):
+    refused(reshard(runs / "ck", runs / "out", flag, value), fault_class="data loss",
+            case=f"checkpoint_util {flag} {value}", expect=[flag, "must be >= 1"], watch=[runs])
+
+
+# ---- convert_to_hf --------------------------------------------------------------------------------
+def test_hf_save_dir_containing_the_source_is_refused(runs):
+    refused(to_hf(runs / "ck", runs, "--force"), fault_class="data loss",
+            case="convert_to_hf --save-dir = parent of --load-dir, --force", expect="contains the --load-dir",
+            watch=[runs])
+
+
+def test_hf_save_dir_inside_the_source_is_refused(runs):
+    refused(to_hf(runs / "ck", runs / "ck" / "hf"), fault_class="data loss",
+            case="convert_to_hf --save-dir inside --load-dir", expect="lies inside the --load-dir", watch=[runs])
+
+
+def test_hf_force_onto_a_checkpoint_is_refused(runs, trained):
+    shutil.copytree(trained, runs / "ck2")
+    refused(to_hf(runs / "ck", runs / "ck2", "--force"), fault_class="data loss",
+            case="convert_to_hf --force onto a megapar checkpoint", expect="not a previous output", watch=[runs])
+
+
+def test_hf_previous_export_is_replaced_with_force(runs):
+    from safetensors.torch import load_file
+    hf = runs / "hf"
+    assert run(to_hf(runs / "ck", hf)).rc == 0
+    done = run(to_hf(runs / "ck", hf, "--force", "--dtype", "fp16"))
+    assert done.rc == 0, done.output[-3000:]
+    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors"] and not leftovers(runs)
+    assert json.loads((hf / "config.json").read_text())["torch_dtype"] == "float16"
+    wte = load_file(str(hf / "model.safetensors"))["transformer.wte.weight"]
+    src = model_tensors(runs / "ck" / MODEL)["embedding.word_embeddings"]
+    assert torch.equal(wte, src[: wte.shape[0]].half())
+
+
+# ---- training --load -----------------------------------------------------------------------------
+def test_missing_load_dir_is_refused(data, tmp_path):
+    (tmp_path / "keep.txt").write_text("x")
+    refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--load", tmp_path / "nope",
+             "--save", tmp_path / "ck", "--data-cache-path", tmp_path / "cache"],
+            fault_class="load", case="--load that does not exist", expect=["--load", "does not exist", "--save"],
+            watch=[tmp_path])
+
+
+def test_load_dir_without_checkpoint_is_refused(data, runs):
+    refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--load", runs, "--save", runs / "new"],
+            fault_class="load", case="--load a folder with no checkpoint (the parent of one)",
+            expect=["holds no checkpoint", "latest_checkpointed_iteration.txt"], watch=[runs])
+
+
+def test_first_run_of_a_resumable_job_starts_with_a_note(data, tmp_path):
+    ck = tmp_path / "ck"
+    out = train(data, "--load", ck, "--save", ck, umask=0o027, cache=tmp_path / "cache")
+    assert out.rc == 0, out.output[-3000:]
+    assert f"> no checkpoint in {ck} yet: starting from scratch" in out.output
+    assert "WARNING" not in out.output
+    files = [p for p in [*ck.rglob("*"), *(tmp_path / "cache").rglob("*")] if p.is_file()]
+    assert any(p.name.endswith(".npy") for p in files) and (ck / "latest_checkpointed_iteration.txt").is_file()
+    modes = {str(p.relative_to(tmp_path)): oct(stat.S_IMODE(p.stat().st_mode)) for p in files}
+    assert set(modes.values()) == {oct(0o640)}, modes  # 0o666 & ~0o027: the umask, not mkstemp's 0o600
+    again = train(data, "--load", ck, "--save", ck, "--train-iters", "2")
+    assert again.rc == 0 and "successfully loaded checkpoint" in again.output, again.output[-3000:]
+
+
+def test_atomic_write_follows_the_umask(tmp_path):
+    from megapar.atomic import atomic_write_text
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "a.txt", "x")
+        os.umask(0o077)
+        atomic_write_text(tmp_path / "b.txt", "y")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.txt").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "b.txt").stat().st_mode) == 0o600
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt"]
