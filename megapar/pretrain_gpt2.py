@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from .arguments import Config, ConfigError, config_from_namespace, default_of, parse_flags
+from .checkpointing import check_load_dir
 from .initialize import build_run, init_distributed, print_rank0, train_iters
 from .topology import Topology
 from .training import TrainState, evaluate, load, log_eval, save, train
@@ -42,7 +43,9 @@ def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
             given["load"] = save_dir
     if given.get("train_iters") is None and given.get("train_samples") is None:
         raise ConfigError("give --train-iters or --train-samples (how long to train)")
-    return config_from_namespace(given, world_size)
+    cfg = config_from_namespace(given, world_size)
+    check_load_dir(cfg.ckpt.load, cfg.ckpt.save)  # a --load that names no checkpoint stops here
+    return cfg
 
 
 def prepare_data(cfg: Config, rank: int) -> None:
