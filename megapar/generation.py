@@ -46,6 +46,9 @@ class GenerationError(ValueError):
     """Bad input to generation (prompt too long, wrong tokenizer, missing checkpoint...)."""
 
 
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
+
+
 @dataclass
 class SamplingParams:
     tokens_to_generate: int = 64
@@ -62,8 +65,9 @@ class SamplingParams:
     def validate(self) -> None:
         if self.tokens_to_generate < 0:
             raise GenerationError(f"tokens_to_generate must be >= 0, got {self.tokens_to_generate}")
-        if self.temperature < 0:
-            raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise GenerationError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                                  f"got {self.temperature}")   # below: logits / t overflow, sampling fails
         if self.top_k < 0:
             raise GenerationError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Optional
 
-from .generation import GenerationError, SamplingParams
+from .generation import MAX_TEMPERATURE, MIN_TEMPERATURE, GenerationError, SamplingParams
 
 MAX_PROMPTS = 128
 MAX_PROMPT_CHARS = 100_000
 MAX_TOKENS_TO_GENERATE = 1 << 16        # beyond any context; the engine cuts generation to the context
 MAX_SEED = 2**63                        # exclusive: random_seed in [0, 2^63), a non-negative int64
-MAX_TEMPERATURE, MAX_TOP_K = 100.0, 1000
+MAX_TOP_K = 1000
 
 GenerateFn = Callable[[list[str], SamplingParams], dict]
 
@@ -114,8 +114,8 @@ def parse_request(req: Any, defaults: SamplingParams) -> tuple[list[str], Sampli
     if p.tokens_to_generate == 0 and not p.logprobs:
         raise GenerationError("tokens_to_generate=0 implies logprobs should be True")
     p.temperature = _field(req, "temperature", float, defaults.temperature,
-                           lambda v: 0.0 <= v <= MAX_TEMPERATURE,
-                           f"must be a number between 0 and {MAX_TEMPERATURE}")
+                           lambda v: v == 0.0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE,
+                           f"must be 0 (greedy) or a number between {MIN_TEMPERATURE} and {MAX_TEMPERATURE}")
     p.top_k = _field(req, "top_k", int, defaults.top_k, lambda v: 0 <= v <= MAX_TOP_K,
                      f"must be an integer between 0 and {MAX_TOP_K}")
     p.top_p = _field(req, "top_p", float, defaults.top_p, lambda v: 0.0 <= v <= 1.0,
@@ -160,6 +160,8 @@ class GenerationServer(ThreadingHTTPServer):
         self.generation_lock = threading.Lock()
         self.closed = False
         self.connection_slots = threading.BoundedSemaphore(self.limits.max_connections)
+        self.open_connections = 0                                # connections with a thread now
+        self._count_lock = threading.Lock()
         super().__init__(address, Handler)
 
     def run_generation(self, prompts: list[str], params: SamplingParams) -> dict:
@@ -181,28 +183,47 @@ class GenerationServer(ThreadingHTTPServer):
         if not self.connection_slots.acquire(blocking=False):
             self._refuse_busy(request)
             return
+        self._count(+1)
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.connection_slots.release()
+            self._count(-1)
             raise
 
     def process_request_thread(self, request: socket.socket, client_address) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self._count(-1)
+
+    def _count(self, delta: int) -> None:
+        """Take (+1) or give back (-1) a connection slot."""
+        with self._count_lock:
+            self.open_connections += delta
+        if delta < 0:
             self.connection_slots.release()
 
     def _refuse_busy(self, request: socket.socket) -> None:
+        """Answer 503 on a short-lived thread of its own (the accept loop must not wait on it)."""
+        threading.Thread(target=self._send_busy, args=(request,), daemon=True).start()
+
+    def _send_busy(self, request: socket.socket) -> None:
+        """503, then read and drop what the client sends for up to a second before closing: closing
+        with its request unread would reset the connection before the client reads the answer."""
         body = json.dumps({"message": f"too many open connections (at most {self.limits.max_connections}); "
                                       "retry later"}).encode()
         try:
             request.settimeout(1.0)
             request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+            request.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and request.recv(65536):
+                pass
         except OSError:
             pass
-        self.shutdown_request(request)
+        finally:
+            request.close()
 
 
 class Handler(BaseHTTPRequestHandler):

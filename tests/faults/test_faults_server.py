@@ -3,7 +3,7 @@ every class of bad request, out-of-range seeds, too many connections, shutdown; 
 refusal of a bad --port (through the fault harness) and of a port already in use.
 
 The server runs in-process on a tiny random model with a character tokenizer (no files), with a
-1 s connection timeout so the timeout cases stay fast."""
+2 s connection timeout so the timeout cases stay fast."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +25,7 @@ from megapar.model import GPT2Model, Stage
 from megapar.text_generation_server import Limits, make_server, response_for
 
 VOCAB, EOD = 100, 99
+TIMEOUT = 2.0
 GOOD = {"prompts": ["Hello"], "tokens_to_generate": 3, "temperature": 0.9, "random_seed": 7}
 
 
@@ -76,7 +77,7 @@ def one_thread():
 def start(gen: Generator, **limits) -> tuple:
     """A served GenerationServer on a free port; (server, port)."""
     server = make_server(gen, SamplingParams(tokens_to_generate=4), port=0,
-                         limits=Limits(timeout=1.0, max_body_bytes=1 << 16, **limits))
+                         limits=Limits(timeout=TIMEOUT, max_body_bytes=1 << 16, **limits))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, server.server_address[1]
 
@@ -130,7 +131,7 @@ def test_idle_and_half_sent_connections_block_no_one_and_are_closed(served):
         t0 = time.monotonic()
         for _ in range(3):
             answers_good(port)
-        assert time.monotonic() - t0 < 1.0          # answered while both connections are still open
+        assert time.monotonic() - t0 < TIMEOUT      # answered while both connections are still open
         half.settimeout(5)
         reply = b""
         while chunk := half.recv(4096):
@@ -212,6 +213,7 @@ BAD_FIELDS = [  # (request body, fragment of the message); all 400
     ({**GOOD, "temperature": "hot"}, "temperature"),
     ({**GOOD, "temperature": -0.1}, "temperature"),
     ({**GOOD, "temperature": 101}, "temperature"),
+    ({**GOOD, "temperature": 1e-40}, "temperature"),          # logits / t overflow: sampling would fail
     ({**GOOD, "temperature": 1e999}, "temperature"),           # json.dumps writes Infinity: refused as JSON
     ({**GOOD, "top_k": 1.5}, "top_k"),
     ({**GOOD, "top_k": -1}, "top_k"),
@@ -259,7 +261,10 @@ def test_connections_beyond_the_cap_get_503_and_shutdown_refuses_new_generations
     server, port = start(gen, max_connections=2)
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
     try:
-        time.sleep(0.2)                                   # both accepted and holding their slots
+        deadline = time.monotonic() + 5
+        while server.open_connections < 2:               # both accepted and holding their slots
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         status, body = put(port, GOOD)
         assert status == 503 and "too many open connections" in body["message"]
     finally:
