@@ -9,7 +9,12 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Optional
@@ -18,10 +23,12 @@ import pytest
 import torch
 
 from gpt_helpers import tiny_model_config
-from harness import refused
+from harness import ROOT, refused
 from megapar.cli import generate_text
 from megapar.generation import GenerationError, InferenceEngine, SamplingParams
+from megapar.checkpointing import save_checkpoint
 from megapar.model import GPT2Model, Stage
+from megapar.topology import Topology
 from megapar.text_generation_server import Limits, make_server, response_for
 
 VOCAB, EOD = 100, 99
@@ -46,7 +53,6 @@ class Generator:
     def __init__(self):
         cfg = tiny_model_config(["--seq-length", "48"], vocab=VOCAB)
         model = GPT2Model(cfg.model, Stage.of(cfg.model.num_layers, 1, 0), 1234).eval()
-        from megapar.topology import Topology
         self.engine = InferenceEngine(model, Topology(1, 1, 1), 0, VOCAB, EOD)
         self.tok, self.in_flight, self.max_in_flight, self.calls = CharTokenizer(), 0, 0, 0
         self.lock = threading.Lock()
@@ -296,3 +302,37 @@ def test_cli_refuses_a_port_in_use():
         session = argparse.Namespace(api=lambda prompts, params: {}, params=SamplingParams())
         with pytest.raises(GenerationError, match=f"cannot listen on 127.0.0.1:{port}"):
             generate_text.serve(session, a)
+
+
+def test_real_server_process_refuses_bad_requests_answers_good_ones_and_stops_on_ctrl_c(tmp_path, gpt2_files):
+    """tools/generate_text.py --server end to end: the request threads drive the engine through
+    Session.api; Ctrl-C (SIGINT) stops it with exit status 0."""
+    vocab_file, merge_file = gpt2_files
+    cfg = tiny_model_config(["--seq-length", "48"], vocab=50257)
+    ns = cfg.namespace()
+    ns.consumed_train_samples = 0
+    ns.tokenizer_type, ns.vocab_file, ns.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
+    model = GPT2Model(cfg.model, Stage.of(cfg.model.num_layers, 1, 0), 1234).eval()
+    save_checkpoint(str(tmp_path / "ck"), 1, model, None, None, ns, model.cfg, Topology(1, 1, 1), 0,
+                    save_optim=False, save_rng=False)
+    log = tmp_path / "server.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "tools/generate_text.py", "--load", str(tmp_path / "ck"), "--server",
+                                 "--port", "0", "--device", "cpu", "--request-timeout", "2"], cwd=str(ROOT),
+                                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline, port = time.monotonic() + 60, None
+        while port is None:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            m = re.search(r"serving PUT http://127.0.0.1:(\d+)/api", log.read_text())
+            port = int(m.group(1)) if m else time.sleep(0.1)
+        for seed in (2**63, 2**64):
+            assert put(port, {**GOOD, "random_seed": seed})[0] == 400
+        status, body = put(port, GOOD)
+        assert status == 200 and body["text"][0].startswith("Hello"), body
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
