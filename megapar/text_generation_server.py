@@ -250,6 +250,7 @@ class Handler(BaseHTTPRequestHandler):
         """The stdlib's own errors (bad request line, headers too long, unknown method, timeout) as
         JSON messages too."""
         short, long = self.responses.get(code, ("error", ""))
+        self.log_error("code %d, message %s", code, message or short)
         self.close_connection = True
         try:
             self._reply(code, {"message": message or explain or long or short})
