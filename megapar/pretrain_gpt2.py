@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from .arguments import Config, ConfigError, config_from_namespace, default_of, parse_flags
+from .errors import USER_ERROR_EXIT, MegaparError
 from .checkpointing import check_load_dir
 from .initialize import build_run, init_distributed, print_rank0, train_iters
 from .topology import Topology
@@ -194,12 +195,27 @@ def _print_next_steps(cfg: Config, scheduler, argv: Optional[Sequence[str]]) -> 
 
 
 def user_errors() -> tuple[type[Exception], ...]:
-    """Exception types that mean a user's input (flags, tokenizer files, data) is wrong; each
-    carries a one-line message naming the file or flag and the fix."""
+    """Exception types that mean a user's input (flags, checkpoint, tokenizer files, data) is wrong;
+    each carries a one-line message naming the file or flag and the fix."""
     from .data.gpt_dataset import DatasetError
-    from .data.indexed_dataset import IndexedDatasetError
-    from .data.tokenizer import TokenizerError
-    return ConfigError, TokenizerError, IndexedDatasetError, DatasetError
+    return MegaparError, DatasetError
+
+
+def _leave(code: int, world: int, line: Optional[str] = None) -> None:
+    """Print `line` (if any) and exit with `code`, without a traceback. With several processes
+    a rank may stop where its peers wait in a collective it will never join: destroying the
+    process group or running interpreter shutdown could then hang, so such a rank leaves through
+    os._exit right after flushing. torchrun sees the exit status and stops the other ranks;
+    scripts/pretrain_gpt2.sh (megapar.launch) shows only the first `error:` line and drops what
+    follows from the other ranks and from torchrun."""
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    if world > 1:
+        sys.stdout.flush()
+        os._exit(code)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    raise SystemExit(code)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> TrainState:
@@ -207,17 +223,18 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainState:
     try:
         cfg = parse(argv, world)  # all validation before any process group exists
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
-    init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
+        _leave(USER_ERROR_EXIT, 1, f"error: {e}" if int(os.environ.get("RANK", "0")) == 0 else None)
     try:
-        return pretrain(cfg, sys.argv[1:] if argv is None else list(argv))
-    except user_errors() as e:  # bad tokenizer files or data: one line, no traceback
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
-    finally:
+        init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
+        state = pretrain(cfg, sys.argv[1:] if argv is None else list(argv))
         if dist.is_initialized():
             dist.destroy_process_group()
+        return state
+    except user_errors() as e:  # a bad checkpoint, tokenizer file or dataset: one line, no traceback
+        _leave(USER_ERROR_EXIT, world, f"error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C without --exit-signal-handler, or a second one with it
+        _leave(130, world, "> interrupted (SIGINT): stopped without saving; the last saved checkpoint is intact "
+                           "(with --exit-signal-handler a first Ctrl-C finishes the iteration and saves)")
 
 
 if __name__ == "__main__":

@@ -167,27 +167,51 @@ def log_eval(label: str, loss: float) -> None:
 
 # ---- exit conditions ------------------------------------------------------------------------------
 class SignalHandler:
-    """Records SIGTERM; the loop finishes the iteration, saves and exits 0."""
+    """--exit-signal-handler: SIGTERM or a first Ctrl-C (SIGINT) is recorded; the loop finishes the
+    iteration, saves, names the signal and exits 0. A second Ctrl-C aborts at once (KeyboardInterrupt,
+    no save; the last saved checkpoint stays intact: saves are atomic). `close()` restores the
+    previous handlers."""
 
-    def __init__(self, enabled: bool):
-        self.received = False
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, enabled: bool, rank: int = 0):
+        self.received = 0  # the first signal's number, 0 = none
+        self.rank, self.previous = rank, {}
         if enabled:
-            signal.signal(signal.SIGTERM, self._handle)
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.received = True
+        if self.received == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C
+        self.received = self.received or signum
+        if self.rank == 0:  # os.write: print() is not safe inside a signal handler
+            name = signal.Signals(signum).name
+            again = "; Ctrl-C again aborts without saving" if signum == signal.SIGINT else ""
+            os.write(1, f"> {name} received: finishing the iteration, then saving and exiting{again}\n".encode())
+
+    def close(self) -> None:
+        for sig, previous in self.previous.items():
+            signal.signal(sig, previous)
+        self.previous = {}
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    return max_over_ranks(1 if flag else 0, device) > 0
+
+
+def max_over_ranks(value: int, device: torch.device) -> int:
+    t = torch.tensor([float(value)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())
 
 
 def exit_reason(run: Run, state: TrainState, handler: SignalHandler, start_time: float) -> Optional[str]:
     t = run.cfg.train
-    if t.exit_signal_handler and any_rank(handler.received, run.device):
-        return "exiting after SIGTERM"
+    if t.exit_signal_handler:
+        signum = max_over_ranks(handler.received, run.device)  # every rank stops at the same iteration
+        if signum:
+            return f"exiting after {signal.Signals(signum).name} at iteration {state.iteration} (--exit-signal-handler)"
     if t.exit_interval and state.iteration % t.exit_interval == 0:
         return f"exiting at iteration {state.iteration} (--exit-interval {t.exit_interval})"
     if t.exit_duration_in_mins is not None:
@@ -369,9 +393,17 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
     """Train until --train-iters (or an exit condition); evaluate and save as configured.
     Step i + 1 is queued before step i's loss is read back, so the GPU never waits for the host
     between steps (except around evaluation, checkpoints and exit checks)."""
+    handler, start_time = SignalHandler(run.cfg.train.exit_signal_handler, run.rank), time.time()
+    try:
+        return _train_loop(run, train_ds, valid_ds, state, writer, handler, start_time)
+    finally:
+        handler.close()
+
+
+def _train_loop(run: Run, train_ds, valid_ds, state: TrainState, writer, handler: SignalHandler,
+                start_time: float) -> TrainState:
     cfg, total = run.cfg, train_iters(run.cfg)
     timers = Timers(cfg.log.timing_log_level, run.device)
-    handler, start_time = SignalHandler(cfg.train.exit_signal_handler), time.time()
     steps = StepLog(run, state, total, timers, writer)
     print_rank0(f"> training {total} iterations from iteration {state.iteration}; MFU against {steps.peak_desc}")
     profiler = Profiler(run) if cfg.log.profile else None

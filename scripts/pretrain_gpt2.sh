@@ -35,4 +35,7 @@ if [ ${#launcher[@]} -eq 0 ]; then launcher=(--standalone); fi
 
 # CPU threads per process: the cores shared evenly (torchrun would otherwise force 1).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(python3 -c "import os; print(max(1, os.cpu_count() // $nproc))")}"
-exec torchrun "${launcher[@]}" --nproc-per-node "$nproc" -m megapar.pretrain_gpt2 "${passthrough[@]}"
+# megapar.launch checks the flags at this world size before any process starts, then runs torchrun:
+# a user error ends in one `error:` line (no torchrun report), and SIGTERM / Ctrl-C reach the training
+# processes once (with --exit-signal-handler: finish the iteration, save, exit 0). See its docstring.
+exec python3 -m megapar.launch "${launcher[@]}" --nproc-per-node "$nproc" -- "${passthrough[@]}"

@@ -1,0 +1,160 @@
+"""What scripts/pretrain_gpt2.sh runs: check the flags, then start torchrun and stand between it
+and the user.
+
+    python -m megapar.launch [torchrun flags] -- [megapar.pretrain_gpt2 flags]
+
+1. The flags are parsed and validated here, once, at the world size torchrun will start
+   (--nproc-per-node x --nnodes): a bad flag ends in one `error:` line and exit 2 before any
+   process starts (no line per rank, no torchrun report).
+2. torchrun runs in a session of its own, its output read line by line and passed on. Once a rank
+   reports a user error (a line starting `error:`, printed by megapar.pretrain_gpt2's main, which
+   then exits with status 2), what follows on stderr is its consequence -- the other ranks losing
+   their peer, torchrun's ChildFailedError report -- and is dropped, as are repeats of the error
+   line from other ranks; the launcher exits 2. A failure with no `error:` line (a bug, a crash)
+   passes through untouched, torchrun's report included.
+3. Signals. SIGTERM or SIGINT (Ctrl-C) sent to the launcher (or to its process group, as a
+   terminal or a batch system does) is forwarded once to each training process directly, not to
+   torchrun: torchrun would answer a signal by stopping the workers itself (SIGKILL after 30 s)
+   and exit 1 with a SignalException traceback even when they saved and exited 0. With
+   --exit-signal-handler the workers finish the iteration, save, name the signal and exit 0, so
+   torchrun and the launcher exit 0. A second Ctrl-C is forwarded too and aborts without saving;
+   without --exit-signal-handler the first signal stops the run unsaved. In those two cases the
+   launcher drops the resulting tracebacks and torchrun report and exits 128 + the signal number.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Optional, Sequence
+
+from .errors import USER_ERROR_EXIT
+
+
+def _world_size(torchrun_args: Sequence[str]) -> Optional[int]:
+    """--nproc-per-node x --nnodes, or None where torchrun decides (elastic ranges, 'gpu', ...)."""
+    def value(flag: str, default: str) -> str:
+        for i, a in enumerate(torchrun_args):
+            if a in (flag, flag.replace("-", "_")) and i + 1 < len(torchrun_args):
+                return torchrun_args[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+        return default
+    nproc, nnodes = value("--nproc-per-node", "1"), value("--nnodes", "1")
+    return int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
+
+
+def check_flags(flags: Sequence[str], world: Optional[int]) -> None:
+    """Parse and validate the training flags as every rank will (exit 2 with one line if bad)."""
+    from .arguments import ConfigError
+    from .pretrain_gpt2 import parse
+
+    if world is None:
+        return
+    try:
+        parse(list(flags), world)  # argparse errors print one `error:` line and exit 2 themselves
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(USER_ERROR_EXIT) from None
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc): torchrun's workers."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        if int(fields[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+class Launch:
+    def __init__(self, torchrun_args: Sequence[str], flags: Sequence[str]):
+        self.flags = list(flags)
+        self.handler_on = "--exit-signal-handler" in self.flags
+        self.cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "megapar.pretrain_gpt2",
+                    *self.flags]
+        self.lock = threading.Lock()
+        self.error_seen = False
+        self.signals: list[int] = []  # forwarded, in order
+        self.proc: Optional[subprocess.Popen] = None
+
+    # -- output ----------------------------------------------------------------------------------
+    def _quiet(self) -> bool:
+        """Drop stderr from now on? After a user error, or after a signal that stops the run unsaved."""
+        aborting = self.signals and (not self.handler_on or len(self.signals) > 1)
+        return self.error_seen or bool(aborting)
+
+    def _relay(self, src, dst, is_stderr: bool) -> None:
+        for line in iter(src.readline, b""):
+            with self.lock:
+                if line.startswith(b"error:"):
+                    if self.error_seen:
+                        continue  # the same failure seen by another rank
+                    self.error_seen = True
+                elif is_stderr and self._quiet():
+                    continue
+                dst.write(line)
+                dst.flush()
+
+    # -- signals ---------------------------------------------------------------------------------
+    def _forward(self, signum, frame) -> None:
+        self.signals.append(signum)
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        workers = _children(self.proc.pid)
+        for pid in workers or [self.proc.pid]:  # no worker yet: torchrun stops itself
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def run(self) -> int:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._forward)
+        # A session of its own: a terminal's Ctrl-C reaches only this process, which forwards it once.
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                     start_new_session=True)
+        relays = [threading.Thread(target=self._relay, args=(self.proc.stdout, sys.stdout.buffer, False), daemon=True),
+                  threading.Thread(target=self._relay, args=(self.proc.stderr, sys.stderr.buffer, True), daemon=True)]
+        for t in relays:
+            t.start()
+        while True:
+            try:
+                rc = self.proc.wait()
+                break
+            except InterruptedError:
+                continue
+        for t in relays:
+            t.join(timeout=10)  # a worker left behind would hold the pipes open
+        if self.error_seen:
+            return USER_ERROR_EXIT
+        if rc != 0 and self._quiet():
+            name = signal.Signals(self.signals[-1]).name
+            print(f"> stopped by {name} without saving" + ("" if self.handler_on else
+                  " (--exit-signal-handler makes SIGTERM or a first Ctrl-C finish the iteration and save)"),
+                  flush=True)
+            return 128 + self.signals[-1]
+        return rc
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    torchrun_args, flags = argv[:split], argv[split + 1:]
+    check_flags(flags, _world_size(torchrun_args))
+    return Launch(torchrun_args, flags).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Training started the way users start it -- `bash scripts/pretrain_gpt2.sh` (torchrun, 2 CPU
+processes at --tensor-parallel 2) and `python -m megapar.pretrain_gpt2` -- faulted for real.
+
+flags: a negative or zero size or count, a non-finite or negative rate, a dropout or Adam beta
+outside [0, 1) is refused before any process starts or any file is written: one `error:` line
+naming the flag and the range, exit 2, no traceback (through the launcher: no torchrun report).
+checkpoint file: a truncated shard or a tracker file that is not text is refused with one line
+naming the file; the checkpoint folder is byte-identical afterwards.
+signals: with --exit-signal-handler, SIGTERM to the launcher or a first Ctrl-C (SIGINT) finishes
+the iteration, saves, names the signal and exits 0; a second Ctrl-C aborts (exit 130, no
+traceback) and leaves the last saved checkpoint intact.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import ROOT, ROWS, Row, refused, snapshot
+
+sys.path.insert(0, str(ROOT / "tests"))
+from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
+
+TRACKER = "latest_checkpointed_iteration.txt"
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--make-vocab-size-divisible-by", "32",
+        "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "1", "--attention-backend", "torch",
+        "--split", "90,10,0", "--hidden-dropout", "0", "--attention-dropout", "0"]
+LAUNCHER = ["bash", "scripts/pretrain_gpt2.sh", "--tensor-parallel", "2"]
+PYTHON = ["python", "-m", "megapar.pretrain_gpt2"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    """Flags for a tiny offline corpus with a byte-level GPT-2 vocabulary."""
+    d = tmp_path_factory.mktemp("data")
+    vocab, merge = _byte_gpt2_files(str(d))
+    _random_corpus(str(d / "corpus"), docs=200)
+    return [*TINY, "--data-path", str(d / "corpus"), "--vocab-file", vocab, "--merge-file", merge,
+            "--data-cache-path", str(d / "cache")]
+
+
+def _popen(cmd: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable if c == "python" else str(c) for c in cmd]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+
+
+def _signal_after(proc: subprocess.Popen, iteration: int, signals: list[int]) -> tuple[int, str]:
+    """Send the first of `signals` once the log shows `iteration`, each next one once the run has
+    said it received the previous; (exit status, whole output)."""
+    seen, pending = [], list(signals)
+    for line in proc.stdout:
+        seen.append(line)
+        if f" iteration {iteration:8d}/" in line or (len(pending) < len(signals) and "received" in line):
+            proc.send_signal(pending.pop(0))
+            if not pending:
+                break
+    out, _ = proc.communicate(timeout=120)
+    return proc.returncode, "".join(seen) + out
+
+
+def _record(fault_class: str, case: str, ok: bool, nothing_lost: bool) -> None:
+    ROWS.append(Row(fault_class, case, ok, nothing_lost))
+
+
+# ---- signals (the SIGTERM run's checkpoint is reused by the checkpoint-file cases) ------------------
+@pytest.fixture(scope="module")
+def sigterm_run(data, tmp_path_factory):
+    """scripts/pretrain_gpt2.sh at tp 2 with --exit-signal-handler, SIGTERM after iteration 2."""
+    ck = tmp_path_factory.mktemp("sigterm") / "ck"
+    proc = _popen([*LAUNCHER, *data, "--train-iters", "100000", "--exit-signal-handler", "--save", ck])
+    rc, out = _signal_after(proc, 2, [signal.SIGTERM])
+    return rc, out, ck
+
+
+def test_sigterm_through_the_launcher_saves_and_exits_0(sigterm_run):
+    rc, out, ck = sigterm_run
+    saved = (ck / TRACKER).is_file()
+    ok = rc == 0 and "exiting after SIGTERM" in out and "Traceback" not in out and "ChildFailedError" not in out
+    _record("signals", "SIGTERM to scripts/pretrain_gpt2.sh --exit-signal-handler (tp 2): saves, exit 0",
+            ok, saved)
+    assert rc == 0, out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    assert "exiting after SIGTERM" in out, out[-3000:]
+    it = int((ck / TRACKER).read_text())
+    assert it >= 2 and f"successfully saved checkpoint at iteration {it:7d}" in out
+    assert sorted(p.name for p in (ck / f"iter_{it:07d}").iterdir()) == ["mp_rank_00", "mp_rank_01"]
+
+
+def test_first_ctrl_c_finishes_the_step_saves_and_exits_0(data, tmp_path):
+    ck = tmp_path / "ck"
+    proc = _popen([*PYTHON, *data, "--train-iters", "100000", "--exit-signal-handler", "--save", ck])
+    rc, out = _signal_after(proc, 2, [signal.SIGINT])
+    saved = (ck / TRACKER).is_file()
+    ok = rc == 0 and "exiting after SIGINT" in out and "Traceback" not in out
+    _record("signals", "one Ctrl-C (SIGINT) with --exit-signal-handler: saves, exit 0", ok, saved)
+    assert rc == 0 and "Traceback" not in out, out[-3000:]
+    assert "exiting after SIGINT" in out and "Ctrl-C again aborts" in out, out[-3000:]
+    it = int((ck / TRACKER).read_text())
+    assert f"successfully saved checkpoint at iteration {it:7d}" in out
+
+
+def test_second_ctrl_c_aborts_and_keeps_the_saved_checkpoint(data, tmp_path):
+    """--save-interval 1 keeps saving; a second Ctrl-C during the step the first one lets finish
+    stops at once: exit 130, no traceback, and the checkpoint the tracker names is complete and
+    loadable (saves are atomic). 64 microbatches a step: time for the second Ctrl-C to land."""
+    ck = tmp_path / "ck"
+    proc = _popen([*PYTHON, *data, "--train-iters", "20", "--global-batch-size", "128", "--exit-signal-handler",
+                   "--save", ck, "--save-interval", "1"])
+    rc, out = _signal_after(proc, 2, [signal.SIGINT, signal.SIGINT])
+    ok = rc == 130 and "Traceback" not in out and "interrupted (SIGINT)" in out
+    assert (ck / TRACKER).is_file(), out[-3000:]  # iteration 1 was saved before the first Ctrl-C
+    it = int((ck / TRACKER).read_text())
+    import torch
+    intact = all(torch.load(f, map_location="cpu", weights_only=False) is not None
+                 for f in (ck / f"iter_{it:07d}").rglob("*.pt"))
+    _record("signals", "two Ctrl-C: abort, exit 130, last checkpoint intact", ok, intact)
+    assert rc == 130 and "Traceback" not in out, out[-3000:]
+    assert "interrupted (SIGINT)" in out
+
+
+# ---- checkpoint file -----------------------------------------------------------------------------
+@pytest.fixture
+def saved(sigterm_run, tmp_path) -> Path:
+    """A copy of the SIGTERM run's tp 2 checkpoint."""
+    ck = tmp_path / "ck"
+    shutil.copytree(sigterm_run[2], ck)
+    return ck
+
+
+def test_truncated_checkpoint_file_through_the_launcher(data, saved):
+    it = int((saved / TRACKER).read_text())
+    shard = saved / f"iter_{it:07d}" / "mp_rank_01" / "model_optim_rng.pt"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    # the run's own --train-iters: the resume keeps the checkpoint's LR schedule; rank 1 meets the bad file
+    refused([*LAUNCHER, *data, "--train-iters", "100000", "--load", saved, "--save", saved],
+            fault_class="checkpoint file", case="truncated shard of rank 1, --load through scripts/pretrain_gpt2.sh "
+                                                "(tp 2)",
+            expect=[str(shard), "truncated or corrupt"], watch=[saved])
+
+
+def test_tracker_that_is_not_text(data, saved):
+    (saved / TRACKER).write_bytes(b"\xff\xfe\x00\x81garbage")
+    refused([*PYTHON, *data, "--train-iters", "100000", "--load", saved, "--save", saved],
+            fault_class="checkpoint file", case="non-UTF-8 tracker file (python -m megapar.pretrain_gpt2)",
+            expect=[TRACKER, "not text"], watch=[saved])
+
+
+# ---- flags ---------------------------------------------------------------------------------------
+LAUNCHER_FLAG_CASES = [  # through torchrun: refused before any process starts
+    (["--train-iters", "-5"], "--train-iters -5 must be >= 0"),
+    (["--train-iters", "5", "--lr", "nan"], "--lr nan is out of range"),
+]
+PYTHON_FLAG_CASES = [  # one process each (about 3 s): a case per class of bad number
+    (["--train-iters", "5", "--micro-batch-size", "0"], "--micro-batch-size 0 must be >= 1"),
+    (["--train-iters", "5", "--eval-iters", "-1"], "--eval-iters -1 must be >= 0"),
+    (["--train-iters", "5", "--lr", "inf"], "--lr inf is out of range"),
+    (["--train-iters", "5", "--hidden-dropout", "1.0"], "--hidden-dropout 1.0 is out of range"),
+    (["--train-iters", "5", "--clip-grad", "-1"], "--clip-grad -1.0 is out of range"),
+    (["--train-iters", "5", "--adam-beta2", "1"], "--adam-beta2 1.0 is out of range"),
+    (["--train-iters", "five"], "invalid int value"),
+]
+IN_PROCESS_CASES = [  # the rest, checked without a process each
+    (["--train-iters", "5", "--global-batch-size", "0"], "--global-batch-size 0 must be >= 1"),
+    (["--train-iters", "5", "--log-interval", "0"], "--log-interval 0 must be >= 1"),
+    (["--train-iters", "5", "--save-interval", "0"], "--save-interval 0 must be >= 1"),
+    (["--train-iters", "5", "--lr", "-0.001"], "--lr -0.001 is out of range"),
+    (["--train-samples", "-1"], "--train-samples -1 must be >= 0"),
+    (["--train-iters", "5", "--attention-dropout", "-0.1"], "--attention-dropout -0.1 is out of range"),
+    (["--train-iters", "5", "--adam-beta1", "1.5"], "--adam-beta1 1.5 is out of range"),
+    (["--train-iters", "5", "--adam-eps", "0"], "--adam-eps 0.0 is out of range"),
+    (["--train-iters", "5", "--num-attention-heads", "0"], "--num-attention-heads 0 must be >= 1"),
+    (["--train-iters", "5", "--seed", "-1"], "--seed -1 must be in"),
+]
+
+
+@pytest.mark.parametrize("flags,expect", LAUNCHER_FLAG_CASES, ids=[" ".join(f) for f, _ in LAUNCHER_FLAG_CASES])
+def test_bad_number_through_the_launcher(data, tmp_path, flags, expect):
+    (tmp_path / "keep.txt").write_text("user data")
+    out = refused([*LAUNCHER, *data, *flags, "--save", tmp_path / "ck"], fault_class="flags",
+                  case=f"{' '.join(flags)} (scripts/pretrain_gpt2.sh, tp 2)", expect=expect, watch=[tmp_path])
+    assert out.rc == 2 and "torch.distributed" not in out.output
+
+
+def test_bad_numbers_through_python(data, tmp_path):
+    """One process per case (each is a real start of the entry point)."""
+    (tmp_path / "keep.txt").write_text("user data")
+    for flags, expect in PYTHON_FLAG_CASES:
+        out = refused([*PYTHON, *data, *flags, "--save", tmp_path / "ck"], fault_class="flags",
+                      case=f"{' '.join(flags)} (python -m megapar.pretrain_gpt2)", expect=expect, watch=[tmp_path])
+        assert out.rc == 2
+
+
+def test_every_range_check_in_process():
+    """The same checks without a process each: every range class, and the edge values that stay legal."""
+    from megapar.arguments import ConfigError, parse_config
+    for flags, expect in LAUNCHER_FLAG_CASES + PYTHON_FLAG_CASES[:-1] + IN_PROCESS_CASES:
+        with pytest.raises(ConfigError) as e:
+            parse_config(flags, 1)
+        assert expect in str(e.value)
+    for extra in (["--lr", "1e-30", "--min-lr", "0"], ["--hidden-dropout", "0", "--attention-dropout", "0.99"],
+                  ["--clip-grad", "0"], ["--adam-beta1", "0", "--adam-beta2", "0.9999"],
+                  ["--eval-interval", "0", "--eval-iters", "0"], ["--train-iters", "0"]):
+        parse_config(["--train-iters", "5", *extra], 1)
