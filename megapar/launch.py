@@ -17,9 +17,10 @@ and the user.
    torchrun: torchrun would answer a signal by stopping the workers itself (SIGKILL after 30 s)
    and exit 1 with a SignalException traceback even when they saved and exited 0. With
    --exit-signal-handler the workers finish the iteration, save, name the signal and exit 0, so
-   torchrun and the launcher exit 0. A second Ctrl-C is forwarded too and aborts without saving;
-   without --exit-signal-handler the first signal stops the run unsaved. In those two cases the
-   launcher drops the resulting tracebacks and torchrun report and exits 128 + the signal number.
+   torchrun and the launcher exit 0. A second signal goes to the workers and to torchrun: a second
+   Ctrl-C aborts without saving, and torchrun SIGKILLs a worker still running 30 s later. Without
+   --exit-signal-handler the first signal stops the run unsaved. In those cases the launcher drops
+   the resulting tracebacks and torchrun report and exits 128 + the signal number.
 """
 from __future__ import annotations
 
@@ -112,7 +113,10 @@ class Launch:
         if self.proc is None or self.proc.poll() is not None:
             return
         workers = _children(self.proc.pid)
-        for pid in workers or [self.proc.pid]:  # no worker yet: torchrun stops itself
+        # No worker yet: torchrun stops itself. A second signal also goes to torchrun, which then
+        # stops the workers itself and SIGKILLs any still running 30 s later (a rank hung in a collective).
+        targets = workers + [self.proc.pid] if len(self.signals) > 1 else workers or [self.proc.pid]
+        for pid in targets:
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
