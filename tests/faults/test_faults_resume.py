@@ -173,3 +173,22 @@ def test_nothing_left_to_do_exits_0_without_writing(trained):
         in out.output
     assert "training 4 iterations" not in out.output and "saving checkpoint" not in out.output
     assert snapshot([trained.ck]) == before                                  # nothing changed, nothing new
+
+
+def test_train_longer_command_rewrites_the_flags():
+    """Unit check of the hint: --load/--save/--train-iters/--lr-decay-iters in either spelling are replaced, a
+    kept schedule keeps --use-checkpoint-opt_param-scheduler, the embedded default's (which ends at LR 0)
+    is stretched."""
+    from megapar.pretrain_gpt2 import parse, train_longer_command
+    argv = ["--train-iters=4", "--lr-decay-iters", "9", "--min-lr", "1e-5", "--load", "a", "--save=b",
+            "--use-checkpoint-opt_param-scheduler", "--override-opt-param-scheduler", "--seed", "3"]
+    cfg = parse(["--train-iters", "4", "--min-lr", "1e-5", "--save", "b", "--data-path", "x"], 1)
+    sched = types.SimpleNamespace(min_lr=1e-5, decay_style="cosine", decay_steps=9)
+    assert train_longer_command(cfg, sched, argv).split("   #")[0] == (
+        "bash scripts/pretrain_gpt2.sh --min-lr 1e-5 --use-checkpoint-opt_param-scheduler --seed 3 --load b "
+        "--save b --train-iters 8 --lr-decay-iters 9")
+    cfg = parse([], 1)                                   # the embedded default: 300 iterations, cosine to 0
+    sched = types.SimpleNamespace(min_lr=0.0, decay_style="cosine", decay_steps=300)
+    assert train_longer_command(cfg, sched, []).split("   #")[0] == (
+        f"bash scripts/pretrain_gpt2.sh --load {cfg.ckpt.save} --save {cfg.ckpt.save} --train-iters 600 "
+        f"--override-opt_param-scheduler")
