@@ -177,15 +177,23 @@ def test_target_size_below_one_is_refused(runs, flag, value):
 
 
 # ---- convert_to_hf --------------------------------------------------------------------------------
-def test_hf_save_dir_containing_the_source_is_refused(runs):
-    refused(to_hf(runs / "ck", runs, "--force"), fault_class="data loss",
-            case="convert_to_hf --save-dir = parent of --load-dir, --force", expect="contains the --load-dir",
-            watch=[runs])
-
-
 def test_hf_save_dir_inside_the_source_is_refused(runs):
     refused(to_hf(runs / "ck", runs / "ck" / "hf"), fault_class="data loss",
             case="convert_to_hf --save-dir inside --load-dir", expect="lies inside the --load-dir", watch=[runs])
+
+
+def test_hf_force_onto_an_unrelated_folder_is_refused(runs):
+    refused(to_hf(runs / "ck", runs, "--force"), fault_class="data loss",
+            case="convert_to_hf --save-dir = parent of --load-dir, --force", expect="contains the --load-dir",
+            watch=[runs])
+    other = runs / "models"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "gpt2"}')  # an HF-looking folder with more in it
+    (other / "model.safetensors").write_bytes(b"weights")
+    (other / "tokenizer.json").write_text("{}")
+    refused(to_hf(runs / "ck", other, "--force"), fault_class="data loss",
+            case="convert_to_hf --force onto a folder with more than config.json + model.safetensors",
+            expect="not a previous output", watch=[runs])
 
 
 def test_hf_force_onto_a_checkpoint_is_refused(runs, trained):
@@ -248,3 +256,43 @@ def test_atomic_write_follows_the_umask(tmp_path):
     assert stat.S_IMODE((tmp_path / "a.txt").stat().st_mode) == 0o644
     assert stat.S_IMODE((tmp_path / "b.txt").stat().st_mode) == 0o600
     assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt"]
+
+
+# ---- kill -9 in the middle of a save ---------------------------------------------------------------
+KILL_AT = '''import os, runpy, signal, sys
+name, nth = sys.argv[1], int(sys.argv[2])
+sys.argv = ["megapar.pretrain_gpt2"] + sys.argv[3:]
+real, seen = os.replace, [0]
+def replace(src, dst, *a, **k):  # SIGKILL just before the nth rename onto a file or folder called `name`
+    if os.path.basename(str(dst)) == name:
+        seen[0] += 1
+        if seen[0] == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return real(src, dst, *a, **k)
+os.replace = replace
+runpy.run_module("megapar.pretrain_gpt2", run_name="__main__")
+'''
+
+
+def losses(output: str) -> dict[int, str]:
+    import re
+    return {int(m[1]): m[2] for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+)", output)}
+
+
+@pytest.mark.parametrize("name,nth,resumes_at", [
+    ("model_optim_rng.pt", 2, 1),                 # iteration 2's model file written, not yet renamed
+    ("iter_0000002", 1, 1),                       # its folder complete, not yet in place
+    ("latest_checkpointed_iteration.txt", 2, 1),  # in place, the tracker still names iteration 1
+])
+def test_kill_during_a_save_resumes_exactly(data, tmp_path, name, nth, resumes_at):
+    flags = [*TINY, *data, "--train-iters", "4", "--save-interval", "1", "--data-cache-path", tmp_path / "cache"]
+    ref = run(["python", "-m", "megapar.pretrain_gpt2", *flags, "--save", tmp_path / "ref"])
+    assert ref.rc == 0, ref.output[-3000:]
+    ck = tmp_path / "ck"
+    killed = run(["python", "-c", KILL_AT, name, str(nth), *flags, "--save", ck, "--load", ck])
+    assert killed.rc == -9, killed.output[-3000:]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text() == str(resumes_at)
+    resumed = run(["python", "-m", "megapar.pretrain_gpt2", *flags, "--save", ck, "--load", ck])
+    assert resumed.rc == 0 and f"at iteration {resumes_at}" in resumed.output, resumed.output[-3000:]
+    want = {i: v for i, v in losses(ref.output).items() if i > resumes_at}
+    assert losses(resumed.output) == want and len(want) == 4 - resumes_at
