@@ -144,8 +144,13 @@ def publish_dir(staging: str, out_dir: str, kinds: Iterable[str]) -> None:
     """Move the finished `staging` into place. An existing `out_dir` is checked again (it may have
     changed during the conversion), renamed aside, and removed only after the new one is in place."""
     kinds = tuple(kinds)
+    real_dir = os.path.isdir(out_dir) and not os.path.islink(out_dir)
+    if os.path.lexists(out_dir) and not real_dir:
+        discard(staging)
+        raise CheckpointError(f"output path {out_dir} appeared during the conversion and is not a directory; "
+                              f"nothing was replaced")
     if not _entries(out_dir):
-        if os.path.isdir(out_dir) and not os.path.islink(out_dir):
+        if real_dir:
             os.rmdir(out_dir)                     # empty: nothing of anyone's is lost
         os.replace(staging, out_dir)
         return

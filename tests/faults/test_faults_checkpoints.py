@@ -296,3 +296,17 @@ def test_kill_during_a_save_resumes_exactly(data, tmp_path, name, nth, resumes_a
     assert resumed.rc == 0 and f"at iteration {resumes_at}" in resumed.output, resumed.output[-3000:]
     want = {i: v for i, v in losses(ref.output).items() if i > resumes_at}
     assert losses(resumed.output) == want and len(want) == 4 - resumes_at
+
+
+def test_output_that_changes_during_a_conversion_is_not_replaced(tmp_path):
+    """publish_dir checks the output again just before the rename."""
+    from megapar.checkpointing import CheckpointError
+    from megapar.reshard.output import CANONICAL, CHECKPOINT, new_staging, publish_dir
+    out = tmp_path / "out"
+    staging = new_staging(str(out))                      # the tool started on an absent --save-dir ...
+    (Path(staging) / "metadata.pt").write_bytes(b"new")
+    out.mkdir()
+    (out / "mine.txt").write_text("written meanwhile")   # ... and the user wrote there in the meantime
+    with pytest.raises(CheckpointError, match="changed during the conversion"):
+        publish_dir(staging, str(out), (CHECKPOINT, CANONICAL))
+    assert sorted(os.listdir(tmp_path)) == ["out"] and (out / "mine.txt").read_text() == "written meanwhile"
