@@ -46,19 +46,23 @@ def data(tmp_path_factory) -> list[str]:
 
 
 def _popen(cmd: list[str]) -> subprocess.Popen:
+    """A session of its own, as a terminal's foreground job: `_signal_after(..., group=True)` signals
+    all of it, as Ctrl-C in a terminal does."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable if c == "python" else str(c) for c in cmd]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                            start_new_session=True)
 
 
-def _signal_after(proc: subprocess.Popen, iteration: int, signals: list[int]) -> tuple[int, str]:
+def _signal_after(proc: subprocess.Popen, iteration: int, signals: list[int], group: bool = False) -> tuple[int, str]:
     """Send the first of `signals` once the log shows `iteration`, each next one once the run has
-    said it received the previous; (exit status, whole output)."""
+    said it received the previous (to the process, or its whole group); (exit status, whole output)."""
     seen, pending = [], list(signals)
     for line in proc.stdout:
         seen.append(line)
         if f" iteration {iteration:8d}/" in line or (len(pending) < len(signals) and "received" in line):
-            proc.send_signal(pending.pop(0))
+            sig = pending.pop(0)
+            os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
             if not pending:
                 break
     out, _ = proc.communicate(timeout=120)
@@ -94,13 +98,15 @@ def test_sigterm_through_the_launcher_saves_and_exits_0(sigterm_run):
 
 
 def test_first_ctrl_c_finishes_the_step_saves_and_exits_0(data, tmp_path):
+    """Ctrl-C as a terminal sends it: SIGINT to the launcher's whole process group."""
     ck = tmp_path / "ck"
-    proc = _popen([*PYTHON, *data, "--train-iters", "100000", "--exit-signal-handler", "--save", ck])
-    rc, out = _signal_after(proc, 2, [signal.SIGINT])
+    proc = _popen([*LAUNCHER, *data, "--train-iters", "100000", "--exit-signal-handler", "--save", ck])
+    rc, out = _signal_after(proc, 2, [signal.SIGINT], group=True)
     saved = (ck / TRACKER).is_file()
     ok = rc == 0 and "exiting after SIGINT" in out and "Traceback" not in out
-    _record("signals", "one Ctrl-C (SIGINT) with --exit-signal-handler: saves, exit 0", ok, saved)
-    assert rc == 0 and "Traceback" not in out, out[-3000:]
+    _record("signals", "one Ctrl-C to scripts/pretrain_gpt2.sh --exit-signal-handler (tp 2): saves, exit 0", ok,
+            saved)
+    assert rc == 0 and "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
     assert "exiting after SIGINT" in out and "Ctrl-C again aborts" in out, out[-3000:]
     it = int((ck / TRACKER).read_text())
     assert f"successfully saved checkpoint at iteration {it:7d}" in out
