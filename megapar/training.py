@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .checkpointing import load_checkpoint, save_checkpoint
 from .cuda_graph import GraphedStep
+from .errors import MegaparError
 from .initialize import Run, checkpoint_args, print_rank0, train_iters
 from .pipeline.p2p import current_step
 from .pipeline.schedules import ScheduleConfig, average_logs, get_forward_backward_func
@@ -270,13 +271,18 @@ def load(run: Run, state: TrainState) -> None:
         load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune)
 
 
+class NonFiniteLossError(MegaparError, FloatingPointError):
+    """The loss or gradient norm became NaN/Inf (a too large --lr, fp16 without loss scaling, bad data);
+    raised on every rank at the same iteration, before any checkpoint of the broken weights."""
+
+
 def check_finite(state: TrainState, iteration: int, loss: float, applied: bool, grad_norm: float) -> None:
     if not applied:  # fp16 overflow: skipped on every rank, the scaler backs off
         state.skipped_iters += 1
         return
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         state.nan_iters += 1
-        raise FloatingPointError(f"NaN/Inf at iteration {iteration}: lm loss {loss}, grad norm {grad_norm}; "
+        raise NonFiniteLossError(f"NaN/Inf at iteration {iteration}: lm loss {loss}, grad norm {grad_norm}; "
                                  f"lower --lr, use --bf16 or --fp16 loss scaling, or check the data")
 
 
