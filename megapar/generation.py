@@ -40,9 +40,10 @@ from .reshard import load_model_state_for
 from .tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from .tensor_parallel.mappings import gather_from_tp
 from .topology import Topology
+from .errors import MegaparError
 
 
-class GenerationError(ValueError):
+class GenerationError(MegaparError, ValueError):
     """Bad input to generation (prompt too long, wrong tokenizer, missing checkpoint...)."""
 
 
