@@ -194,13 +194,6 @@ def _print_next_steps(cfg: Config, scheduler, argv: Optional[Sequence[str]]) -> 
         f"--target-tensor-parallel-size {other_tp} --target-pipeline-parallel-size {p.pipeline_model_parallel_size}")
 
 
-def user_errors() -> tuple[type[Exception], ...]:
-    """Exception types that mean a user's input (flags, checkpoint, tokenizer files, data) is wrong;
-    each carries a one-line message naming the file or flag and the fix."""
-    from .data.gpt_dataset import DatasetError
-    return MegaparError, DatasetError
-
-
 def _leave(code: int, world: int, line: Optional[str] = None) -> None:
     """Print `line` (if any) and exit with `code`, without a traceback. With several processes
     a rank may stop where its peers wait in a collective it will never join: destroying the
@@ -230,7 +223,7 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainState:
         if dist.is_initialized():
             dist.destroy_process_group()
         return state
-    except user_errors() as e:  # a bad checkpoint, tokenizer file or dataset: one line, no traceback
+    except MegaparError as e:  # a bad checkpoint, tokenizer file, dataset, a NaN loss: one line, no traceback
         _leave(USER_ERROR_EXIT, world, f"error: {e}")
     except KeyboardInterrupt:  # Ctrl-C without --exit-signal-handler, or a second one with it
         _leave(130, world, "> interrupted (SIGINT): stopped without saving; the last saved checkpoint is intact "
