@@ -65,7 +65,8 @@ def load_file(path: str) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # zip/pickle errors have many types
-        raise CheckpointError(f"checkpoint file {path} is truncated or corrupt ({type(e).__name__}: {e}); "
+        why = str(e).strip().split("\n")[0].split(". ")[0].rstrip(".")  # torch adds sentences of advice
+        raise CheckpointError(f"checkpoint file {path} is truncated or corrupt ({type(e).__name__}: {why}); "
                               f"load an earlier iteration or re-save it") from None
 
 
