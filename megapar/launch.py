@@ -12,10 +12,11 @@ and the user.
    their peer, torchrun's ChildFailedError report -- and is dropped, as are repeats of the error
    line from other ranks; the launcher exits 2. A failure with no `error:` line (a bug, a crash)
    passes through untouched, torchrun's report included.
-3. Signals. SIGTERM or SIGINT (Ctrl-C) sent to the launcher (or to its process group, as a
-   terminal or a batch system does) is forwarded once to each training process directly, not to
-   torchrun: torchrun would answer a signal by stopping the workers itself (SIGKILL after 30 s)
-   and exit 1 with a SignalException traceback even when they saved and exited 0. With
+3. Signals. SIGTERM or SIGINT (Ctrl-C) -- and SIGHUP, SIGQUIT, as torchrun does -- sent to the
+   launcher (or to its process group, as a terminal or a batch system does) is forwarded once to
+   each training process directly, not to torchrun: torchrun would answer a signal by stopping
+   the workers itself (SIGKILL after 30 s) and exit 1 with a SignalException traceback even when
+   they saved and exited 0. With
    --exit-signal-handler the workers finish the iteration, save, name the signal and exit 0, so
    torchrun and the launcher exit 0. A second signal goes to the workers and to torchrun: a second
    Ctrl-C aborts without saving, and torchrun SIGKILLs a worker still running 30 s later. Without
@@ -32,6 +33,10 @@ import threading
 from typing import Optional, Sequence
 
 from .errors import USER_ERROR_EXIT
+
+# What torchrun itself would forward; the first two make --exit-signal-handler save (training.py).
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+SAVING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _world_size(torchrun_args: Sequence[str]) -> Optional[int]:
@@ -92,8 +97,8 @@ class Launch:
     # -- output ----------------------------------------------------------------------------------
     def _quiet(self) -> bool:
         """Drop stderr from now on? After a user error, or after a signal that stops the run unsaved."""
-        aborting = self.signals and (not self.handler_on or len(self.signals) > 1)
-        return self.error_seen or bool(aborting)
+        graceful = self.handler_on and len(self.signals) == 1 and self.signals[0] in SAVING_SIGNALS
+        return self.error_seen or bool(self.signals and not graceful)
 
     def _relay(self, src, dst, is_stderr: bool) -> None:
         for line in iter(src.readline, b""):
@@ -104,8 +109,11 @@ class Launch:
                     self.error_seen = True
                 elif is_stderr and self._quiet():
                     continue
-                dst.write(line)
-                dst.flush()
+                try:
+                    dst.write(line)
+                    dst.flush()
+                except OSError:  # our reader went away (e.g. `| head`): keep draining, so no rank blocks
+                    pass
 
     # -- signals ---------------------------------------------------------------------------------
     def _forward(self, signum, frame) -> None:
@@ -124,7 +132,7 @@ class Launch:
 
     def run(self) -> int:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in FORWARDED:
             signal.signal(sig, self._forward)
         # A session of its own: a terminal's Ctrl-C reaches only this process, which forwards it once.
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
