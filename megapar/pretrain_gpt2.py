@@ -133,7 +133,7 @@ def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None) -> TrainState:
     if state.exit_reason is None:
         _finish(run, state, valid_ds, test_ds)
     print_rank0(f"> training done in {time.time() - start:.1f} s at iteration {state.iteration}")
-    _print_next_steps(cfg, run.scheduler, argv)
+    _print_next_steps(cfg, run.scheduler, argv, stopped=state.exit_reason is not None)
     return state
 
 
@@ -181,15 +181,33 @@ def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]]) 
     return f"bash scripts/pretrain_gpt2.sh {shlex.join(kept)}   {why}"
 
 
-def _print_next_steps(cfg: Config, scheduler, argv: Optional[Sequence[str]]) -> None:
+def resume_command(cfg: Config, argv: Optional[Sequence[str]]) -> str:
+    """The command that finishes a run stopped early (signal, --exit-interval, time limit): this
+    run's flags with --load and --save at its checkpoint; the same length and LR schedule."""
+    kept, skip = [], False
+    for a in (argv or []):
+        name = a.split("=", 1)[0]
+        if skip:
+            skip = False
+            continue
+        if name in ("--load", "--save"):
+            skip = "=" not in a
+            continue
+        kept.append(a)
+    kept += ["--load", cfg.ckpt.save, "--save", cfg.ckpt.save]
+    return f"bash scripts/pretrain_gpt2.sh {shlex.join(kept)}   # resume where this run stopped"
+
+
+def _print_next_steps(cfg: Config, scheduler, argv: Optional[Sequence[str]], stopped: bool) -> None:
     if not cfg.ckpt.save:
         return
     p = cfg.parallel
     other_tp = 2 if p.tensor_model_parallel_size == 1 else 1
+    go_on = resume_command(cfg, argv) if stopped else train_longer_command(cfg, scheduler, argv)
     print_rank0(
         "> next steps:\n"
         f"    bash scripts/generate_text.sh --load {cfg.ckpt.save}            # sample text from the checkpoint\n"
-        f"    {train_longer_command(cfg, scheduler, argv)}\n"
+        f"    {go_on}\n"
         f"    python tools/checkpoint_util.py --load-dir {cfg.ckpt.save} --save-dir {cfg.ckpt.save}_tp{other_tp} "
         f"--target-tensor-parallel-size {other_tp} --target-pipeline-parallel-size {p.pipeline_model_parallel_size}")
 

@@ -192,3 +192,12 @@ def test_train_longer_command_rewrites_the_flags():
     assert train_longer_command(cfg, sched, []).split("   #")[0] == (
         f"bash scripts/pretrain_gpt2.sh --load {cfg.ckpt.save} --save {cfg.ckpt.save} --train-iters 600 "
         f"--override-opt_param-scheduler")
+
+
+def test_a_run_stopped_early_is_told_how_to_resume():
+    """After a signal or --exit-interval, the hint is the same run resumed, not a longer one."""
+    from megapar.pretrain_gpt2 import parse, resume_command
+    argv = ["--train-iters", "100", "--save", "b", "--load=b", "--exit-signal-handler"]
+    cfg = parse(argv + ["--data-path", "x"], 1)
+    assert resume_command(cfg, argv).split("   #")[0] == (
+        "bash scripts/pretrain_gpt2.sh --train-iters 100 --exit-signal-handler --load b --save b")
