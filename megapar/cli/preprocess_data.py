@@ -12,7 +12,7 @@ import argparse
 import signal
 import sys
 
-from megapar.data.preprocess import PreprocessConfig, PreprocessError, preprocess
+from megapar.data.preprocess import Interrupted, PreprocessConfig, PreprocessError, preprocess, request_stop
 from megapar.data.tokenizer import TOKENIZER_TYPES, TokenizerError
 
 
@@ -53,14 +53,6 @@ def get_args(argv=None) -> argparse.Namespace:
     return args
 
 
-class Interrupted(BaseException):
-    """SIGTERM, raised in the main process so that the outputs are cleaned up and workers stopped."""
-
-
-def _raise_interrupted(signum, frame) -> None:
-    raise Interrupted(signal.Signals(signum).name)
-
-
 def main(argv=None) -> int:
     args = get_args(argv)
     cfg = PreprocessConfig(input=args.input, output_prefix=args.output_prefix, json_keys=args.json_keys,
@@ -69,7 +61,7 @@ def main(argv=None) -> int:
                            tiktoken_name=args.tiktoken_name, append_eod=args.append_eod,
                            workers=args.workers, log_interval=args.log_interval,
                            skip_bad_lines=args.skip_bad_lines, allow_empty=args.allow_empty)
-    signal.signal(signal.SIGTERM, _raise_interrupted)
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         result = preprocess(cfg)
     except (PreprocessError, TokenizerError) as e:
@@ -79,9 +71,10 @@ def main(argv=None) -> int:
         name = "SIGINT" if isinstance(e, KeyboardInterrupt) else str(e)
         print(f"error: interrupted by {name}; workers stopped and no output written (partial files removed); "
               "rerun the same command to convert from the start", file=sys.stderr)
-        return 128 + (signal.SIGINT if name == "SIGINT" else signal.SIGTERM)
+        return 128 + signal.Signals[name]
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     mb = result["bytes"] / 1e6
     print(f"Done: {mb:.1f} MB in {result['seconds']:.1f}s ({mb / max(result['seconds'], 1e-9):.2f} MB/s), "
           f"{result['bad_lines']} bad lines skipped", file=sys.stderr)

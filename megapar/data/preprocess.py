@@ -164,15 +164,36 @@ def _batches(f, raw) -> Iterator[tuple[int, bytes, int]]:
         lineno += blob.count(b"\n")
 
 
+class Interrupted(BaseException):
+    """A stop signal in the main process: the outputs are removed and the workers stopped."""
+
+
+_STOP: dict = {"signal": None}
+
+
+def request_stop(signum, frame) -> None:
+    """Signal handler (SIGTERM, SIGINT): the first signal stops the conversion once the batches in
+    flight are back -- a worker terminated while it writes its result would leave half a message in
+    the pool's pipe, and the pool's exit hook would then wait on it forever; a second signal
+    interrupts at once."""
+    name = signal.Signals(signum).name
+    if _STOP["signal"] is not None:
+        raise Interrupted(name)
+    _STOP["signal"] = name
+
+
 def _results(cfg: PreprocessConfig, batches) -> Iterator[dict]:
     """Encoded batches in input order, each with "pos" (the input position after it): in-process
     for workers <= 1, else a process pool with a bounded number of batches in flight. Any worker
-    error or crash is raised here; on any exception (an interrupt included) the workers are
-    terminated before it propagates, so none outlives the run."""
+    error or crash is raised here; on any exception the workers are terminated before it
+    propagates, so none outlives the run. After a `request_stop` signal no batch is started or
+    yielded; the pool shuts down cleanly, then Interrupted is raised."""
     if cfg.workers <= 1:
         if _STATE.get("cfg") is not cfg:
             _init_worker(cfg)
         for lineno, blob, pos in batches:
+            if _STOP["signal"]:
+                raise Interrupted(_STOP["signal"])
             yield {**encode_batch(lineno, blob), "pos": pos}
         return
     # fork starts workers fast; spawn when torch (threads) is loaded in this process
@@ -181,13 +202,17 @@ def _results(cfg: PreprocessConfig, batches) -> Iterator[dict]:
     pending: collections.deque = collections.deque()
     try:
         for lineno, blob, pos in batches:
+            if _STOP["signal"]:
+                break
             pending.append((ex.submit(encode_batch, lineno, blob), pos))
             if len(pending) >= 4 * cfg.workers:
                 fut, at = pending.popleft()
                 yield {**fut.result(), "pos": at}
         while pending:
             fut, at = pending.popleft()
-            yield {**fut.result(), "pos": at}
+            res = fut.result()
+            if not _STOP["signal"]:
+                yield {**res, "pos": at}
     except cf.process.BrokenProcessPool as e:
         _stop_workers(ex)
         raise PreprocessError(f"a preprocessing worker died ({e}); rerun with --workers 1 to see "
@@ -196,6 +221,8 @@ def _results(cfg: PreprocessConfig, batches) -> Iterator[dict]:
         _stop_workers(ex)
         raise
     ex.shutdown(wait=True)
+    if _STOP["signal"]:
+        raise Interrupted(_STOP["signal"])
 
 
 def _stop_workers(ex: cf.ProcessPoolExecutor) -> None:
@@ -258,6 +285,7 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     raw, f = _open_input(cfg.input)
+    _STOP["signal"] = None
     _STATE.update(cfg=cfg, tok=tok, dtype=dtype)  # used in-process and by forked workers
     builders = {k: IndexedDatasetBuilder(cfg.output_paths(k)[0], dtype) for k in cfg.json_keys}
     stats = {k: {"num_docs": 0, "num_tokens": 0} for k in cfg.json_keys}
