@@ -1,10 +1,32 @@
-"""Prints the fault-injection table (tests/faults/harness.py) at the end of the session."""
+"""Fault-injection tests (tests/faults/harness.py): the full CPU suite runs all of them; the quick
+tier (`run_tests.sh --quick`, which leaves out `slow`) keeps one cheap case of each fault class
+below and the harness's own tests. Prints the fault table at the end of the session."""
 import os
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `from harness import refused`
 
 from harness import ROWS, table  # noqa: E402
+
+QUICK = {
+    "test_faults_smoke.py": None,                                          # the harness itself: all
+    "test_faults_checkpoints.py": {"test_save_dir_containing_the_source_is_refused"},        # data loss
+    "test_faults_data.py": {"test_wrong_format_merge_file_in_preprocess"},                  # tokenizer files
+    "test_faults_launch.py": {"test_every_range_check_in_process",                          # flags, and
+                              "test_bad_number_through_the_launcher[--train-iters -5]"},    # the launcher
+    "test_faults_resume.py": {"test_train_longer_command_rewrites_the_flags",
+                              "test_a_run_stopped_early_is_told_how_to_resume"},
+    "test_faults_server.py": {"test_random_seed_of_2_63_or_more_is_refused_before_any_rank"},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        quick = QUICK.get(os.path.basename(str(item.fspath)), set())
+        if quick is not None and item.name not in quick and item.originalname not in quick:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_terminal_summary(terminalreporter):
