@@ -23,7 +23,10 @@ QUICK = {
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for item in items:  # the hook sees the whole session's items: mark only those of this folder
+        if os.path.dirname(str(item.fspath)) != here:
+            continue
         quick = QUICK.get(os.path.basename(str(item.fspath)), set())
         if quick is not None and item.name not in quick and item.originalname not in quick:
             item.add_marker(pytest.mark.slow)
