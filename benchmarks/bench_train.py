@@ -30,7 +30,7 @@ MEM_RE = re.compile(r"max allocated: (\d+)")
 def bench_flags(args) -> list[str]:
     """The flags every benchmark run adds after its recipe's: length, logging, no eval/save, dropout 0, data."""
     return ["--train-iters", str(args.iters), "--log-interval", str(args.log_window), "--eval-interval", "0",
-            "--eval-iters", "0", "--save-interval", "0", "--save", "", "--lr", "3e-4", "--lr-warmup-iters", "5",
+            "--eval-iters", "0", "--save", "", "--lr", "3e-4", "--lr-warmup-iters", "5",
             "--hidden-dropout", "0", "--attention-dropout", "0",
             "--vocab-file", args.vocab_file, "--merge-file", args.merge_file, "--tokenizer-type", "GPT2BPETokenizer"]
 
