@@ -15,7 +15,7 @@ from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
 
 from .recipes import expand_recipes
-from .topology import ConfigError, check_parallel_shape, pipeline_layer_counts
+from .topology import ConfigError, _fail, check_parallel_shape, pipeline_layer_counts
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "TikTokenizer")
 
@@ -325,10 +325,6 @@ def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: i
 
 def parse_config(argv: Optional[Sequence[str]], world_size: int) -> Config:
     return config_from_namespace(parse_flags(argv), world_size)
-
-
-def _fail(msg: str) -> None:
-    raise ConfigError(msg)
 
 
 def validate(ns: argparse.Namespace, world_size: int) -> None:
