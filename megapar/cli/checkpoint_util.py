@@ -18,7 +18,6 @@ from megapar.checkpointing import CheckpointError
 from megapar.reshard import bounded_heap
 from megapar.reshard.canonical import CanonicalFolder, is_canonical, write_canonical
 from megapar.reshard.convert import write_sharded
-from megapar.reshard.output import check_not_overlapping
 from megapar.reshard.source import ShardedCheckpoint
 
 
@@ -72,7 +71,6 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         check_targets(a)
-        check_not_overlapping(a.load_dir, a.save_dir)
         src = open_source(a.load_dir, a.from_full, a.iteration)
         if a.to_full:
             write_canonical(src, a.save_dir, with_optim=not a.no_optim, force=a.force)

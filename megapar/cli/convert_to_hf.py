@@ -14,7 +14,6 @@ from megapar.checkpointing import CheckpointError
 from megapar.cli.checkpoint_util import open_source
 from megapar.reshard import bounded_heap
 from megapar.reshard.hf import export_hf
-from megapar.reshard.output import check_not_overlapping
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -32,7 +31,6 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     bounded_heap()
     try:
-        check_not_overlapping(a.load_dir, a.save_dir)
         export_hf(open_source(a.load_dir, False, a.iteration), a.save_dir,
                   DTYPES[a.dtype] if a.dtype else None, force=a.force)
     except (CheckpointError, ValueError, KeyError) as e:

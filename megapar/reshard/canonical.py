@@ -18,7 +18,7 @@ import torch
 
 from ..checkpointing import CheckpointError, SavedConfig, atomic_torch_save, read_saved_config
 from .layout import OPTIM_KINDS
-from .output import CANONICAL, CHECKPOINT, discard, new_staging, prepare_output, publish_dir, source_dir
+from .output import CANONICAL, CHECKPOINT, staged_output
 from .source import load_mmap
 from .stream_save import LazyTensor, StreamingSaver
 
@@ -78,15 +78,8 @@ def write_canonical(src, out_dir: str, with_optim: bool = True, force: bool = Fa
     """Stream `src` (ShardedCheckpoint or CanonicalFolder) into a canonical folder, one
     parameter at a time. Written into a staging folder beside `out_dir`, renamed into place at the
     end (megapar/reshard/output.py: what `force` may replace)."""
-    prepare_output(out_dir, force, (CHECKPOINT, CANONICAL), load_dir=source_dir(src))
-    staging = new_staging(out_dir)
-    try:
+    with staged_output(src, out_dir, force, (CHECKPOINT, CANONICAL)) as staging:
         meta = _write_canonical_files(src, staging, with_optim)
-    except BaseException:
-        discard(staging)
-        raise
-    src.release()
-    publish_dir(staging, out_dir, (CHECKPOINT, CANONICAL))
     log(f"wrote canonical checkpoint ({len(meta['specs'])} parameters, iteration {meta['iteration']}) to {out_dir}")
 
 

@@ -23,7 +23,7 @@ from ..topology import layer_counts
 from ..checkpointing import (CHECKPOINT_VERSION, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, atomic_write_text,
                              iter_dir, nest_model_state, shard_dir_name)
 from . import retarget
-from .output import CANONICAL, CHECKPOINT, discard, new_staging, prepare_output, publish_dir, source_dir
+from .output import CANONICAL, CHECKPOINT, staged_output
 from .layout import OPTIM_KINDS, split, stage_keys
 from .stream_save import LazyTensor, StreamingSaver
 
@@ -46,16 +46,17 @@ def _lazy(src, name: str, kind: str, tp: int, padded) -> LazyTensor:
     return t
 
 
-def _rng_for(src, tp: int, pp: int, tp_rank: int, pp_rank: int):
-    layout = src.meta()["source_layout"]
+def _rng_for(meta: dict, tp: int, pp: int, tp_rank: int, pp_rank: int):
+    layout = meta["source_layout"]
     if (layout["tp"], layout["pp"]) != (tp, pp):
         return None
-    return src.meta()["rng_states"].get((tp_rank, pp_rank))
+    return meta["rng_states"].get((tp_rank, pp_rank))
 
 
-def _shard_objects(src, target: SavedConfig, keys, tp, tp_rank, pp, pp_rank, with_optim, distributed, padded):
+def _shard_objects(src, meta: dict, target: SavedConfig, keys, tp, tp_rank, pp, pp_rank, with_optim, distributed):
     """The (model file, distrib_optim file or None) structures of one target shard, with
-    LazyTensor placeholders for every parameter tensor."""
+    LazyTensor placeholders for every parameter tensor (`meta`: the source's metadata)."""
+    padded = target.model.padded_vocab_size
     model = nest_model_state({local: _lazy(src, name, "param", tp, padded) for local, name in keys})
     obj = {"args": target.args, "model_config": asdict(target.model), "checkpoint_version": CHECKPOINT_VERSION,
            "iteration": src.iteration, "model": model}
@@ -69,10 +70,10 @@ def _shard_objects(src, target: SavedConfig, keys, tp, tp_rank, pp, pp_rank, wit
             dist_obj = optim
         else:
             obj["optimizer"] = optim
-    sched = src.meta().get("opt_param_scheduler")
+    sched = meta.get("opt_param_scheduler")
     if sched is not None:
         obj["opt_param_scheduler"] = sched
-    rng = _rng_for(src, tp, pp, tp_rank, pp_rank)
+    rng = _rng_for(meta, tp, pp, tp_rank, pp_rank)
     if rng is not None:
         obj["rng_state"] = rng
     return obj, dist_obj
@@ -98,9 +99,18 @@ def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None
     with_optim = with_optim and src.has_optim
     distributed = src.distributed if distributed is None else distributed
     target = retarget(src.saved, tp, pp, dp, distributed if with_optim else None, split)
-    prepare_output(save_dir, force, (CHECKPOINT, CANONICAL), load_dir=source_dir(src))
-    padded = target.model.padded_vocab_size
-    staging = new_staging(save_dir)
+    with staged_output(src, save_dir, force, (CHECKPOINT, CANONICAL)) as staging:
+        _write_stages(src, target, staging, tp, pp, with_optim, distributed, log)
+        atomic_write_text(os.path.join(staging, TRACKER), str(src.iteration))
+    log(f"wrote checkpoint at tensor-parallel {tp} x pipeline-parallel {pp} (iteration {src.iteration}, "
+        f"optimizer: {'distributed' if distributed else 'in model file'}" + ("" if with_optim else ", none")
+        + f") to {save_dir}")
+
+
+def _write_stages(src, target: SavedConfig, staging: str, tp: int, pp: int, with_optim: bool, distributed: bool,
+                  log) -> None:
+    """Every shard file of the target layout, one pipeline stage at a time, into `staging`."""
+    meta, padded = src.meta(), target.model.padded_vocab_size
     it_dir = iter_dir(staging, src.iteration)
     for pp_rank in range(pp):
         keys = stage_keys(src.names, layer_counts(target.model, pp), pp_rank)
@@ -109,8 +119,8 @@ def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None
             for tp_rank in range(tp):
                 shard = os.path.join(it_dir, shard_dir_name(tp_rank, pp_rank, pp))
                 os.makedirs(shard, exist_ok=True)
-                obj, dist_obj = _shard_objects(src, target, keys, tp, tp_rank, pp, pp_rank, with_optim,
-                                               distributed, padded)
+                obj, dist_obj = _shard_objects(src, meta, target, keys, tp, tp_rank, pp, pp_rank, with_optim,
+                                               distributed)
                 model_savers.append(StreamingSaver(os.path.join(shard, MODEL_FILE), obj))
                 if dist_obj is not None:
                     optim_savers.append(StreamingSaver(os.path.join(shard, DISTRIB_OPTIM_FILE), dist_obj))
@@ -122,12 +132,5 @@ def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None
         except BaseException:
             for s in model_savers + optim_savers:
                 s.abort()
-            discard(staging)
             raise
         log(f"  wrote pipeline stage {pp_rank + 1}/{pp} ({tp} tensor-parallel shards)")
-    atomic_write_text(os.path.join(staging, TRACKER), str(src.iteration))
-    src.release()
-    publish_dir(staging, save_dir, (CHECKPOINT, CANONICAL))
-    log(f"wrote checkpoint at tensor-parallel {tp} x pipeline-parallel {pp} (iteration {src.iteration}, "
-        f"optimizer: {'distributed' if distributed else 'in model file'}" + ("" if with_optim else ", none")
-        + f") to {save_dir}")

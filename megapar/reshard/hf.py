@@ -23,7 +23,7 @@ import torch
 
 from ..arguments import DataConfig
 from ..checkpointing import SavedConfig
-from .output import HF, discard, new_staging, prepare_output, publish_dir, source_dir
+from .output import HF, staged_output
 
 _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
 _LAYER_MAP = {"input_layernorm": ("ln_1", False), "self_attention.query_key_value": ("attn.c_attn", True),
@@ -82,25 +82,18 @@ def hf_config(saved: SavedConfig) -> dict:
 def export_hf(src, out_dir: str, dtype: Optional[torch.dtype] = None, force: bool = False, log=print) -> None:
     """Write `src` (ShardedCheckpoint / CanonicalFolder) as a transformers GPT2LMHeadModel folder."""
     from safetensors.torch import save_file
-    prepare_output(out_dir, force, (HF,), load_dir=source_dir(src))
     m = src.saved.model
-    if m.vocab_size is None:
-        raise ValueError("the checkpoint does not record its true vocab_size; cannot remove the dummy rows")
-    tensors = {}
-    for name in src.names:
-        key, t = hf_name_and_tensor(name, src.full(name), m.num_attention_heads)
-        tensors[key] = t.to(dtype) if dtype is not None else t
-    cfg = hf_config(src.saved)
-    cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).replace("torch.", "")
-    staging = new_staging(out_dir)
-    try:
+    with staged_output(src, out_dir, force, (HF,)) as staging:
+        if m.vocab_size is None:
+            raise ValueError("the checkpoint does not record its true vocab_size; cannot remove the dummy rows")
+        tensors = {}
+        for name in src.names:
+            key, t = hf_name_and_tensor(name, src.full(name), m.num_attention_heads)
+            tensors[key] = t.to(dtype) if dtype is not None else t
+        cfg = hf_config(src.saved)
+        cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).replace("torch.", "")
         save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
-    except BaseException:
-        discard(staging)
-        raise
-    src.release()
-    publish_dir(staging, out_dir, (HF,))
     log(f"wrote Hugging Face GPT2LMHeadModel ({m.num_layers} layers, hidden {m.hidden_size}, "
         f"vocab {m.vocab_size}) to {out_dir}")

@@ -24,7 +24,8 @@ import os
 import re
 import secrets
 import shutil
-from typing import Callable, Iterable
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
 
 from ..checkpointing import DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, CheckpointError
 
@@ -138,6 +139,23 @@ def new_staging(out_dir: str) -> str:
 def discard(staging: str) -> None:
     """Remove a staging folder made by new_staging (after a failure)."""
     shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def staged_output(src, out_dir: str, force: bool, kinds: Iterable[str]) -> Iterator[str]:
+    """What every writer of a conversion does: check `out_dir` before any work (prepare_output,
+    the source's folder included), yield a fresh staging folder to write into, discard it on any
+    failure, else release the source and move the staging folder into place (publish_dir)."""
+    kinds = tuple(kinds)
+    prepare_output(out_dir, force, kinds, load_dir=source_dir(src))
+    staging = new_staging(out_dir)
+    try:
+        yield staging
+    except BaseException:
+        discard(staging)
+        raise
+    src.release()
+    publish_dir(staging, out_dir, kinds)
 
 
 def publish_dir(staging: str, out_dir: str, kinds: Iterable[str]) -> None:
