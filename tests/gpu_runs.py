@@ -49,10 +49,8 @@ RUN_TIMEOUT_S = int(os.environ.get("MEGAPAR_GPU_RUN_TIMEOUT", "480"))  # a hung 
 @functools.cache
 def _auto_adam_impl() -> str:
     import torch
-    try:
-        from megapar.optimizer.base import resolve_adam_impl
-    except ImportError:  # before the optimizer's split into base.py
-        from megapar.optimizer.optimizer import resolve_adam_impl
+
+    from megapar.optimizer.base import resolve_adam_impl
     return resolve_adam_impl("auto", torch.device("cuda"))
 
 

@@ -23,7 +23,6 @@ from harness import ROOT, ROWS, Row, refused, run
 sys.path.insert(0, str(ROOT / "tests"))
 from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
 
-GPT2 = ROOT.parent / "shared" / "data" / "gpt2"
 TRAIN = ["python", "-m", "megapar.pretrain_gpt2", "--num-layers", "1", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
          "--train-iters", "1", "--eval-iters", "0", "--eval-interval", "0", "--log-interval", "1",
@@ -73,8 +72,9 @@ def test_wrong_format_merge_file_in_training(files, tmp_path):
             watch=[tmp_path])
 
 
-def test_real_gpt2_files_swapped(files, tmp_path):
-    refused(preprocess_cmd(files, tmp_path / "out", vocab=str(GPT2 / "vocab.bpe"), merges=str(GPT2 / "encoder.json")),
+def test_real_gpt2_files_swapped(files, tmp_path, gpt2_files):
+    vocab, merges = gpt2_files  # (encoder.json, vocab.bpe) from ../shared/data: skips where absent
+    refused(preprocess_cmd(files, tmp_path / "out", vocab=merges, merges=vocab),
             fault_class="tokenizer", case="preprocess: GPT-2's vocab.bpe / encoder.json swapped",
             expect=["--vocab-file", "vocab.bpe", "not valid JSON"], watch=[tmp_path])
 
@@ -89,9 +89,9 @@ def test_malformed_vocab_json(files, tmp_path, content, expect):
             case=f"--vocab-file malformed ({expect})", expect=["--vocab-file", str(bad), expect], watch=[tmp_path])
 
 
-def test_merges_not_matching_vocab(files, tmp_path):
+def test_merges_not_matching_vocab(files, tmp_path, gpt2_files):
     """GPT-2's real merges with the small byte-level vocabulary: the first merge's result is missing."""
-    refused(train_cmd(files, merges=str(GPT2 / "vocab.bpe")), fault_class="tokenizer",
+    refused(train_cmd(files, merges=gpt2_files[1]), fault_class="tokenizer",
             case="training: --merge-file from another tokenizer", expect=["--merge-file", "vocab.bpe", "line 3",
                                                                           "not a merge of two tokens"],
             watch=[tmp_path])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, ROWS, Row, refused, snapshot
+from harness import ROOT, ROWS, Row, refused
 
 sys.path.insert(0, str(ROOT / "tests"))
 from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
