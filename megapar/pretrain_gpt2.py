@@ -12,7 +12,7 @@ import os
 import shlex
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -49,6 +49,21 @@ def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
     return cfg
 
 
+def on_rank0_for_all(check: Callable[[], object], rank: int) -> None:
+    """Run a check that reads files once, on rank 0, and raise its user error on every rank (each
+    rank would otherwise read the same files, and the others would wait for rank 0 in a collective)."""
+    failure = None
+    if rank == 0:
+        try:
+            check()
+        except MegaparError as e:
+            failure = e
+    box = [failure]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise box[0]
+
+
 def prepare_data(cfg: Config, rank: int) -> None:
     """Embedded default: build the corpus + tokenizer + .bin/.idx (rank 0 first, others reuse)."""
     if cfg.data.data_path:
@@ -74,8 +89,7 @@ def build_datasets(cfg: Config):
     eval_runs = (total // log.eval_interval + 1) if log.eval_interval else 1
     counts = (total * gbs, eval_runs * log.eval_iters * gbs, log.eval_iters * gbs)
     return build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-                                           cfg.train.seed, counts, cache_dir=cfg.data.data_cache_path,
-                                           check=False)  # checked at the start of pretrain()
+                                           cfg.train.seed, counts, cache_dir=cfg.data.data_cache_path)
 
 
 def build_tokenizer_for(cfg: Config):
@@ -112,9 +126,9 @@ def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None) -> TrainState:
         load_fused_kernels()  # an explicit request never falls back: this raises without CUDA/nvcc
         print_rank0(f"> fused kernels: {fused_kernels_source()}")
     prepare_data(cfg, rank)
-    if train_iters(cfg) > 0:
+    if train_iters(cfg) > 0:  # a broken or empty .bin/.idx pair stops here, before the model
         from .data.gpt_dataset import check_datasets
-        check_datasets(cfg.data.data_path)  # a broken or empty .bin/.idx pair stops here, before the model
+        on_rank0_for_all(lambda: check_datasets(cfg.data.data_path), rank)
     tokenizer = build_tokenizer_for(cfg)
     run = build_run(cfg, topo, rank, device, tokenizer.vocab_size)
     state = TrainState()

@@ -237,12 +237,10 @@ def _check_splits(out: list, split: str, seq_length: int, num_samples: tuple[int
 
 def build_train_valid_test_datasets(data_path: Sequence[str] | str, split: str, seq_length: int, seed: int,
                                     train_valid_test_num_samples: tuple[int, int, int],
-                                    cache_dir: Optional[str] = None, check: bool = True):
-    """(train, valid, test) datasets (None for an empty split); see the module docstring.
-    With `check`, every pair is first checked by check_datasets()."""
+                                    cache_dir: Optional[str] = None):
+    """(train, valid, test) datasets (None for an empty split); see the module docstring. Training
+    checks every pair first (check_datasets, at the start of pretrain)."""
     prefixes, weights = parse_data_path(data_path)
-    if check:
-        check_datasets(prefixes)
     sets = [IndexedDataset(p) for p in prefixes]
     splits = [parse_split(split, len(ds)) for ds in sets]
     out = []
