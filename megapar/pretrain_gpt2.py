@@ -161,6 +161,22 @@ def _finish(run, state: TrainState, valid_ds, test_ds) -> None:
         save(run, state)
 
 
+def _without(argv: Optional[Sequence[str]], valued: set[str], switches: frozenset[str] | set[str] = frozenset()
+             ) -> list[str]:
+    """`argv` without the flags in `valued` (with their values, `--f v` or `--f=v`) and `switches`."""
+    kept, skip = [], False
+    for a in (argv or []):
+        name = a.split("=", 1)[0]
+        if skip or name in switches:
+            skip = False
+            continue
+        if name in valued:
+            skip = "=" not in a
+            continue
+        kept.append(a)
+    return kept
+
+
 def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]]) -> str:
     """The command that trains this run's checkpoint as long again: this run's flags, with --load and
     --save at the checkpoint and twice the iterations. The resume keeps the saved LR schedule (a
@@ -173,16 +189,7 @@ def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]]) 
     switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler"}
     if ends_at_zero:
         switches |= {"--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"}
-    kept, skip = [], False
-    for a in (argv or []):
-        name = a.split("=", 1)[0]
-        if skip or name in switches:
-            skip = False
-            continue
-        if name in valued:
-            skip = "=" not in a
-            continue
-        kept.append(a)
+    kept = _without(argv, valued, switches)
     total = 2 * max(1, train_iters(cfg))
     kept += ["--load", cfg.ckpt.save, "--save", cfg.ckpt.save, "--train-iters", str(total)]
     if ends_at_zero:
@@ -198,16 +205,7 @@ def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]]) 
 def resume_command(cfg: Config, argv: Optional[Sequence[str]]) -> str:
     """The command that finishes a run stopped early (signal, --exit-interval, time limit): this
     run's flags with --load and --save at its checkpoint; the same length and LR schedule."""
-    kept, skip = [], False
-    for a in (argv or []):
-        name = a.split("=", 1)[0]
-        if skip:
-            skip = False
-            continue
-        if name in ("--load", "--save"):
-            skip = "=" not in a
-            continue
-        kept.append(a)
+    kept = _without(argv, {"--load", "--save"})
     kept += ["--load", cfg.ckpt.save, "--save", cfg.ckpt.save]
     return f"bash scripts/pretrain_gpt2.sh {shlex.join(kept)}   # resume where this run stopped"
 
