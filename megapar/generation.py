@@ -48,6 +48,7 @@ class GenerationError(MegaparError, ValueError):
 
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
+MAX_SEED = 2**63  # exclusive: a seed is a non-negative int64 (torch.Generator.manual_seed)
 
 
 @dataclass
@@ -73,7 +74,7 @@ class SamplingParams:
             raise GenerationError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:
             raise GenerationError(f"top_p must be in [0, 1], got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:   # checked before any rank sees it
+        if self.seed is not None and not 0 <= self.seed < MAX_SEED:   # checked before any rank sees it
             raise GenerationError(f"seed must be an integer in [0, 2^63), got {self.seed}")
 
     @property

@@ -29,12 +29,11 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Optional
 
-from .generation import MAX_TEMPERATURE, MIN_TEMPERATURE, GenerationError, SamplingParams
+from .generation import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, GenerationError, SamplingParams
 
 MAX_PROMPTS = 128
 MAX_PROMPT_CHARS = 100_000
 MAX_TOKENS_TO_GENERATE = 1 << 16        # beyond any context; the engine cuts generation to the context
-MAX_SEED = 2**63                        # exclusive: random_seed in [0, 2^63), a non-negative int64
 MAX_TOP_K = 1000
 
 GenerateFn = Callable[[list[str], SamplingParams], dict]

@@ -23,8 +23,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megapar.arguments import ConfigError
-from megapar.checkpointing import CheckpointError
+from megapar.errors import MegaparError
 from megapar.generation import (GenerationError, InferenceEngine, SamplingParams, follow,
                                 load_inference_model, run_leader, stop_followers, tokenizer_for_checkpoint)
 from megapar.initialize import init_distributed
@@ -201,12 +200,12 @@ def server_limits(a: argparse.Namespace):
     return limits
 
 
-def serve(s: Session, a: argparse.Namespace) -> None:
+def serve(s: Session, a: argparse.Namespace, limits) -> None:
     """Serve PUT /api until Ctrl-C; the generation in flight finishes, later ones are refused,
     before the caller tells the other ranks to stop."""
     from megapar.text_generation_server import make_server
     try:
-        server = make_server(s.api, s.params, a.host, a.port, server_limits(a))
+        server = make_server(s.api, s.params, a.host, a.port, limits)
     except OSError as e:
         raise GenerationError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
     print(f"> serving PUT http://{a.host}:{server.server_address[1]}/api (Ctrl-C to stop)", file=sys.stderr,
@@ -236,13 +235,12 @@ def generate(argv: Optional[Sequence[str]] = None) -> int:
         if a.num_samples < 0 or a.batch_size < 1:
             raise GenerationError("--num-samples must be >= 0 and --batch-size >= 1")
         params = sampling_params(a)
-        if a.server:
-            server_limits(a)                    # bad --port etc.: refuse before loading the model
+        limits = server_limits(a) if a.server else None  # bad --port etc.: refuse before loading the model
         rank, topo, device = setup(a)
         dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
         model, saved = load_inference_model(a.load, topo, rank, device, dtype)
         tok = tokenizer_for_checkpoint(saved, a.tokenizer_type, a.vocab_file, a.merge_file, a.tokenizer_model)
-    except (GenerationError, CheckpointError, ConfigError) as e:
+    except MegaparError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     engine = InferenceEngine(model, topo, rank, model.cfg.vocab_size, tok.eod)
@@ -259,7 +257,7 @@ def generate(argv: Optional[Sequence[str]] = None) -> int:
     s = Session(engine, tok, params, log=lambda m: print(m, file=sys.stderr, flush=True))
     try:
         if a.server:
-            serve(s, a)
+            serve(s, a, limits)
         elif a.sample_input_file:
             from_file(s, a)
         elif a.num_samples:

@@ -301,7 +301,7 @@ def test_cli_refuses_a_port_in_use():
         a = argparse.Namespace(host="127.0.0.1", port=port, request_timeout=1.0, max_request_bytes=1024)
         session = argparse.Namespace(api=lambda prompts, params: {}, params=SamplingParams())
         with pytest.raises(GenerationError, match=f"cannot listen on 127.0.0.1:{port}"):
-            generate_text.serve(session, a)
+            generate_text.serve(session, a, generate_text.server_limits(a))
 
 
 def test_real_server_process_refuses_bad_requests_answers_good_ones_and_stops_on_ctrl_c(tmp_path, gpt2_files):
