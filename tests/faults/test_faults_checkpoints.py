@@ -279,22 +279,30 @@ def losses(output: str) -> dict[int, str]:
     return {int(m[1]): m[2] for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+)", output)}
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_losses(data, tmp_path_factory) -> dict[int, str]:
+    """The losses of the 4-iteration run that every kill case must reproduce after its resume."""
+    d = tmp_path_factory.mktemp("kill_ref")
+    ref = run(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--train-iters", "4", "--save-interval", "1",
+               "--data-cache-path", d / "cache", "--save", d / "ref"])
+    assert ref.rc == 0, ref.output[-3000:]
+    return losses(ref.output)
+
+
 @pytest.mark.parametrize("name,nth,resumes_at", [
     ("model_optim_rng.pt", 2, 1),                 # iteration 2's model file written, not yet renamed
     ("iter_0000002", 1, 1),                       # its folder complete, not yet in place
     ("latest_checkpointed_iteration.txt", 2, 1),  # in place, the tracker still names iteration 1
 ])
-def test_kill_during_a_save_resumes_exactly(data, tmp_path, name, nth, resumes_at):
+def test_kill_during_a_save_resumes_exactly(data, tmp_path, uninterrupted_losses, name, nth, resumes_at):
     flags = [*TINY, *data, "--train-iters", "4", "--save-interval", "1", "--data-cache-path", tmp_path / "cache"]
-    ref = run(["python", "-m", "megapar.pretrain_gpt2", *flags, "--save", tmp_path / "ref"])
-    assert ref.rc == 0, ref.output[-3000:]
     ck = tmp_path / "ck"
     killed = run(["python", "-c", KILL_AT, name, str(nth), *flags, "--save", ck, "--load", ck])
     assert killed.rc == -9, killed.output[-3000:]
     assert (ck / "latest_checkpointed_iteration.txt").read_text() == str(resumes_at)
     resumed = run(["python", "-m", "megapar.pretrain_gpt2", *flags, "--save", ck, "--load", ck])
     assert resumed.rc == 0 and f"at iteration {resumes_at}" in resumed.output, resumed.output[-3000:]
-    want = {i: v for i, v in losses(ref.output).items() if i > resumes_at}
+    want = {i: v for i, v in uninterrupted_losses.items() if i > resumes_at}
     assert losses(resumed.output) == want and len(want) == 4 - resumes_at
 
 
