@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..arguments import ParallelConfig, section_from_args
 from ..checkpointing import SavedConfig
 from ..topology import check_parallel_shape, layer_counts, padded_vocab_size
 from .layout import split, stage_keys
@@ -41,21 +42,16 @@ def retarget(saved: SavedConfig, tp: int, pp: int, dp: Optional[int] = None,
     Megatron `args` to write. split = (first, last) sets the target's
     --decoder-first/last-pipeline-num-layers; without it the pipeline keeps the source's at the
     same pipeline size, and another size gets an even split."""
-    model, parallel = dataclasses.replace(saved.model), dataclasses.replace(saved.parallel)
+    model = dataclasses.replace(saved.model)
     if split is not None:
         model.decoder_first_pipeline_num_layers, model.decoder_last_pipeline_num_layers = split
-    elif pp != parallel.pipeline_model_parallel_size:
+    elif pp != saved.parallel.pipeline_model_parallel_size:
         model.decoder_first_pipeline_num_layers = model.decoder_last_pipeline_num_layers = None
     check_parallel_shape(model.num_layers, model.num_attention_heads, model.ffn_hidden_size, tp, pp,
                          "the target tensor-parallel size", "the target pipeline-parallel size",
                          model.decoder_first_pipeline_num_layers, model.decoder_last_pipeline_num_layers)
-    parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size = tp, pp
     if model.vocab_size is not None:
         model.padded_vocab_size = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, tp)
-    if dp is not None:
-        parallel.data_parallel_size = dp
-    if distributed_optimizer is not None:
-        parallel.use_distributed_optimizer = distributed_optimizer
     args = copy.deepcopy(saved.args)
     changed = {"decoder_first_pipeline_num_layers": model.decoder_first_pipeline_num_layers,
                "decoder_last_pipeline_num_layers": model.decoder_last_pipeline_num_layers,
@@ -68,6 +64,7 @@ def retarget(saved: SavedConfig, tp: int, pp: int, dp: Optional[int] = None,
     if distributed_optimizer is not None:
         changed["use_distributed_optimizer"] = distributed_optimizer
     vars(args).update(changed)
+    parallel = section_from_args(ParallelConfig, args)  # as read_saved_config derives it
     return SavedConfig(args, model, parallel, saved.data)
 
 
