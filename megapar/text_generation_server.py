@@ -293,18 +293,14 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if self.path.split("?")[0].rstrip("/") != "/api":
                 raise RequestError(404, f"unknown path {self.path[:200]}; use PUT /api")
-            req = decode_body(self._read_body())
-            try:
-                prompts, params = parse_request(req, self.server.defaults)
-            except GenerationError as e:
-                raise RequestError(400, str(e)) from None
-            try:
-                resp = self.server.run_generation(prompts, params)
-            except GenerationError as e:     # e.g. a prompt longer than the context, caught before any rank
-                raise RequestError(400, str(e)) from None
+            prompts, params = parse_request(decode_body(self._read_body()), self.server.defaults)
+            resp = self.server.run_generation(prompts, params)
         except RequestError as e:
             self.close_connection = True
             return self._reply(e.status, {"message": e.message})
+        except GenerationError as e:  # a bad field, or e.g. a prompt longer than the context: before any rank
+            self.close_connection = True
+            return self._reply(400, {"message": str(e)})
         except Exception as e:  # a bug or a failed generation: tell the client, keep serving
             self.log_error("generation failed: %s: %s", type(e).__name__, e)
             self.close_connection = True
