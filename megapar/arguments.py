@@ -88,7 +88,15 @@ class ParallelConfig:
     tensor_model_parallel_size: int = arg(1, aliases=["--tensor-parallel"])
     pipeline_model_parallel_size: int = arg(1, aliases=["--pipeline-parallel"])
     data_parallel_size: int = arg(1, cli=False)     # derived: world / (tp * pp)
-    use_distributed_optimizer: bool = arg(False, "ZeRO-1: shard the optimizer state over data parallelism")
+    use_distributed_optimizer: bool = arg(False, "= --zero-stage 1 (Megatron's name)")
+    zero_stage: Optional[int] = arg(
+        None, "ZeRO over each data-parallel group: 0 plain data parallelism, 1 + shard the optimizer state, "
+              "2 + shard the gradients (reduce-scattered layer by layer), 3 + shard the parameters (gathered "
+              "layer by layer); default 0, or 1 with --use-distributed-optimizer", choices=(0, 1, 2, 3))
+    optimizer_cpu_offload: bool = arg(
+        False, "fp32 master weights, Adam moments and the Adam step on the CPU (GPUs; --zero-stage >= 1)")
+    param_cpu_offload: bool = arg(False, "--zero-stage 3: parameter shards live in CPU memory, fetched ahead "
+                                         "of their layer (GPUs)")
     pipeline_schedule: str = arg("1f1b", "1f1b (default) or all-forward-all-backward (reference)",
                                  choices=("1f1b", "afab"))
     distributed_backend: Optional[str] = arg(None, "default: nccl on GPUs, gloo on CPU", choices=("nccl", "gloo"))
@@ -315,12 +323,22 @@ def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: i
     cfg = Config(**{section: _pick(cls, given) for section, (cls, _) in SECTIONS.items()}, aliases=aliases)
     if cfg.parallel.tensor_model_parallel_size == 1:  # nothing to split (Megatron also turns it off)
         cfg.model.sequence_parallel = False
+    _resolve_zero_stage(cfg.parallel)
     validate(cfg.namespace(), world_size)
     p, t = cfg.parallel, cfg.train
     p.data_parallel_size = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
     t.global_batch_size = t.global_batch_size or t.micro_batch_size * p.data_parallel_size
     _check_batch(t.global_batch_size, t.micro_batch_size, p.data_parallel_size)
     return cfg
+
+
+def _resolve_zero_stage(p: ParallelConfig) -> None:
+    """--use-distributed-optimizer is Megatron's name for stage 1; afterwards both say the same."""
+    if p.zero_stage is None:
+        p.zero_stage = 1 if p.use_distributed_optimizer else 0
+    elif p.zero_stage == 0 and p.use_distributed_optimizer:
+        _fail("--use-distributed-optimizer (= --zero-stage 1) and --zero-stage 0 were both given; choose one")
+    p.use_distributed_optimizer = p.zero_stage >= 1
 
 
 def parse_config(argv: Optional[Sequence[str]], world_size: int) -> Config:
@@ -366,6 +384,7 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
     if ns.recompute_granularity == "full" and not 1 <= ns.recompute_num_layers <= per_stage:
         _fail(f"--recompute-num-layers {ns.recompute_num_layers} must be between 1 and the layers of the "
               f"smallest pipeline stage ({per_stage})")
+    _check_zero(ns)
     if ns.enable_cuda_graph:
         _check_cuda_graph(ns)
 
@@ -427,6 +446,27 @@ def _check_ranges(ns: argparse.Namespace) -> None:
                   + (f"; the default is {default:g}" if default is not None else ""))
     if not 0 <= ns.seed < 2**32:
         _fail(f"--seed {ns.seed} must be in [0, 2**32); e.g. the default {default_of('seed')}")
+
+
+def _check_zero(ns: argparse.Namespace) -> None:
+    """ZeRO stages and offload: what cannot work is refused before any process group exists."""
+    import torch
+    stage = ns.zero_stage
+    gpus = torch.cuda.is_available() and ns.distributed_backend != "gloo"
+    if ns.param_cpu_offload and stage != 3:
+        _fail(f"--param-cpu-offload keeps parameter shards on the CPU, which needs --zero-stage 3 "
+              f"(this run: --zero-stage {stage}); add --zero-stage 3 or drop --param-cpu-offload")
+    if ns.optimizer_cpu_offload and stage < 1:
+        _fail("--optimizer-cpu-offload moves the sharded optimizer state to the CPU: it needs --zero-stage 1, 2 "
+              "or 3 (or --use-distributed-optimizer); add one or drop --optimizer-cpu-offload")
+    for flag, on in (("--optimizer-cpu-offload", ns.optimizer_cpu_offload), ("--param-cpu-offload", ns.param_cpu_offload)):
+        if on and not gpus:
+            _fail(f"{flag} moves GPU state to CPU memory, but this run has no CUDA GPU (or uses gloo); "
+                  f"drop {flag} on a CPU-only run")
+    if stage >= 2 and ns.enable_cuda_graph:
+        _fail(f"--zero-stage {stage} allocates and frees each layer's {'parameters and ' if stage == 3 else ''}"
+              f"gradients during the step, which a CUDA graph cannot replay; use --zero-stage 1 (or 0) with "
+              f"--enable-cuda-graph, or drop --enable-cuda-graph")
 
 
 def _check_cuda_graph(ns: argparse.Namespace) -> None:
