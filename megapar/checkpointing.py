@@ -184,12 +184,11 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     # identical on all dp ranks, so only the writer copies it out.
     wants_optim = save_optim and optimizer is not None and (distributed or c.dp == 0)
     optim_state = optimizer.state_for_save() if wants_optim else None
+    model_state = model_state_for_save(model, writer=c.dp == 0)
     if c.dp == 0:
         os.makedirs(shard, exist_ok=True)
         state = {"args": args, "model_config": asdict(model_config), "checkpoint_version": CHECKPOINT_VERSION,
-                 "iteration": iteration,
-                 "model": nest_model_state({k: v.detach().to("cpu", copy=True)  # no views: save only the tensor
-                                           for k, v in model.state_dict().items()})}
+                 "iteration": iteration, "model": nest_model_state(model_state)}
         if optim_state is not None:
             state["optimizer"] = {"distributed": True, "grad_scaler": optim_state["grad_scaler"]} \
                 if distributed else optim_state
@@ -204,6 +203,40 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     if rank == 0:
         _publish(root, final, staging, iteration)
     _barrier()
+
+
+def model_state_for_save(model, writer: bool) -> Optional[dict[str, torch.Tensor]]:
+    """The model's flat state dict as CPU copies (no views: torch.save would save the whole
+    storage) on the `writer`, None elsewhere. With ZeRO-3 (`model.sharded_params`) it is
+    collective over the data-parallel group: one layer at a time is gathered on the device."""
+    sharded = getattr(model, "sharded_params", None)
+    keys = list(model.state_dict().keys())
+    if sharded is None:
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if writer else None
+    names = {id(p): n for n, p in model.named_parameters()}
+    in_units = {names[id(p)] for u in sharded.units for p in u.params}
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items() if k not in in_units}
+    for _, params in sharded.full_tensors():
+        if writer:
+            state.update({names[id(p)]: p.detach().to("cpu", copy=True) for p in params})
+    return {k: state[k] for k in keys} if writer else None
+
+
+def load_model_state(model, flat: dict[str, torch.Tensor], path: str) -> None:
+    """model.load_state_dict(flat), strictly; ZeRO-3 layers take only this rank's shard of each weight."""
+    sharded = getattr(model, "sharded_params", None)
+    if sharded is None:
+        model.load_state_dict(flat)
+        return
+    expected = set(model.state_dict().keys())
+    missing, unexpected = sorted(expected - set(flat)), sorted(set(flat) - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {path} does not match this model: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}; use the checkpoint's model flags")
+    params = dict(model.named_parameters())
+    units = sharded.unit_of()
+    model.load_state_dict({k: v for k, v in flat.items() if id(params.get(k)) not in units}, strict=False)
+    sharded.load_full({id(params[k]): v for k, v in flat.items() if k in params and id(params[k]) in units})
 
 
 def _publish(root: str, final: str, staging: str, iteration: int) -> None:
@@ -306,7 +339,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
         _explain_missing_shard(root, iteration, path, topo, model_config)
     state = load_file(path)
     check_compatible(read_saved_config(state, path), model_config, topo, path)
-    model.load_state_dict(flatten_model_state(state["model"]))
+    load_model_state(model, flatten_model_state(state["model"]), path)
     restore_optim = load_optim and not finetune and optimizer is not None
     if restore_optim and "optimizer" not in state:
         raise CheckpointError(f"checkpoint {path} has no optimizer state (saved with --no-save-optim); "

@@ -17,6 +17,8 @@ import torch.nn as nn
 from .arguments import Config
 from .model import GPT2Model, build_model, set_vocab
 from .optimizer.grad_buffer import GradBuffer
+from .optimizer.sharded_grads import ShardedGradBuffer
+from .optimizer.sharded_params import ShardedParams
 from .optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .optimizer.lr_schedule import OptimizerParamScheduler
 from .optimizer.optimizer import MixedPrecisionOptimizer
@@ -93,28 +95,47 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
     seed_everything(cfg.train.seed, c.tp, c.pp)
     log = print_rank0
     set_vocab(cfg.model, vocab_size, topo.tp, log=log)
-    model = build_model(cfg.model, topo, rank, cfg.train.seed, device, params_dtype(cfg))
-    zero = cfg.parallel.use_distributed_optimizer
-    grad_buffer = GradBuffer(model.parameters(), topo.groups.dp, mode="reduce_scatter" if zero else "all_reduce",
-                             bucket_numel=GRAD_BUCKET_NUMEL if device.type == "cuda" else None,
-                             overlap=device.type == "cuda", late_params=embedding_params(model, topo),
-                             tp_summed=[p for p in model.parameters() if getattr(p, "sequence_parallel", False)],
-                             tp_group=topo.groups.tp)
+    p = cfg.parallel
+    sharded = ShardedParams(topo.groups.dp, offload=p.param_cpu_offload) if p.zero_stage == 3 else None
+    model = build_model(cfg.model, topo, rank, cfg.train.seed, device, params_dtype(cfg),
+                        on_layer_built=sharded.shard_layer if sharded else None, layer_hooks=p.zero_stage >= 2)
+    model.sharded_params = sharded   # checkpoints read and write ZeRO-3 weights through it
+    grad_buffer = build_grad_buffer(cfg, model, topo, device, sharded)
     t = cfg.train
     scaler = (ConstantGradScaler(t.loss_scale or 1.0) if not t.fp16 or t.loss_scale else
               DynamicGradScaler(t.initial_loss_scale, t.min_loss_scale, growth_interval=t.loss_scale_window,
                                 hysteresis=t.hysteresis))
-    if zero:
+    if p.zero_stage >= 1:
         from .optimizer.distrib_optimizer import DistributedOptimizer
         optimizer = DistributedOptimizer(model, grad_buffer, t, scaler, c.tp, topo.groups.dp,
-                                         norm_group=None, inf_group=None)
+                                         norm_group=None, inf_group=None, sharded_params=sharded,
+                                         offload=p.optimizer_cpu_offload, stage=p.zero_stage)
     else:
         optimizer = MixedPrecisionOptimizer(model, grad_buffer, t, scaler, c.tp, norm_group=topo.groups.mp,
                                             inf_group=None)
     log(f"> optimizer: AdamW ({'csrc fused, one launch' if optimizer.adam_impl == 'fused' else 'torch'}"
-        f"{', ZeRO-1' if zero else ''})")
+        f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}{', CPU offload' if p.optimizer_cpu_offload else ''})")
     scheduler = build_scheduler(cfg, optimizer)
     return Run(cfg, topo, rank, device, model, grad_buffer, optimizer, scheduler)
+
+
+def build_grad_buffer(cfg: Config, model: GPT2Model, topo: Topology, device: torch.device,
+                      sharded: Optional[ShardedParams]):
+    """Stages 0-1: one flat fp32 buffer (all-reduced, or reduce-scattered for ZeRO-1); stages
+    2-3: per-layer buckets reduce-scattered into this rank's shard (ZeRO-3 frees each layer's
+    gathered weights once its gradients are handed over)."""
+    tp_summed = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    stage = cfg.parallel.zero_stage
+    if stage >= 2:
+        layers = list(model.language_model.encoder.layers)
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        release = (lambda i: sharded.units[i].release()) if sharded else None
+        return ShardedGradBuffer(layers, [p for p in model.parameters() if id(p) not in in_layers], topo.groups.dp,
+                                 tp_summed=tp_summed, tp_group=topo.groups.tp, on_layer_reduced=release)
+    return GradBuffer(model.parameters(), topo.groups.dp, mode="reduce_scatter" if stage == 1 else "all_reduce",
+                      bucket_numel=GRAD_BUCKET_NUMEL if device.type == "cuda" else None,
+                      overlap=device.type == "cuda", late_params=embedding_params(model, topo),
+                      tp_summed=tp_summed, tp_group=topo.groups.tp)
 
 
 def train_iters(cfg: Config) -> int:

@@ -1,7 +1,7 @@
 """Build this rank's GPT-2 stage from the config and topology, with Megatron's log lines."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -20,15 +20,21 @@ def set_vocab(cfg: ModelConfig, vocab_size: int, tp: int, log: Callable[[str], N
 
 
 def build_model(cfg: ModelConfig, topo: Topology, rank: int, seed: int, device: torch.device,
-                dtype: torch.dtype) -> GPT2Model:
+                dtype: torch.dtype, on_layer_built: Optional[Callable[[torch.nn.Module], None]] = None,
+                layer_hooks: bool = False) -> GPT2Model:
     """This rank's stage on `device` in `dtype`. cfg.vocab_size must be set (set_vocab).
-    Data-parallel rank 0 of each (tensor, pipeline) position prints its parameter count."""
+    Data-parallel rank 0 of each (tensor, pipeline) position prints its parameter count.
+    on_layer_built: see GPT2Model. layer_hooks: the layers carry module hooks (ZeRO-2/3), so
+    --torch-compile compiles each layer's forward and leaves its hooks outside the graph."""
     c = topo.coord(rank)
     stage = Stage.for_config(cfg, topo.pp, c.pp)
-    model = GPT2Model(cfg, stage, seed, topo.groups.tp, device=device, dtype=dtype)
+    model = GPT2Model(cfg, stage, seed, topo.groups.tp, device=device, dtype=dtype, on_layer_built=on_layer_built)
     if cfg.torch_compile:
         for layer in model.language_model.encoder.layers:
-            layer.compile(options=COMPILE_OPTIONS)
+            if layer_hooks:
+                layer.forward = torch.compile(layer.forward, options=COMPILE_OPTIONS)
+            else:
+                layer.compile(options=COMPILE_OPTIONS)
     if c.dp == 0:
         n = sum(p.numel() for p in model.parameters())
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({c.tp}, {c.pp}): {n}", flush=True)

@@ -14,7 +14,7 @@ State-dict keys follow Megatron's legacy layout (docs/design.md), with layer ind
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -77,10 +77,14 @@ class Embedding(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, stage: Stage, seed: int, tp_group, device, dtype):
+    def __init__(self, cfg: ModelConfig, stage: Stage, seed: int, tp_group, device, dtype,
+                 on_layer_built: Optional[Callable[[nn.Module], None]] = None):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(cfg, g, seed, tp_group, device, dtype)
-                                    for g in range(stage.layer_start, stage.layer_end))
+        self.layers = nn.ModuleList()
+        for g in range(stage.layer_start, stage.layer_end):
+            self.layers.append(TransformerLayer(cfg, g, seed, tp_group, device, dtype))
+            if on_layer_built is not None:   # ZeRO-3 shards each layer as soon as it exists
+                on_layer_built(self.layers[-1])
         if stage.is_last:
             self.final_layernorm = make_layernorm(cfg, device, dtype)
         self.full_recompute = cfg.recompute_granularity == "full"
@@ -107,11 +111,12 @@ class Encoder(nn.Module):
 
 
 class LanguageModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, stage: Stage, seed: int, tp_group, device, dtype):
+    def __init__(self, cfg: ModelConfig, stage: Stage, seed: int, tp_group, device, dtype,
+                 on_layer_built: Optional[Callable[[nn.Module], None]] = None):
         super().__init__()
         if stage.is_first:
             self.embedding = Embedding(cfg, seed, tp_group, device, dtype)
-        self.encoder = Encoder(cfg, stage, seed, tp_group, device, dtype)
+        self.encoder = Encoder(cfg, stage, seed, tp_group, device, dtype, on_layer_built)
 
 
 class HeadEmbedding(nn.Module):
@@ -135,12 +140,13 @@ class GPT2Model(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, stage: Stage, seed: int, tp_group=None, device=None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, on_layer_built: Optional[Callable[[nn.Module], None]] = None):
+        """on_layer_built(layer): called as each transformer layer is built (ZeRO-3 shards it)."""
         super().__init__()
         if cfg.padded_vocab_size is None or cfg.vocab_size is None:
             raise ValueError("ModelConfig.vocab_size and padded_vocab_size must be set (see build_model)")
         self.cfg, self.stage, self.tp_group = cfg, stage, tp_group
-        self.language_model = LanguageModel(cfg, stage, seed, tp_group, device, dtype)
+        self.language_model = LanguageModel(cfg, stage, seed, tp_group, device, dtype, on_layer_built)
         if stage.is_last and not stage.is_first:
             self.word_embeddings_for_head = HeadEmbedding(cfg, seed, tp_group, device, dtype)
         self.input_tensor: Optional[torch.Tensor] = None

@@ -46,11 +46,12 @@ def counts_for_norm(name: str, tp_rank: int) -> bool:
     return tp_partition_dim(name) is not None or tp_rank == 0
 
 
-def make_adamw(groups: list[dict], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """Fused AdamW on GPUs (foreach on CPU). With --enable-cuda-graph it is capturable and its
-    learning rate is a device tensor (the LR scheduler fills it in place; cuda_graph.py)."""
+def make_adamw(groups: list[dict], cfg: TrainConfig, device: torch.device, cpu_fused: bool = False) -> torch.optim.AdamW:
+    """Fused AdamW on GPUs (foreach on CPU, or torch's vectorised fused CPU kernel with
+    `cpu_fused`: the offloaded step). With --enable-cuda-graph it is capturable and its learning
+    rate is a device tensor (the LR scheduler fills it in place; cuda_graph.py)."""
     kw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-    if device.type == "cuda":
+    if device.type == "cuda" or cpu_fused:
         kw["fused"] = True
     else:
         kw["foreach"] = True
@@ -157,6 +158,8 @@ def clip_grads_(grads: list[torch.Tensor], norm: torch.Tensor, clip_grad: float,
     if clip_grad <= 0:
         return
     divisor = ((norm + 1e-6) / clip_grad).clamp(min=1.0)
+    step_device = adam.param_groups[0]["params"][0].device if adam.param_groups[0]["params"] else norm.device
+    divisor = divisor.to(step_device)  # offload: the step runs on the CPU
     if adam.defaults.get("fused"):
         adam.grad_scale = divisor
     elif grads:
@@ -210,20 +213,23 @@ class BaseOptimizer(ABC):
         missing = [n for n, p in self.named if id(p) not in grad_buffer.param_range]
         if missing:
             raise ValueError(f"parameters {missing[:3]} are not in the gradient buffer")
-        self.device = grad_buffer.data.device
+        self.device = grad_buffer.device
+        self.offload = getattr(self, "offload", False)
 
     def _own(self, owned: list[Owned]) -> None:
         """Take `owned` as the tensors this rank updates; build AdamW over them (two param groups:
         with and without weight decay)."""
         self.masters = [o.master for o in owned]
         self.grads = [o.grad for o in owned]
+        self.step_grads = self.grads  # what AdamW reads (offload: CPU copies, see _stage_grads)
         self.params = [o.model_tensor for o in owned]
         self.norm_grads = [o.grad for o in owned if counts_for_norm(o.name, self.tp_rank)]
         decay = [{"params": [o.master for o in owned if not no_weight_decay(o.name, o.param)],
                   "weight_decay": self.cfg.weight_decay},
                  {"params": [o.master for o in owned if no_weight_decay(o.name, o.param)], "weight_decay": 0.0}]
-        self.adam = make_adamw(decay, self.cfg, self.device)
-        self.adam_impl = resolve_adam_impl(self.cfg.adam_impl, self.device)
+        step_device = torch.device("cpu") if self.offload else self.device
+        self.adam = make_adamw(decay, self.cfg, step_device, cpu_fused=self.offload)
+        self.adam_impl = resolve_adam_impl(self.cfg.adam_impl, step_device)
         self.fused_adam = None  # --adam-impl fused: built at the first step (after a checkpoint load)
 
     @property
@@ -243,11 +249,15 @@ class BaseOptimizer(ABC):
             if found_inf:
                 return False, torch.full((), float("nan"), device=self.device)
         norm = global_norm(self.norm_grads, self.norm_group, self.device)
-        clip_grads_(self.grads, norm, self.cfg.clip_grad, self.adam)
-        self.fused_adam = adamw_update(self.adam, self.adam_impl, self.fused_adam, self.masters, self.grads,
+        self._stage_grads()
+        clip_grads_(self.step_grads, norm, self.cfg.clip_grad, self.adam)
+        self.fused_adam = adamw_update(self.adam, self.adam_impl, self.fused_adam, self.masters, self.step_grads,
                                        self.params)
         self._publish_params(params_written=self.fused_adam is not None)
         return True, norm
+
+    def _stage_grads(self) -> None:
+        """Bring the reduced gradients to where AdamW runs (`step_grads`); nothing by default."""
 
     @abstractmethod
     def _publish_params(self, params_written: bool) -> None:

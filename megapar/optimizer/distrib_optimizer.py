@@ -39,15 +39,17 @@ import torch.nn as nn
 
 from ..tensor_parallel.mappings import all_gather_tensor
 from .base import BaseOptimizer, Owned, adam_state
-from .grad_buffer import GradBuffer
+from .sharded_params import ShardedParams
 
 
 @dataclass
 class Part:
     """The piece of parameter `name` this dp rank owns: [p_lo, p_hi) of the flattened
-    parameter = [buf_lo, buf_hi) of the grad/param buffers = [lo, hi) of the shard buffers."""
+    parameter = [buf_lo, buf_hi) of the grad/param buffers (in bucket `bucket`) = [lo, hi) of
+    the shard buffers."""
     name: str
     param: nn.Parameter
+    bucket: int
     p_lo: int
     p_hi: int
     buf_lo: int
@@ -57,32 +59,40 @@ class Part:
 
 
 class DistributedOptimizer(BaseOptimizer):
-    """ZeRO-1 AdamW: owns this dp rank's shard of every bucket of the flat gradient buffer."""
+    """ZeRO-1/2/3 AdamW: owns this dp rank's shard of every bucket of the gradient buffer."""
 
     is_distributed = True
     grad_buffer_mode = "reduce_scatter"
 
-    def __init__(self, model: nn.Module, grad_buffer: GradBuffer, cfg, scaler, tp_rank: int,
+    def __init__(self, model: nn.Module, grad_buffer, cfg, scaler, tp_rank: int,
                  dp_group: Optional[dist.ProcessGroup], norm_group: Optional[dist.ProcessGroup] = None,
-                 inf_group: Optional[dist.ProcessGroup] = None):
+                 inf_group: Optional[dist.ProcessGroup] = None, sharded_params: Optional[ShardedParams] = None,
+                 offload: bool = False, stage: int = 1):
         """grad_buffer: built over this model's parameters with mode="reduce_scatter" and
-        `dp_group`. norm_group: every rank whose owned shards together make up the whole
-        model's gradient (all tp x pp x dp ranks; None = the world when torch.distributed is
-        initialised). inf_group: every rank (an overflow anywhere skips the step everywhere).
-        Model parameters are re-pointed into a flat buffer (their values are kept)."""
+        `dp_group` (a GradBuffer at stage 1, a ShardedGradBuffer at stages 2-3). norm_group: every
+        rank whose owned shards together make up the whole model's gradient (all tp x pp x dp
+        ranks; None = the world when torch.distributed is initialised). inf_group: every rank (an
+        overflow anywhere skips the step everywhere). sharded_params: stage 3's layer units, whose
+        owned shards are the parameters this optimizer writes. offload: masters, moments and the
+        AdamW step on the CPU. Model parameters outside the units are re-pointed into one
+        buffer per bucket (their values are kept)."""
         if norm_group is None and dist.is_initialized():
             norm_group = dist.group.WORLD
+        self.offload, self.stage = offload, stage
         super().__init__(model, grad_buffer, cfg, scaler, tp_rank, norm_group, inf_group)
         self.dp_group, self.dp, self.dp_rank = dp_group, grad_buffer.dp, grad_buffer.dp_rank
         self.dtype = self.named[0][1].dtype
         if any(p.dtype != self.dtype for _, p in self.named):
             raise ValueError("DistributedOptimizer needs every parameter in one dtype")
+        self.units = sharded_params.unit_of() if sharded_params is not None else {}
         self._build_buffers()
         self.parts = self._plan_parts()
-        # The fused AdamW writes the owned ranges of the param buffer (None: fp32, the master is the param).
-        low = self.master_shard is not None
-        self._own([Owned(pt.name, pt.param, self._master(pt), self.buffer.data[pt.buf_lo:pt.buf_hi],
-                         self.param_buf[pt.buf_lo:pt.buf_hi] if low else None) for pt in self.parts])
+        # The fused AdamW writes the owned model-dtype ranges (None: the master is the param).
+        low = self.master_shard is not None and not offload
+        self._own([Owned(pt.name, pt.param, self._master(pt), self.buffer.owned_grad(pt.buf_lo, pt.buf_hi),
+                         self._owned_param(pt) if low else None) for pt in self.parts])
+        if offload:
+            self.step_grads = [self.cpu_grads[pt.lo:pt.hi] for pt in self.parts]
         self._reset_moments(step=0)
 
     # ---- layout --------------------------------------------------------------------------
@@ -96,40 +106,63 @@ class DistributedOptimizer(BaseOptimizer):
         return out
 
     def _build_buffers(self) -> None:
+        """Per bucket, the model-dtype tensors: the whole bucket (every parameter a view of it;
+        None for a ZeRO-3 unit, whose weights are gathered on demand) and this rank's shard of it.
+        Then the fp32 master and moment shards (on the CPU with offload)."""
         self.shards = self._shard_ranges()
         shard_numel = sum(hi - lo for lo, hi, _ in self.shards)
-        self.param_buf = torch.zeros_like(self.buffer.data, dtype=self.dtype)
-        with torch.no_grad():
-            for n, p in self.named:
-                start, end = self.buffer.param_range[id(p)]
-                self.param_buf[start:end].copy_(p.detach().reshape(-1))
-                p.data = self.param_buf[start:end].view_as(p)
-        f32 = dict(dtype=torch.float32, device=self.device)
-        self.master_shard = None if self.dtype == torch.float32 else torch.zeros(shard_numel, **f32)
+        self.bucket_params: list[Optional[torch.Tensor]] = []
+        self.owned_params: list[torch.Tensor] = []
+        for b, (lo, hi, _) in zip(self.buffer.buckets, self.shards):
+            unit = self.units.get(id(b.params[0]))
+            if unit is not None:
+                self.bucket_params.append(None)
+                self.owned_params.append(unit.shard)
+                continue
+            full = torch.zeros(b.end - b.start, dtype=self.dtype, device=self.device)           # [bucket]
+            with torch.no_grad():
+                for p in b.params:
+                    start, end = self.buffer.param_range[id(p)]
+                    full[start - b.start:end - b.start].copy_(p.detach().reshape(-1))
+                    p.data = full[start - b.start:end - b.start].view_as(p)
+            self.bucket_params.append(full)
+            self.owned_params.append(full[lo - b.start:hi - b.start])
+        host = dict(dtype=torch.float32, device="cpu", pin_memory=self.device.type == "cuda")
+        f32 = host if self.offload else dict(dtype=torch.float32, device=self.device)
+        separate = self.dtype != torch.float32 or self.offload
+        self.master_shard = torch.zeros(shard_numel, **f32) if separate else None
         if self.master_shard is not None:
-            for lo, hi, off in self.shards:
-                self.master_shard[off:off + hi - lo].copy_(self.param_buf[lo:hi])
+            for owned, (lo, hi, off) in zip(self.owned_params, self.shards):
+                self.master_shard[off:off + hi - lo].copy_(owned)
         self.exp_avg, self.exp_avg_sq = torch.zeros(shard_numel, **f32), torch.zeros(shard_numel, **f32)
+        if self.offload:  # the reduced gradients come to the CPU for the step; the new weights go back
+            self.cpu_grads = torch.zeros(shard_numel, **host)
+            self.cpu_params = torch.zeros(shard_numel, **dict(host, dtype=self.dtype))
 
     def _plan_parts(self) -> list[Part]:
         names = {id(p): n for n, p in self.named}
         parts = []
-        for b, (lo, hi, off) in zip(self.buffer.buckets, self.shards):
+        for i, (b, (lo, hi, off)) in enumerate(zip(self.buffer.buckets, self.shards)):
             for p in b.params:
                 start, end = self.buffer.param_range[id(p)]
                 a, z = max(lo, start), min(hi, end)
                 if a < z:
-                    parts.append(Part(names[id(p)], p, a - start, z - start, a, z, off + a - lo, off + z - lo))
+                    parts.append(Part(names[id(p)], p, i, a - start, z - start, a, z, off + a - lo, off + z - lo))
         return parts
+
+    def _owned_param(self, pt: Part) -> torch.Tensor:
+        """The model-dtype weights of part `pt` (in its bucket's owned shard)."""
+        lo = self.shards[pt.bucket][0]
+        return self.owned_params[pt.bucket][pt.buf_lo - lo:pt.buf_hi - lo]
 
     def _master(self, pt: Part) -> torch.Tensor:
         if self.master_shard is None:
-            return self.param_buf[pt.buf_lo:pt.buf_hi]
+            return self._owned_param(pt)
         return self.master_shard[pt.lo:pt.hi]
 
     def _master_of_bucket(self, i: int) -> torch.Tensor:
         lo, hi, off = self.shards[i]
-        return self.param_buf[lo:hi] if self.master_shard is None else self.master_shard[off:off + hi - lo]
+        return self.owned_params[i] if self.master_shard is None else self.master_shard[off:off + hi - lo]
 
     def _reset_moments(self, step: int) -> None:
         """Seed torch's AdamW state with views of the flat moment shards, at step count `step`."""
@@ -146,32 +179,48 @@ class DistributedOptimizer(BaseOptimizer):
         """One log line: optimizer-state bytes on this rank vs the non-sharded optimizer."""
         full = 3 * 4 * sum(p.numel() for _, p in self.named)
         mine = self.optimizer_state_bytes()
-        return (f"distributed optimizer (ZeRO-1, dp={self.dp}): optimizer state {mine / 2**20:.2f} MiB on this rank "
-                f"({mine / max(full, 1):.3f} of the non-sharded {full / 2**20:.2f} MiB)")
+        where = "CPU" if self.offload else "GPU" if self.device.type == "cuda" else "CPU"
+        return (f"distributed optimizer (ZeRO-{self.stage}, dp={self.dp}): optimizer state {mine / 2**20:.2f} MiB "
+                f"on this rank's {where} ({mine / max(full, 1):.3f} of the non-sharded {full / 2**20:.2f} MiB)")
+
+    # ---- offload: gradients to the CPU, weights back -------------------------------------------
+    def _stage_grads(self) -> None:
+        """Offload: the reduced (unscaled) gradient shard to the CPU for the step."""
+        if self.offload:
+            for i, (lo, hi, off) in enumerate(self.shards):
+                self.cpu_grads[off:off + hi - lo].copy_(self.buffer.owned_grad(lo, hi), non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
 
     # ---- publish ---------------------------------------------------------------------------
     @torch.no_grad()
     def _publish_params(self, params_written: bool) -> None:
-        """Owned masters -> param buffer (model dtype) unless the fused AdamW wrote it, then
-        all-gather every bucket over the DP group."""
+        """Owned masters -> owned model-dtype shards unless the fused AdamW wrote them, then
+        all-gather every whole bucket over the DP group (a ZeRO-3 unit is gathered by its next
+        forward instead)."""
+        if self.offload:
+            self.cpu_params.copy_(self.master_shard)   # cast on the CPU, then one copy per bucket
         handles = []
-        for i, (b, (lo, hi, _)) in enumerate(zip(self.buffer.buckets, self.shards)):
-            if not params_written and self.master_shard is not None:
-                self.param_buf[lo:hi].copy_(self._master_of_bucket(i))
-            if self.dp > 1:
-                handles.append(all_gather_tensor(self.param_buf[b.start:b.end], self.param_buf[lo:hi],
-                                                 group=self.dp_group, async_op=True))
+        for i, (b, (lo, hi, off)) in enumerate(zip(self.buffer.buckets, self.shards)):
+            if self.offload:
+                self.owned_params[i].copy_(self.cpu_params[off:off + hi - lo], non_blocking=True)
+            elif not params_written and self.master_shard is not None:
+                self.owned_params[i].copy_(self._master_of_bucket(i))
+            full = self.bucket_params[i]
+            if full is not None and self.dp > 1:
+                handles.append(all_gather_tensor(full, self.owned_params[i], group=self.dp_group, async_op=True))
         for h in handles:
             h.wait()
 
     # ---- checkpoint state (name-keyed, full over dp) ------------------------------------------
     def _gather_full(self, kind: str) -> Optional[torch.Tensor]:
         """The full flat (buffer-layout) fp32 tensor of `kind` on dp rank 0 (CPU), else None."""
-        full = torch.zeros(self.buffer.data.numel(), dtype=torch.float32) if self.dp_rank == 0 else None
+        total = self.buffer.buckets[-1].end
+        full = torch.zeros(total, dtype=torch.float32) if self.dp_rank == 0 else None
         for i, (b, (lo, hi, off)) in enumerate(zip(self.buffer.buckets, self.shards)):
             shard = self._master_of_bucket(i) if kind == "master_param" else \
                 getattr(self, kind)[off:off + hi - lo]
-            shard = shard.float().contiguous()
+            shard = shard.to(self.device, torch.float32).contiguous()
             if self.dp > 1:
                 out = torch.empty(b.end - b.start, dtype=torch.float32, device=self.device)
                 all_gather_tensor(out, shard, group=self.dp_group)
@@ -205,9 +254,12 @@ class DistributedOptimizer(BaseOptimizer):
         is needed), then this rank's parts of the masters and moments."""
         with torch.no_grad():
             for n, p in self.named:
-                p.copy_(state[n]["master_param"].view(p.shape))
+                if id(p) not in self.units:
+                    p.copy_(state[n]["master_param"].view(p.shape))
             for pt, m in zip(self.parts, self.masters):
                 src = state[pt.name]
+                if id(pt.param) in self.units:
+                    self._owned_param(pt).copy_(src["master_param"].reshape(-1)[pt.p_lo:pt.p_hi])
                 if self.master_shard is not None:
                     m.copy_(src["master_param"].reshape(-1)[pt.p_lo:pt.p_hi])
                 self.exp_avg[pt.lo:pt.hi].copy_(src["exp_avg"].reshape(-1)[pt.p_lo:pt.p_hi])

@@ -80,6 +80,7 @@ class GradBuffer:
         device = (params or late)[0].device
         self.buckets = self._plan_buckets(params, bucket_numel) + ([Bucket(0, 0, late)] if late else [])
         self.param_range = self._lay_out()              # id(param) -> [start, end) in the buffer
+        self.device = device
         self.data = torch.zeros(self.buckets[-1].end if self.buckets else 0, dtype=torch.float32, device=device)
         for b in self.buckets:
             for p in b.params:
@@ -115,6 +116,10 @@ class GradBuffer:
             pos += (-(pos - b.start)) % self.dp
             b.end = pos
         return ranges
+
+    def owned_grad(self, buf_lo: int, buf_hi: int) -> torch.Tensor:
+        """The (reduced) gradient of buffer range [buf_lo, buf_hi)."""
+        return self.data[buf_lo:buf_hi]
 
     # ---- accumulation and reduction -------------------------------------------------------
     def _hook(self, bucket: Bucket, add_grad: bool) -> Callable[[nn.Parameter], None]:

@@ -61,8 +61,10 @@ def retarget(saved: SavedConfig, tp: int, pp: int, dp: Optional[int] = None,
         changed["data_parallel_size"] = dp
         if hasattr(args, "world_size"):
             changed["world_size"] = tp * pp * dp
-    if distributed_optimizer is not None:
+    if distributed_optimizer is not None:  # the files are the same for ZeRO stages 1-3
         changed["use_distributed_optimizer"] = distributed_optimizer
+        stage = getattr(args, "zero_stage", None) or 0
+        changed["zero_stage"] = max(stage, 1) if distributed_optimizer else 0
     vars(args).update(changed)
     parallel = section_from_args(ParallelConfig, args)  # as read_saved_config derives it
     return SavedConfig(args, model, parallel, saved.data)

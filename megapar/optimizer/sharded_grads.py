@@ -1,0 +1,208 @@
+"""ZeRO-2/3 gradients: no full-size gradient buffer; each rank keeps the fp32 gradient shard it owns.
+
+Units. Every transformer layer is one unit (one bucket), laid out as in sharded_params.py
+(parameters end to end, padded to a multiple of dp; rank d owns shard d). Everything else (the
+embeddings, the final LayerNorm, the last stage's tied embedding copy) is one persistent "edge"
+bucket, as in the ZeRO-1 GradBuffer: it is used at both ends of the step and its tied copies are
+summed over the embedding group before the data-parallel reduction.
+
+Each layer's fp32 bucket is one tensor whose storage is sized 0 bytes except while backward
+fills it; the parameters' `main_grad` are fixed views of it (the fused weight-gradient GEMMs
+capture them at forward time; tensor_parallel/linear.py). Per microbatch, for each layer:
+    its output's gradient arrives     the bucket gets its memory back, zeroed (the fused GEMMs
+                                      accumulate there, hooks add the other gradients)
+    the layer's last gradient arrives reduce-scatter the bucket (/dp, asynchronously); when that
+                                      completes, add the result into this rank's shard and free
+                                      the bucket's memory
+So gradients are reduced every microbatch (the price of not keeping a full buffer), and at most
+`max_in_flight` buckets exist at a time besides the one backward is filling. The edge bucket is
+reduced once, in `finish()`.
+
+The owned shards of all buckets are one flat fp32 tensor (`shard_data`) in the layout ZeRO-1's
+optimizer already uses for its master shard, so DistributedOptimizer reads its gradients from
+here (`owned_grad`) instead of from a full buffer.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..tensor_parallel.linear import fuses
+from ..tensor_parallel.mappings import reduce_scatter_tensor
+from .grad_buffer import Bucket
+from .sharded_params import unit_offsets
+
+
+class ShardedGradBuffer:
+    mode = "reduce_scatter"
+    max_in_flight = 2
+
+    def __init__(self, layers: list[nn.Module], edge_params: Iterable[nn.Parameter],
+                 dp_group: Optional[dist.ProcessGroup], tp_summed: Iterable[nn.Parameter] = (),
+                 tp_group: Optional[dist.ProcessGroup] = None,
+                 on_layer_reduced: Optional[Callable[[int], None]] = None):
+        """layers: the transformer layers, in forward order; edge_params: every other trainable
+        parameter. on_layer_reduced(i): called once layer i's gradients have been handed to the
+        reduction (ZeRO-3 frees the layer's gathered weights there)."""
+        self.dp_group, self.tp_group, self.on_layer_reduced = dp_group, tp_group, on_layer_reduced
+        self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
+        self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
+        units = [[p for p in m.parameters() if p.requires_grad] for m in layers]
+        edge = [p for p in edge_params if p.requires_grad]
+        self.device = (units[0] if units else edge)[0].device
+        self.buckets, self.param_range = self._lay_out(units + ([edge] if edge else []))
+        self.edge = self.buckets[-1] if edge else None
+        self.shard_off = []                  # per bucket: its shard's offset in shard_data
+        pos = 0
+        for b in self.buckets:
+            self.shard_off.append(pos)
+            pos += (b.end - b.start) // self.dp
+        self.shard_data = torch.zeros(pos, dtype=torch.float32, device=self.device)     # [sum of shards]
+        self.edge_data = torch.zeros(self.edge.end - self.edge.start if edge else 0, dtype=torch.float32,
+                                     device=self.device)
+        for i, b in enumerate(self.buckets):
+            b.data = self.edge_data if b is self.edge else \
+                torch.zeros(b.end - b.start, dtype=torch.float32, device=self.device)        # [bucket]
+            for p in b.params:
+                start, end = self.param_range[id(p)]
+                p.main_grad = b.data[start - b.start:end - b.start].view_as(p)
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(self._hook(i, b, add_grad=not fuses(p)))
+            if b is not self.edge:
+                self._free(b)
+        for i, layer in enumerate(layers):
+            layer.register_forward_hook(self._arm_on_output(i))
+        self.tp_summed = [g for p in tp_summed for g in self._owned_views(p)]
+        self.in_flight: list[tuple] = []
+
+    # ---- layout ----------------------------------------------------------------------------------
+    def _lay_out(self, units: list[list[nn.Parameter]]) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
+        buckets, ranges, pos = [], {}, 0
+        for params in units:
+            offsets, size = unit_offsets(params, self.dp)
+            for p, off in zip(params, offsets):
+                ranges[id(p)] = (pos + off, pos + off + p.numel())
+            buckets.append(Bucket(pos, pos + size, params))
+            pos += size
+        return buckets, ranges
+
+    def _bucket_at(self, buf_pos: int) -> int:
+        return bisect.bisect_right([b.start for b in self.buckets], buf_pos) - 1
+
+    def owned_grad(self, buf_lo: int, buf_hi: int) -> torch.Tensor:
+        """The reduced gradient of buffer range [buf_lo, buf_hi), which lies in this rank's shard."""
+        i = self._bucket_at(buf_lo)
+        lo, _ = self.buckets[i].shard(self.dp_rank, self.dp)
+        off = self.shard_off[i] + buf_lo - lo
+        return self.shard_data[off:off + buf_hi - buf_lo]
+
+    def _owned_views(self, p: nn.Parameter) -> list[torch.Tensor]:
+        start, end = self.param_range[id(p)]
+        lo, hi = self.buckets[self._bucket_at(start)].shard(self.dp_rank, self.dp)
+        a, z = max(lo, start), min(hi, end)
+        return [self.owned_grad(a, z)] if a < z else []
+
+    # ---- accumulation ------------------------------------------------------------------------------
+    def _arm_on_output(self, i: int):
+        def forward_hook(module, args, out) -> None:
+            if torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
+                out.register_hook(lambda grad: self._allocate(i))
+        return forward_hook
+
+    @staticmethod
+    def _free(b: Bucket) -> None:
+        b.data.untyped_storage().resize_(0)
+        b.live = False
+
+    def _allocate(self, i: int) -> None:
+        """Layer i's backward is about to run: give its bucket memory, zeroed."""
+        b = self.buckets[i]
+        if getattr(b, "live", False):
+            return
+        for item in [x for x in self.in_flight if x[2] == i]:  # its previous microbatch still travelling
+            self.in_flight.remove(item)
+            self._complete(item)
+        b.data.untyped_storage().resize_(b.data.numel() * b.data.element_size())
+        b.data.zero_()
+        b.live, b.pending = True, {id(p) for p in b.params}
+
+    def _hook(self, i: int, b: Bucket, add_grad: bool) -> Callable[[nn.Parameter], None]:
+        def hook(p: nn.Parameter) -> None:
+            if add_grad and p.dim() == 1:
+                if id(p) in b.queued:
+                    b.add_queued()
+                b.queued[id(p)] = (p.main_grad, p.grad)
+            elif add_grad:
+                p.main_grad.add_(p.grad)
+            p.grad = None
+            if b is not self.edge:
+                b.pending.discard(id(p))
+                if not b.pending:
+                    self._reduce_layer(i)
+        return hook
+
+    # ---- reduction ---------------------------------------------------------------------------------
+    def _shard_slot(self, i: int) -> torch.Tensor:
+        b = self.buckets[i]
+        size = (b.end - b.start) // self.dp
+        return self.shard_data[self.shard_off[i]:self.shard_off[i] + size]
+
+    def _reduce_layer(self, i: int) -> None:
+        """Hand layer i's bucket to the reduction (freed once the reduction completes)."""
+        b = self.buckets[i]
+        b.add_queued()
+        while len(self.in_flight) >= self.max_in_flight:
+            self._complete(self.in_flight.pop(0))
+        if self.dp == 1:
+            self._shard_slot(i).add_(b.data)
+            self._free(b)
+        else:
+            b.data.div_(self.dp)
+            out = torch.empty_like(self._shard_slot(i))
+            work = reduce_scatter_tensor(out, b.data, group=self.dp_group, async_op=True)
+            self.in_flight.append((work, out, i))
+        if self.on_layer_reduced is not None:
+            self.on_layer_reduced(i)
+
+    def _complete(self, item: tuple) -> None:
+        work, out, i = item
+        work.wait()
+        self._shard_slot(i).add_(out)
+        self._free(self.buckets[i])
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Layers are reduced every microbatch whatever is asked (there is no full buffer to keep)."""
+        yield
+
+    def start_step(self) -> None:
+        self.shard_data.zero_()
+        self.edge_data.zero_()
+
+    def finish(self, before_late: Optional[Callable[[], None]] = None) -> None:
+        """Complete the layers' reductions, then reduce the edge bucket (after `before_late`)."""
+        while self.in_flight:
+            self._complete(self.in_flight.pop(0))
+        if self.edge is not None:
+            self.edge.add_queued()
+            if before_late is not None:
+                before_late()
+            slot = self._shard_slot(len(self.buckets) - 1)
+            if self.dp == 1:
+                slot.copy_(self.edge_data)
+            else:
+                self.edge_data.div_(self.dp)
+                reduce_scatter_tensor(slot, self.edge_data, group=self.dp_group)
+        if self.tp_summed:
+            flat = torch.cat(self.tp_summed)
+            dist.all_reduce(flat, group=self.tp_group)
+            torch._foreach_copy_(self.tp_summed, list(flat.split([g.numel() for g in self.tp_summed])))
+
+    def gradient_bytes(self) -> int:
+        """Persistent fp32 gradient bytes on this rank (the shard and the edge bucket)."""
+        return 4 * (self.shard_data.numel() + self.edge_data.numel())
