@@ -29,6 +29,9 @@ class Recipe:
 GPT2_124M = ("--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12")
 GPT2_345M = ("--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16")
 SEQ_1024_BF16 = ("--seq-length", "1024", "--max-position-embeddings", "1024", "--bf16")
+GPT3_6_7B = ("--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32")
+GPT3_13B = ("--num-layers", "40", "--hidden-size", "5120", "--num-attention-heads", "40")
+SEQ_2048_BF16 = ("--seq-length", "2048", "--max-position-embeddings", "2048", "--bf16")
 COMPILE = ("--torch-compile",)
 # a CUDA graph captures the whole step: it needs dropout 0 (no RNG state swaps) and is fastest compiled
 GRAPH = (*COMPILE, "--enable-cuda-graph", "--adam-impl", "fused", "--hidden-dropout", "0", "--attention-dropout", "0")
@@ -40,6 +43,10 @@ def _tp(n: int) -> tuple[str, ...]:
 
 def _pp(n: int) -> tuple[str, ...]:
     return ("--pipeline-model-parallel-size", str(n))
+
+
+def _zero(stage: int) -> tuple[str, ...]:
+    return ("--zero-stage", str(stage))
 
 
 def _recipe(gpus: int, model: tuple[str, ...], micro: int, global_batch: int, *extra: str, about: str) -> Recipe:
@@ -76,6 +83,17 @@ RECIPES: dict[str, Recipe] = {
                                  about="345M, pipeline parallel 4, last stage 3 layers"),
     "345m-tp2-pp2": _recipe(4, GPT2_345M, 8, 64, *_tp(2), *_pp(2), "--use-distributed-optimizer",
                             about="345M, tensor 2 x pipeline 2, ZeRO-1"),
+    **{f"345m-compile-zero{z}": _recipe(1, GPT2_345M, 8, 8, *COMPILE, *_zero(z), about=f"345M compiled, ZeRO-{z}")
+       for z in (1, 2, 3)},
+    **{f"345m-dp2-zero{z}": _recipe(2, GPT2_345M, 8, 16, *COMPILE, *_zero(z),
+                                    about=f"345M compiled, data parallel 2, ZeRO-{z}") for z in (1, 2, 3)},
+    # models larger than one GPU holds: seq 2048 as GPT-3
+    "6.7b-offload": Recipe(1, (*GPT3_6_7B, *SEQ_2048_BF16, "--micro-batch-size", "2", "--global-batch-size", "128",
+                               *_zero(2), "--optimizer-cpu-offload"),
+                           "GPT-3 6.7B on one GPU: ZeRO-2 with the optimizer on the CPU"),
+    "13b-dp2-zero3": Recipe(2, (*GPT3_13B, *SEQ_2048_BF16, "--micro-batch-size", "1", "--global-batch-size", "32",
+                                *_zero(3), "--recompute-granularity", "full"),
+                            "GPT-3 13B on two GPUs: ZeRO-3, full recompute"),
 }
 
 

@@ -388,8 +388,12 @@ def _saves_at(cfg, iteration: int) -> bool:
 
 def runs_ahead(cfg, iteration: int, total: int) -> bool:
     """May the next step be queued before this one's results are read? Not when this iteration
-    evaluates, saves or may exit: those need the step finished and recorded."""
+    evaluates, saves or may exit: those need the step finished and recorded. Never when a step
+    waits for the device itself (fp16's overflow check, the offloaded optimizer): the next step
+    would gain nothing, and this one's read-back, hence its logged time, would wait for it."""
     t = cfg.train
+    if t.fp16 or cfg.parallel.optimizer_cpu_offload:
+        return False
     return not (iteration == total or _evaluates_at(cfg, iteration) or _saves_at(cfg, iteration)
                 or (t.exit_interval and iteration % t.exit_interval == 0)
                 or t.exit_signal_handler or t.exit_duration_in_mins is not None)

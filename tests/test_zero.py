@@ -110,3 +110,32 @@ def test_zero3_checkpoint_resumes_at_any_stage_and_layout(serial, tmp_path):
                                  "--no-distributed-optimizer"]) == 0
     got = losses(run_training(base + ["--tensor-parallel", "2", "--load", str(tp2)], 2))
     assert got == pytest.approx(reference[4:], rel=2e-5), (got, reference[4:])
+
+
+# ---- GPU: the same equalities with NCCL, bf16, the fused kernels, torch.compile and real offload ----
+from gpu_runs import Run, uses  # noqa: E402
+
+GPU_ZERO = {
+    "stage1": ("--zero-stage", "1"),
+    "stage2": ("--zero-stage", "2"),
+    "stage3": ("--zero-stage", "3"),
+    "stage2-offload": ("--zero-stage", "2", "--optimizer-cpu-offload"),
+    "stage3-offload": ("--zero-stage", "3", "--optimizer-cpu-offload", "--param-cpu-offload"),
+    "stage3-compile-recompute": ("--zero-stage", "3", "--torch-compile", "--recompute-granularity", "full"),
+}
+GPU_BASE = Run(("--bf16",))
+GPU_RECOMPUTE_BASE = Run(("--bf16", "--torch-compile", "--recompute-granularity", "full"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [pytest.param(n, marks=uses(GPU_BASE, GPU_RECOMPUTE_BASE, Run(("--bf16", *f))))
+                                  for n, f in GPU_ZERO.items()])
+def test_zero_stages_on_gpu_match_plain_data_parallel(gpu_runs, name):
+    """bf16 on one GPU: every stage and offload gives the plain run's losses (rel 2e-3: bf16, and
+    torch's fused CPU AdamW against the GPU's)."""
+    flags = GPU_ZERO[name]
+    base = gpu_runs.get(GPU_RECOMPUTE_BASE if "--torch-compile" in flags else GPU_BASE)
+    got = gpu_runs.get(Run(("--bf16", *flags)))
+    assert f"ZeRO-{flags[1]}" in got["out"]
+    for it, loss in base["loss"].items():
+        assert got["loss"][it] == pytest.approx(loss, rel=2e-3), (name, it, got["loss"], base["loss"])

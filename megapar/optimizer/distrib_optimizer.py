@@ -127,17 +127,17 @@ class DistributedOptimizer(BaseOptimizer):
                     p.data = full[start - b.start:end - b.start].view_as(p)
             self.bucket_params.append(full)
             self.owned_params.append(full[lo - b.start:hi - b.start])
-        host = dict(dtype=torch.float32, device="cpu", pin_memory=self.device.type == "cuda")
-        f32 = host if self.offload else dict(dtype=torch.float32, device=self.device)
+        pinned = dict(dtype=torch.float32, device="cpu", pin_memory=self.device.type == "cuda")
+        f32 = pinned if self.offload else dict(dtype=torch.float32, device=self.device)
         separate = self.dtype != torch.float32 or self.offload
         self.master_shard = torch.zeros(shard_numel, **f32) if separate else None
         if self.master_shard is not None:
             for owned, (lo, hi, off) in zip(self.owned_params, self.shards):
                 self.master_shard[off:off + hi - lo].copy_(owned)
-        self.exp_avg, self.exp_avg_sq = torch.zeros(shard_numel, **f32), torch.zeros(shard_numel, **f32)
-        if self.offload:  # the reduced gradients come to the CPU for the step; the new weights go back
-            self.cpu_grads = torch.zeros(shard_numel, **host)
-            self.cpu_params = torch.zeros(shard_numel, **dict(host, dtype=self.dtype))
+        moments = dict(dtype=torch.float32, device="cpu") if self.offload else f32  # never copied: not pinned
+        self.exp_avg, self.exp_avg_sq = torch.zeros(shard_numel, **moments), torch.zeros(shard_numel, **moments)
+        if self.offload:  # the reduced gradients come to the CPU for the step
+            self.cpu_grads = torch.zeros(shard_numel, **pinned)
 
     def _plan_parts(self) -> list[Part]:
         names = {id(p): n for n, p in self.named}
@@ -198,12 +198,10 @@ class DistributedOptimizer(BaseOptimizer):
         """Owned masters -> owned model-dtype shards unless the fused AdamW wrote them, then
         all-gather every whole bucket over the DP group (a ZeRO-3 unit is gathered by its next
         forward instead)."""
-        if self.offload:
-            self.cpu_params.copy_(self.master_shard)   # cast on the CPU, then one copy per bucket
         handles = []
         for i, (b, (lo, hi, off)) in enumerate(zip(self.buffer.buckets, self.shards)):
-            if self.offload:
-                self.owned_params[i].copy_(self.cpu_params[off:off + hi - lo], non_blocking=True)
+            if self.offload:  # pinned fp32 -> the device, cast there (a model-dtype host copy would cost 2 B/param)
+                self.owned_params[i].copy_(self.master_shard[off:off + hi - lo])
             elif not params_written and self.master_shard is not None:
                 self.owned_params[i].copy_(self._master_of_bucket(i))
             full = self.bucket_params[i]
