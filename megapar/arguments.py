@@ -215,6 +215,7 @@ class Config:
     ckpt: CheckpointConfig
     log: LogConfig
     aliases: dict[str, bool] = field(default_factory=dict)  # the ALIAS_FLAGS as given (kept in `args`)
+    deepspeed: Any = None  # the DeepSpeedSettings of --deepspeed-config (not kept in `args`)
 
     @property
     def num_microbatches(self) -> int:
@@ -275,12 +276,33 @@ def build_parser() -> argparse.ArgumentParser:
         groups["model"].add_argument(_flag(name), action="store_true", help=help)
     groups["model"].add_argument("--recipe", metavar="NAME", help="start from a named run configuration "
                                  "(megapar/recipes.py); flags given after it override it")
+    ds = p.add_argument_group("DeepSpeed users")
+    ds.add_argument("--deepspeed-config", "--deepspeed_config", metavar="JSON", dest=DEEPSPEED_CONFIG,
+                    help="read a DeepSpeed ds_config.json and set the matching flags (docs/guide.md, Coming from "
+                         "DeepSpeed); a flag also given here must have the same value")
+    ds.add_argument("--deepspeed", action="store_true", help="accepted and ignored (DeepSpeed's launch marker)")
     return p
 
 
+DEEPSPEED_CONFIG = "deepspeed_config"   # the parsed flag; in the given flags, replaced by its settings
+
+
 def parse_flags(argv: Optional[Sequence[str]]) -> dict[str, Any]:
-    """The flags the user gave ({dest: value}; recipes expanded), without defaults."""
-    return vars(build_parser().parse_args(expand_recipes(argv)))
+    """The flags the user gave ({dest: value}; recipes expanded, --deepspeed-config merged in),
+    without defaults."""
+    return apply_config_files(vars(build_parser().parse_args(expand_recipes(argv))))
+
+
+def apply_config_files(given: dict[str, Any]) -> dict[str, Any]:
+    """Merge a --deepspeed-config file into the parsed flags `given` (in place, returned): its
+    settings become flags, and the DeepSpeedSettings under DEEPSPEED_CONFIG carry the rest (the
+    gradient accumulation steps, resolved at world size, and what to print at start)."""
+    given.pop("deepspeed", None)
+    path = given.pop(DEEPSPEED_CONFIG, None)
+    if path is not None:
+        from .deepspeed_config import apply
+        given[DEEPSPEED_CONFIG] = apply(path, given)
+    return given
 
 
 def default_of(name: str) -> Any:
@@ -319,17 +341,36 @@ def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: i
     and build the Config; every flag not given takes its dataclass default."""
     given = dict(vars(ns) if isinstance(ns, argparse.Namespace) else ns)
     given.pop("recipe", None)
+    if isinstance(given.get(DEEPSPEED_CONFIG), str):  # a namespace straight from build_parser()
+        apply_config_files(given)
+    ds = given.pop(DEEPSPEED_CONFIG, None)
     aliases = _resolve_aliases(given)
-    cfg = Config(**{section: _pick(cls, given) for section, (cls, _) in SECTIONS.items()}, aliases=aliases)
+    cfg = Config(**{section: _pick(cls, given) for section, (cls, _) in SECTIONS.items()}, aliases=aliases,
+                 deepspeed=ds)
+    try:
+        _resolve_and_validate(cfg, given, world_size)
+    except ConfigError as e:
+        if ds is None:
+            raise
+        raise ConfigError(ds.explain(str(e))) from None  # a value the config set: name its key
+    return cfg
+
+
+def _resolve_and_validate(cfg: Config, given: dict[str, Any], world_size: int) -> None:
+    """The derived settings (data-parallel size, ZeRO stage, batch sizes), checked."""
     if cfg.parallel.tensor_model_parallel_size == 1:  # nothing to split (Megatron also turns it off)
         cfg.model.sequence_parallel = False
     _resolve_zero_stage(cfg.parallel)
     validate(cfg.namespace(), world_size)
     p, t = cfg.parallel, cfg.train
     p.data_parallel_size = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    if cfg.deepspeed is not None:  # gradient_accumulation_steps: the batch triple needs dp
+        from .deepspeed_config import resolve_batch
+        t.micro_batch_size, t.global_batch_size = resolve_batch(
+            cfg.deepspeed, given.get("micro_batch_size"), given.get("global_batch_size"),
+            default_of("micro_batch_size"), p.data_parallel_size)
     t.global_batch_size = t.global_batch_size or t.micro_batch_size * p.data_parallel_size
     _check_batch(t.global_batch_size, t.micro_batch_size, p.data_parallel_size)
-    return cfg
 
 
 def _resolve_zero_stage(p: ParallelConfig) -> None:
