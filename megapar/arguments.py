@@ -336,9 +336,11 @@ def _resolve_aliases(given: dict[str, Any]) -> dict[str, bool]:
     return aliases
 
 
-def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: int) -> Config:
+def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: int, assume_gpus: bool = False
+                          ) -> Config:
     """Validate the given flags (a parsed namespace or dict) for a job of `world_size` processes
-    and build the Config; every flag not given takes its dataclass default."""
+    and build the Config; every flag not given takes its dataclass default. `assume_gpus`: check
+    a run planned for CUDA GPUs (the memory estimator) also on a machine without any."""
     given = dict(vars(ns) if isinstance(ns, argparse.Namespace) else ns)
     given.pop("recipe", None)
     if isinstance(given.get(DEEPSPEED_CONFIG), str):  # a namespace straight from build_parser()
@@ -348,7 +350,7 @@ def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: i
     cfg = Config(**{section: _pick(cls, given) for section, (cls, _) in SECTIONS.items()}, aliases=aliases,
                  deepspeed=ds)
     try:
-        _resolve_and_validate(cfg, given, world_size)
+        _resolve_and_validate(cfg, given, world_size, assume_gpus)
     except ConfigError as e:
         if ds is None:
             raise
@@ -356,12 +358,12 @@ def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: i
     return cfg
 
 
-def _resolve_and_validate(cfg: Config, given: dict[str, Any], world_size: int) -> None:
+def _resolve_and_validate(cfg: Config, given: dict[str, Any], world_size: int, assume_gpus: bool) -> None:
     """The derived settings (data-parallel size, ZeRO stage, batch sizes), checked."""
     if cfg.parallel.tensor_model_parallel_size == 1:  # nothing to split (Megatron also turns it off)
         cfg.model.sequence_parallel = False
     _resolve_zero_stage(cfg.parallel)
-    validate(cfg.namespace(), world_size)
+    validate(cfg.namespace(), world_size, assume_gpus)
     p, t = cfg.parallel, cfg.train
     p.data_parallel_size = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
     if cfg.deepspeed is not None:  # gradient_accumulation_steps: the batch triple needs dp
@@ -386,8 +388,9 @@ def parse_config(argv: Optional[Sequence[str]], world_size: int) -> Config:
     return config_from_namespace(parse_flags(argv), world_size)
 
 
-def validate(ns: argparse.Namespace, world_size: int) -> None:
-    """Every check that needs no process group. Raises ConfigError naming flags and a fix."""
+def validate(ns: argparse.Namespace, world_size: int, assume_gpus: bool = False) -> None:
+    """Every check that needs no process group. Raises ConfigError naming flags and a fix.
+    `assume_gpus`: as on a machine with CUDA GPUs, whatever this one has."""
     _check_ranges(ns)
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
@@ -425,9 +428,10 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
     if ns.recompute_granularity == "full" and not 1 <= ns.recompute_num_layers <= per_stage:
         _fail(f"--recompute-num-layers {ns.recompute_num_layers} must be between 1 and the layers of the "
               f"smallest pipeline stage ({per_stage})")
-    _check_zero(ns)
+    gpus = assume_gpus or _has_gpus()
+    _check_zero(ns, gpus)
     if ns.enable_cuda_graph:
-        _check_cuda_graph(ns)
+        _check_cuda_graph(ns, gpus)
 
 
 # Numeric ranges, checked first (a zero head count must not reach `hidden_size % heads`).
@@ -489,11 +493,15 @@ def _check_ranges(ns: argparse.Namespace) -> None:
         _fail(f"--seed {ns.seed} must be in [0, 2**32); e.g. the default {default_of('seed')}")
 
 
-def _check_zero(ns: argparse.Namespace) -> None:
-    """ZeRO stages and offload: what cannot work is refused before any process group exists."""
+def _has_gpus() -> bool:
     import torch
+    return torch.cuda.is_available()
+
+
+def _check_zero(ns: argparse.Namespace, gpus: bool) -> None:
+    """ZeRO stages and offload: what cannot work is refused before any process group exists."""
     stage = ns.zero_stage
-    gpus = torch.cuda.is_available() and ns.distributed_backend != "gloo"
+    gpus = gpus and ns.distributed_backend != "gloo"
     if ns.param_cpu_offload and stage != 3:
         _fail(f"--param-cpu-offload keeps parameter shards on the CPU, which needs --zero-stage 3 "
               f"(this run: --zero-stage {stage}); add --zero-stage 3 or drop --param-cpu-offload")
@@ -510,11 +518,10 @@ def _check_zero(ns: argparse.Namespace) -> None:
               f"--enable-cuda-graph, or drop --enable-cuda-graph")
 
 
-def _check_cuda_graph(ns: argparse.Namespace) -> None:
+def _check_cuda_graph(ns: argparse.Namespace, gpus: bool) -> None:
     """--enable-cuda-graph captures one step whose kernels and addresses never change."""
-    import torch
     blockers = [
-        (not torch.cuda.is_available() or ns.distributed_backend == "gloo", "it needs CUDA GPUs and NCCL"),
+        (not gpus or ns.distributed_backend == "gloo", "it needs CUDA GPUs and NCCL"),
         (ns.pipeline_model_parallel_size > 1, "pipeline schedules are not captured; use "
                                               "--pipeline-model-parallel-size 1"),
         (ns.fp16, "fp16 loss scaling reads the overflow flag back every step; use --bf16"),
