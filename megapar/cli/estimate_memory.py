@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     if gpu_memory is not None:
         print(f"GPU: {verdict(peak, gpu_memory, 'GPU')}")
     if host_memory is not None:
-        print(f"host ({per_node} GPUs per node): {verdict(host, host_memory, 'host')}")
+        print(f"host ({per_node} GPU{'s' if per_node > 1 else ''} per node): {verdict(host, host_memory, 'host')}")
     if known.compare_stages:
         print(compare_zero(cfg, per_node, gpu_memory, host_memory))
     return 0
