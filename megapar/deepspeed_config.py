@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -139,11 +140,10 @@ class DeepSpeedSettings:
         return lines
 
     def explain(self, message: str) -> str:
-        """A validation error about a flag this config set, with the key it came from."""
-        for dest, key in self.origin.items():
-            if f"--{dest.replace('_', '-')}" in message:
-                return f"{message} (set by {key} in {self.path})"
-        return message
+        """A validation error about flags this config set, with the keys they came from."""
+        keys = [key for dest, key in self.origin.items()
+                if re.search(re.escape(f"--{dest.replace('_', '-')}") + r"(?![\w-])", message)]
+        return f"{message} (set by {', '.join(keys)} in {self.path})" if keys else message
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -334,6 +334,7 @@ def _scheduler(s: DeepSpeedSettings, raw: dict, cli: dict[str, Any]) -> None:
     given = _section(s.path, sched, "params", "scheduler.", set(defaults))
     params = {k: given.get(k, d) for k, d in defaults.items()}
     key = "scheduler.params."
+    source = {k: key + k + ("" if k in given else " (absent: DeepSpeed's default)") for k in defaults}
     if params["warmup_type"] not in ("linear", AUTO):
         absent = "(DeepSpeed's default when absent) " if "warmup_type" not in given else ""
         _refuse(s.path, key + "warmup_type", params["warmup_type"],
@@ -344,7 +345,7 @@ def _scheduler(s: DeepSpeedSettings, raw: dict, cli: dict[str, Any]) -> None:
     s.set("scheduler.type", "lr_decay_style", DECAY_STYLE[kind])
     steps = _value(s.path, params, "warmup_num_steps", key, int)
     if steps is not None:
-        s.set(key + "warmup_num_steps", "lr_warmup_iters", steps)
+        s.set(source["warmup_num_steps"], "lr_warmup_iters", steps)
     if "total_num_steps" in params:
         if params["total_num_steps"] is None:
             _fail(f"{s.path}: {kind} needs {key}total_num_steps; set it, or \"auto\" for --lr-decay-iters "
@@ -353,12 +354,12 @@ def _scheduler(s: DeepSpeedSettings, raw: dict, cli: dict[str, Any]) -> None:
         if total is not None:
             s.set(key + "total_num_steps", "lr_decay_iters", total)
     if kind == "WarmupCosineLR":
-        _cosine(s, params, cli)
+        _cosine(s, params, source, cli)
     else:
-        _warmup_lr_range(s, params, decays=kind == "WarmupDecayLR")
+        _warmup_lr_range(s, params, source, decays=kind == "WarmupDecayLR")
 
 
-def _warmup_lr_range(s: DeepSpeedSettings, params: dict, decays: bool) -> None:
+def _warmup_lr_range(s: DeepSpeedSettings, params: dict, source: dict[str, str], decays: bool) -> None:
     """WarmupLR / WarmupDecayLR: from warmup_min_lr (must be 0) up to warmup_max_lr (= --lr); the
     decay goes back to warmup_min_lr, i.e. --min-lr 0."""
     key = "scheduler.params."
@@ -368,12 +369,12 @@ def _warmup_lr_range(s: DeepSpeedSettings, params: dict, decays: bool) -> None:
                 "use 0 (the nearest supported value)")
     high = _value(s.path, params, "warmup_max_lr", key, float)
     if high is not None:
-        s.set(key + "warmup_max_lr", "lr", high)
+        s.set(source["warmup_max_lr"], "lr", high)
     if decays:
         s.set(key + "warmup_min_lr", "min_lr", 0.0)
 
 
-def _cosine(s: DeepSpeedSettings, params: dict, cli: dict[str, Any]) -> None:
+def _cosine(s: DeepSpeedSettings, params: dict, source: dict[str, str], cli: dict[str, Any]) -> None:
     """WarmupCosineLR: ratios of the optimizer's lr; --min-lr = cos_min_ratio x --lr."""
     from .arguments import default_of
 
@@ -387,7 +388,7 @@ def _cosine(s: DeepSpeedSettings, params: dict, cli: dict[str, Any]) -> None:
         if not 0 <= ratio <= 1:
             _refuse(s.path, key + "cos_min_ratio", ratio, "is out of range", "use a ratio in [0, 1]")
         lr = s.flags.get("lr", cli.get("lr", default_of("lr")))
-        s.set(key + "cos_min_ratio", "min_lr", ratio * lr)
+        s.set(source["cos_min_ratio"], "min_lr", ratio * lr)
 
 
 def _offload(s: DeepSpeedSettings, zero: dict, name: str, dest: str) -> None:
@@ -454,11 +455,13 @@ def resolve_batch(s: DeepSpeedSettings, micro: Optional[int], global_batch: Opti
         return (micro or default_micro), global_batch
     if micro is None and global_batch is not None:
         if global_batch % (gas * dp):
-            _fail(f"{s.path}: train_batch_size {global_batch} is not divisible by gradient_accumulation_steps {gas} "
-                  f"x data-parallel size {dp}; give train_micro_batch_size_per_gpu or change the batch")
+            _fail(f"{s.path}: the global batch (train_batch_size / --global-batch-size) {global_batch} is not "
+                  f"divisible by gradient_accumulation_steps {gas} x data-parallel size {dp}; give "
+                  f"train_micro_batch_size_per_gpu or change the batch")
         return global_batch // (gas * dp), global_batch
     micro = micro or default_micro
     if global_batch is not None and global_batch != micro * gas * dp:
-        _fail(f"{s.path}: train_batch_size {global_batch} != micro batch {micro} x gradient_accumulation_steps {gas} "
-              f"x data-parallel size {dp} (= {micro * gas * dp}); give two of the three (\"auto\" for the third)")
+        _fail(f"{s.path}: the global batch (train_batch_size / --global-batch-size) {global_batch} != micro batch "
+              f"{micro} x gradient_accumulation_steps {gas} x data-parallel size {dp} (= {micro * gas * dp}); "
+              f"give two of the three (\"auto\" for the third)")
     return micro, micro * gas * dp

@@ -146,12 +146,13 @@ def test_any_two_of_the_batch_triple_give_the_third(tmp_path, config, world, mic
 
 def test_batch_triple_that_does_not_agree_at_this_world_size(tmp_path):
     config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}
-    refused(tmp_path, config, "train_batch_size 16 != micro batch 2 x gradient_accumulation_steps 4 x "
-                              "data-parallel size 4 (= 32)", world=4)
+    refused(tmp_path, config, "(train_batch_size / --global-batch-size) 16 != micro batch 2 x "
+                              "gradient_accumulation_steps 4 x data-parallel size 4 (= 32)", world=4)
     refused(tmp_path, {"train_batch_size": 10, "gradient_accumulation_steps": 4},
-            "train_batch_size 10 is not divisible by gradient_accumulation_steps 4 x data-parallel size 1")
+            "(train_batch_size / --global-batch-size) 10 is not divisible by gradient_accumulation_steps 4 x "
+            "data-parallel size 1")
     refused(tmp_path, {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
-            "--global-batch-size 10 is not divisible", "(set by train_batch_size in")
+            "--global-batch-size 10 is not divisible", "(set by train_batch_size, train_micro_batch_size_per_gpu in")
 
 
 def test_the_embedded_default_leaves_the_batch_to_the_triple(tmp_path):
@@ -178,6 +179,20 @@ def test_same_value_on_both_sides_is_fine(tmp_path):
 ])
 def test_different_values_on_both_sides_are_refused(tmp_path, config, extra, fragments):
     refused(tmp_path, config, *fragments, extra=extra)
+
+
+def test_errors_name_the_keys_that_set_the_flags(tmp_path):
+    """A validation error names the key of each flag it mentions (--lr is not --lr-warmup-iters), and a
+    schedule default the file left out is named as DeepSpeed's default."""
+    message = refused(tmp_path, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                 "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}}},
+                      "--lr-warmup-fraction and --lr-warmup-iters were both given",
+                      "(set by scheduler.params.warmup_num_steps (absent: DeepSpeed's default) in",
+                      extra=["--lr-warmup-fraction", "0.1"])
+    assert "optimizer.params.lr" not in message
+    refused(tmp_path, {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}}},
+            "--lr 0.0006 on the command line and scheduler.params.warmup_max_lr (absent: DeepSpeed's default)",
+            extra=["--lr", "6e-4"])
 
 
 def test_two_keys_for_one_flag_must_agree(tmp_path):

@@ -41,7 +41,8 @@ LAUNCHER_CASES = [  # (id, config or text, extra flags, expected fragments)
      ["--micro-batch-size 4 on the command line", "train_micro_batch_size_per_gpu"]),
     ("batch triple at world size", {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
                                     "gradient_accumulation_steps": 4}, [],
-     ["train_batch_size 16 != micro batch 2 x gradient_accumulation_steps 4 x data-parallel size 1"]),
+     ["(train_batch_size / --global-batch-size) 16 != micro batch 2 x gradient_accumulation_steps 4 x "
+      "data-parallel size 1"]),
     ("log warmup", {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}, [],
      ["scheduler.params.warmup_type", '"warmup_type": "linear"']),
     ("unknown key", {"zero_optimization": {"stage": 2, "overlap_com": True}}, [],
