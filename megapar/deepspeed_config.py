@@ -77,8 +77,8 @@ _OFFLOAD_NOT_ACTED_ON = {
     "nvme_path": "megapar offloads to CPU memory only",
     "fast_init": "an NVMe setting; megapar offloads to CPU memory only",
 }
-for _section in ("offload_optimizer", "offload_param"):
-    NOT_ACTED_ON.update({f"zero_optimization.{_section}.{k}": why for k, why in _OFFLOAD_NOT_ACTED_ON.items()})
+NOT_ACTED_ON.update({f"zero_optimization.{offload}.{k}": why for offload in ("offload_optimizer", "offload_param")
+                     for k, why in _OFFLOAD_NOT_ACTED_ON.items()})
 
 # What each section may hold (anything else is an unknown key).
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
