@@ -215,6 +215,7 @@ class Config:
     ckpt: CheckpointConfig
     log: LogConfig
     aliases: dict[str, bool] = field(default_factory=dict)  # the ALIAS_FLAGS as given (kept in `args`)
+    deepspeed: Any = None  # the DeepSpeedSettings of --deepspeed-config (not kept in `args`)
 
     @property
     def num_microbatches(self) -> int:
@@ -275,12 +276,33 @@ def build_parser() -> argparse.ArgumentParser:
         groups["model"].add_argument(_flag(name), action="store_true", help=help)
     groups["model"].add_argument("--recipe", metavar="NAME", help="start from a named run configuration "
                                  "(megapar/recipes.py); flags given after it override it")
+    ds = p.add_argument_group("DeepSpeed users")
+    ds.add_argument("--deepspeed-config", "--deepspeed_config", metavar="JSON", dest=DEEPSPEED_CONFIG,
+                    help="read a DeepSpeed ds_config.json and set the matching flags (docs/guide.md, Coming from "
+                         "DeepSpeed); a flag also given here must have the same value")
+    ds.add_argument("--deepspeed", action="store_true", help="accepted and ignored (DeepSpeed's launch marker)")
     return p
 
 
+DEEPSPEED_CONFIG = "deepspeed_config"   # the parsed flag; in the given flags, replaced by its settings
+
+
 def parse_flags(argv: Optional[Sequence[str]]) -> dict[str, Any]:
-    """The flags the user gave ({dest: value}; recipes expanded), without defaults."""
-    return vars(build_parser().parse_args(expand_recipes(argv)))
+    """The flags the user gave ({dest: value}; recipes expanded, --deepspeed-config merged in),
+    without defaults."""
+    return apply_config_files(vars(build_parser().parse_args(expand_recipes(argv))))
+
+
+def apply_config_files(given: dict[str, Any]) -> dict[str, Any]:
+    """Merge a --deepspeed-config file into the parsed flags `given` (in place, returned): its
+    settings become flags, and the DeepSpeedSettings under DEEPSPEED_CONFIG carry the rest (the
+    gradient accumulation steps, resolved at world size, and what to print at start)."""
+    given.pop("deepspeed", None)
+    path = given.pop(DEEPSPEED_CONFIG, None)
+    if path is not None:
+        from .deepspeed_config import apply
+        given[DEEPSPEED_CONFIG] = apply(path, given)
+    return given
 
 
 def default_of(name: str) -> Any:
@@ -314,22 +336,43 @@ def _resolve_aliases(given: dict[str, Any]) -> dict[str, bool]:
     return aliases
 
 
-def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: int) -> Config:
+def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: int, assume_gpus: bool = False
+                          ) -> Config:
     """Validate the given flags (a parsed namespace or dict) for a job of `world_size` processes
-    and build the Config; every flag not given takes its dataclass default."""
+    and build the Config; every flag not given takes its dataclass default. `assume_gpus`: check
+    a run planned for CUDA GPUs (the memory estimator) also on a machine without any."""
     given = dict(vars(ns) if isinstance(ns, argparse.Namespace) else ns)
     given.pop("recipe", None)
+    if isinstance(given.get(DEEPSPEED_CONFIG), str):  # a namespace straight from build_parser()
+        apply_config_files(given)
+    ds = given.pop(DEEPSPEED_CONFIG, None)
     aliases = _resolve_aliases(given)
-    cfg = Config(**{section: _pick(cls, given) for section, (cls, _) in SECTIONS.items()}, aliases=aliases)
+    cfg = Config(**{section: _pick(cls, given) for section, (cls, _) in SECTIONS.items()}, aliases=aliases,
+                 deepspeed=ds)
+    try:
+        _resolve_and_validate(cfg, given, world_size, assume_gpus)
+    except ConfigError as e:
+        if ds is None:
+            raise
+        raise ConfigError(ds.explain(str(e))) from None  # a value the config set: name its key
+    return cfg
+
+
+def _resolve_and_validate(cfg: Config, given: dict[str, Any], world_size: int, assume_gpus: bool) -> None:
+    """The derived settings (data-parallel size, ZeRO stage, batch sizes), checked."""
     if cfg.parallel.tensor_model_parallel_size == 1:  # nothing to split (Megatron also turns it off)
         cfg.model.sequence_parallel = False
     _resolve_zero_stage(cfg.parallel)
-    validate(cfg.namespace(), world_size)
+    validate(cfg.namespace(), world_size, assume_gpus)
     p, t = cfg.parallel, cfg.train
     p.data_parallel_size = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    if cfg.deepspeed is not None:  # gradient_accumulation_steps: the batch triple needs dp
+        from .deepspeed_config import resolve_batch
+        t.micro_batch_size, t.global_batch_size = resolve_batch(
+            cfg.deepspeed, given.get("micro_batch_size"), given.get("global_batch_size"),
+            default_of("micro_batch_size"), p.data_parallel_size)
     t.global_batch_size = t.global_batch_size or t.micro_batch_size * p.data_parallel_size
     _check_batch(t.global_batch_size, t.micro_batch_size, p.data_parallel_size)
-    return cfg
 
 
 def _resolve_zero_stage(p: ParallelConfig) -> None:
@@ -345,8 +388,9 @@ def parse_config(argv: Optional[Sequence[str]], world_size: int) -> Config:
     return config_from_namespace(parse_flags(argv), world_size)
 
 
-def validate(ns: argparse.Namespace, world_size: int) -> None:
-    """Every check that needs no process group. Raises ConfigError naming flags and a fix."""
+def validate(ns: argparse.Namespace, world_size: int, assume_gpus: bool = False) -> None:
+    """Every check that needs no process group. Raises ConfigError naming flags and a fix.
+    `assume_gpus`: as on a machine with CUDA GPUs, whatever this one has."""
     _check_ranges(ns)
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
@@ -384,9 +428,10 @@ def validate(ns: argparse.Namespace, world_size: int) -> None:
     if ns.recompute_granularity == "full" and not 1 <= ns.recompute_num_layers <= per_stage:
         _fail(f"--recompute-num-layers {ns.recompute_num_layers} must be between 1 and the layers of the "
               f"smallest pipeline stage ({per_stage})")
-    _check_zero(ns)
+    gpus = assume_gpus or _has_gpus()
+    _check_zero(ns, gpus)
     if ns.enable_cuda_graph:
-        _check_cuda_graph(ns)
+        _check_cuda_graph(ns, gpus)
 
 
 # Numeric ranges, checked first (a zero head count must not reach `hidden_size % heads`).
@@ -448,11 +493,15 @@ def _check_ranges(ns: argparse.Namespace) -> None:
         _fail(f"--seed {ns.seed} must be in [0, 2**32); e.g. the default {default_of('seed')}")
 
 
-def _check_zero(ns: argparse.Namespace) -> None:
-    """ZeRO stages and offload: what cannot work is refused before any process group exists."""
+def _has_gpus() -> bool:
     import torch
+    return torch.cuda.is_available()
+
+
+def _check_zero(ns: argparse.Namespace, gpus: bool) -> None:
+    """ZeRO stages and offload: what cannot work is refused before any process group exists."""
     stage = ns.zero_stage
-    gpus = torch.cuda.is_available() and ns.distributed_backend != "gloo"
+    gpus = gpus and ns.distributed_backend != "gloo"
     if ns.param_cpu_offload and stage != 3:
         _fail(f"--param-cpu-offload keeps parameter shards on the CPU, which needs --zero-stage 3 "
               f"(this run: --zero-stage {stage}); add --zero-stage 3 or drop --param-cpu-offload")
@@ -469,11 +518,10 @@ def _check_zero(ns: argparse.Namespace) -> None:
               f"--enable-cuda-graph, or drop --enable-cuda-graph")
 
 
-def _check_cuda_graph(ns: argparse.Namespace) -> None:
+def _check_cuda_graph(ns: argparse.Namespace, gpus: bool) -> None:
     """--enable-cuda-graph captures one step whose kernels and addresses never change."""
-    import torch
     blockers = [
-        (not torch.cuda.is_available() or ns.distributed_backend == "gloo", "it needs CUDA GPUs and NCCL"),
+        (not gpus or ns.distributed_backend == "gloo", "it needs CUDA GPUs and NCCL"),
         (ns.pipeline_model_parallel_size > 1, "pipeline schedules are not captured; use "
                                               "--pipeline-model-parallel-size 1"),
         (ns.fp16, "fp16 loss scaling reads the overflow flag back every step; use --bf16"),

@@ -1,8 +1,21 @@
-"""Peak GPU memory per pipeline stage, predicted from the training flags.
+"""Peak GPU memory per pipeline stage, and the host memory of CPU offload, predicted from the
+training flags.
 
-    static      = params (2 B bf16/fp16, 4 B fp32) + fp32 main grads (4 B)
-                + optimizer: fp32 masters + Adam moments, 12 B per parameter (÷ dp with ZeRO-1;
-                  fp32 training reuses the parameters as masters: 8 B)
+    static      = what stays on the GPU for the whole step, per parameter of a rank (n of them; L in
+                  transformer layers, E = n - L outside them: embeddings, final LayerNorm, head)
+                  ZeRO stage    params (2 B bf16/fp16)    fp32 grads         masters + moments (12 B)
+                  0             2 n                       4 n                12 n
+                  1             2 n                       4 n                12 n / dp
+                  2             2 n                       4 L / dp + 4 E     12 n / dp
+                  3             2 L / dp + 2 E            4 L / dp + 4 E     12 n / dp
+                  (fp32 training: 4 B params that are also the masters, so 8 B of optimizer state).
+                  E stays whole from stage 2: the engine keeps the non-layer parameters unsharded, and
+                  the tied embedding's gradient builds up over the whole backward (used first and last).
+    transient   = stage 2-3: fp32 gradient buffers of ~2 layers in flight (8 B x one layer's params);
+                  stage 3 also the gathered layers, current + prefetched (2 x 2 B x one layer's params)
+    CPU offload = --optimizer-cpu-offload moves masters + moments to pinned host memory (12 n / dp)
+                  and adds a host fp32 gradient copy (4 n / dp); --param-cpu-offload (stage 3) moves
+                  the parameter shards (2 L / dp). Host memory is summed over the ranks of a node.
     activations = per layer and microbatch, bytes saved for backward (flash attention: no score
                   matrix), with s·b·h = seq × micro-batch × hidden:
                     LayerNorm inputs/outputs (replicated over TP)           8 s·b·h · bytes/2
@@ -22,11 +35,14 @@ dropout 0); see tests/test_memory_estimate.py.
 """
 from __future__ import annotations
 
+import copy
+import re
 from dataclasses import dataclass
+from typing import Optional
 
 from .arguments import Config
-from .topology import layer_counts
 from .model.sharding import tp_partition_dim
+from .topology import ConfigError, Topology, layer_counts
 
 GiB = 2**30
 
@@ -35,31 +51,75 @@ GiB = 2**30
 class StageMemory:
     stage: int
     params: int
-    static_bytes: float
+    static_bytes: float           # on the GPU for the whole step: weights, gradients, optimizer state
     activation_bytes: float
     head_bytes: float
+    transient_bytes: float = 0.0  # stage 2-3: per-layer gradient buffers and gathered layers
+    cpu_bytes: float = 0.0        # host memory of this rank's offloaded state
 
     @property
     def total(self) -> float:
-        return self.static_bytes + self.activation_bytes + self.head_bytes
+        """Predicted peak GPU bytes of one rank of this stage."""
+        return self.static_bytes + self.transient_bytes + self.activation_bytes + self.head_bytes
+
+
+def layer_params(cfg: Config) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    h, f = m.hidden_size, m.ffn_hidden_size
+    split = lambda n, key: n // tp if tp_partition_dim(key) is not None else n  # noqa: E731
+    return (4 * h                                                        # two LayerNorms
+            + split(3 * h * h + 3 * h, "self_attention.query_key_value.weight")
+            + split(h * h, "self_attention.dense.weight") + h
+            + split(h * f + f, "mlp.dense_h_to_4h.weight")
+            + split(f * h, "mlp.dense_4h_to_h.weight") + h)
 
 
 def stage_params(cfg: Config, stage: int) -> int:
     """Parameters held by one tensor-parallel rank of pipeline stage `stage`."""
     m, tp, pp = cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    h, f = m.hidden_size, m.ffn_hidden_size
-    split = lambda n, key: n // tp if tp_partition_dim(key) is not None else n  # noqa: E731
-    layer = (4 * h                                                       # two LayerNorms
-             + split(3 * h * h + 3 * h, "self_attention.query_key_value.weight")
-             + split(h * h, "self_attention.dense.weight") + h
-             + split(h * f + f, "mlp.dense_h_to_4h.weight")
-             + split(f * h, "mlp.dense_4h_to_h.weight") + h)
-    n = layer * layer_counts(m, pp)[stage]
+    h = m.hidden_size
+    n = layer_params(cfg) * layer_counts(m, pp)[stage]
     if stage == 0:
         n += m.padded_vocab_size * h // tp + m.max_position_embeddings * h
     if stage == pp - 1:
         n += 2 * h + (m.padded_vocab_size * h // tp if pp > 1 else 0)   # final LN (+ head copy)
     return n
+
+
+def zero_stage(cfg: Config) -> int:
+    p = cfg.parallel
+    return p.zero_stage if p.zero_stage is not None else int(p.use_distributed_optimizer)
+
+
+def state_bytes(cfg: Config, n: int, layers: int) -> tuple[float, float, float]:
+    """(GPU static, GPU transient, host) bytes of the weights, gradients and optimizer state of a
+    rank holding `n` parameters, `layers` transformer layers of them (the table in the docstring)."""
+    t, p = cfg.train, cfg.parallel
+    dp, stage = p.data_parallel_size, zero_stage(cfg)
+    elem = 2 if (t.bf16 or t.fp16) else 4
+    one = layer_params(cfg)
+    in_layers = one * layers
+    whole = n - in_layers                                   # embeddings, final LayerNorm, head
+    gpu = transient = host = 0.0
+    if stage == 3:
+        shards = elem * in_layers / dp
+        host += shards if p.param_cpu_offload else 0.0
+        gpu += elem * whole + (0.0 if p.param_cpu_offload else shards)
+        transient += 2 * elem * one                         # the gathered layer and the prefetched one
+    else:
+        gpu += elem * n
+    if stage >= 2:
+        gpu += 4 * in_layers / dp + 4 * whole
+        transient += 2 * 4 * one                            # fp32 gradients of ~2 layers in flight
+    else:
+        gpu += 4 * n
+    optimizer = (12 if elem == 2 else 8) * n / (dp if stage >= 1 else 1)
+    if p.optimizer_cpu_offload:
+        host += (12 + 4) * n / dp                           # masters + moments, and a gradient copy
+    else:
+        gpu += optimizer
+    return gpu, transient, host
 
 
 def layer_activation_bytes(cfg: Config) -> float:
@@ -94,30 +154,99 @@ def activations_one_microbatch(cfg: Config, layers: int, per_layer: float, layer
 def estimate(cfg: Config) -> list[StageMemory]:
     """Predicted peak bytes per pipeline stage (one TP rank; all TP ranks are alike)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    pp, dp = p.pipeline_model_parallel_size, p.data_parallel_size
+    pp = p.pipeline_model_parallel_size
     elem = 4 if not (t.bf16 or t.fp16) else 2
-    opt_per_param = 12 if elem == 2 else 8
     per_layer = layer_activation_bytes(cfg)
     sbh = m.seq_length * t.micro_batch_size * m.hidden_size
     counts, out = layer_counts(m, pp), []
     for stage in range(pp):
         n = stage_params(cfg, stage)
-        optim = opt_per_param * n / (dp if p.use_distributed_optimizer else 1)
-        static = elem * n + 4 * n + optim
+        static, transient, host = state_bytes(cfg, n, counts[stage])
         layer_input = elem * sbh / (p.tensor_model_parallel_size if m.sequence_parallel else 1)
         acts_one = activations_one_microbatch(cfg, counts[stage], per_layer, layer_input)
         in_flight = min(pp - stage, cfg.num_microbatches) if pp > 1 else 1
         head = 0.0
         if stage == pp - 1:
             head = 2 * elem * m.seq_length * t.micro_batch_size * m.padded_vocab_size / p.tensor_model_parallel_size
-        out.append(StageMemory(stage, n, static, acts_one * in_flight, head))
+        out.append(StageMemory(stage, n, static, acts_one * in_flight, head, transient, host))
     return out
 
 
+def host_bytes_per_node(cfg: Config, rows: list[StageMemory], gpus_per_node: int) -> float:
+    """Host memory of the fullest node: the offloaded state of the ranks it runs (ranks are placed
+    on nodes in order, gpus_per_node each; a rank's pipeline stage follows from the topology)."""
+    p = cfg.parallel
+    topo = Topology(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
+    world = topo.world_size
+    per_node = [sum(rows[topo.coord(r).pp].cpu_bytes for r in range(first, min(first + gpus_per_node, world)))
+                for first in range(0, world, gpus_per_node)]
+    return max(per_node)
+
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B|B)\s*$", re.IGNORECASE)
+UNITS = {"b": 1, **{f"{u}b": 1024 ** (i + 1) for i, u in enumerate("kmgt")},
+         **{f"{u}ib": 1024 ** (i + 1) for i, u in enumerate("kmgt")}}
+TIGHT = 0.9   # above this share of a GPU, the CUDA context and allocator fragmentation may not fit
+
+
+def parse_size(text: str, flag: str) -> float:
+    """'80GB', '141GiB', '1TB', '512MiB' -> bytes; ConfigError naming `flag`. GB and GiB both mean
+    2^30 bytes, as GPU and memory vendors count them (an "80 GB" H100 has 79.6 GiB)."""
+    match = SIZE.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise ConfigError(f"{flag} {text!r} is not a memory size; write a positive number and a unit, e.g. 80GB, "
+                          f"141GB or 1TB (KB MB GB TB, or KiB MiB GiB TiB: powers of 1024 either way)")
+    return float(match.group(1)) * UNITS[match.group(2).lower()]
+
+
+def verdict(needs: float, has: Optional[float], what: str) -> str:
+    """'fits' or 'does not fit: needs X GiB, GPU has Y' (empty when the capacity was not given)."""
+    if has is None:
+        return ""
+    if needs > has:
+        return f"does not fit: needs {needs / GiB:.1f} GiB, {what} has {has / GiB:.1f}"
+    tight = ", tight" if what == "GPU" and needs > TIGHT * has else ""
+    return f"fits ({needs / GiB:.1f} of {has / GiB:.1f} GiB, {100 * needs / has:.0f}%{tight})"
+
+
+# (ZeRO stage, optimizer offload, parameter offload): every combination megapar runs
+COMBINATIONS = [(0, False, False), (1, False, False), (1, True, False), (2, False, False), (2, True, False),
+                (3, False, False), (3, True, False), (3, False, True), (3, True, True)]
+
+
+def with_zero(cfg: Config, stage: int, optimizer_offload: bool, param_offload: bool) -> Config:
+    """A copy of `cfg` at another ZeRO stage and offload (same model, layout and batch)."""
+    other = copy.deepcopy(cfg)
+    p = other.parallel
+    p.zero_stage, p.use_distributed_optimizer = stage, stage >= 1
+    p.optimizer_cpu_offload, p.param_cpu_offload = optimizer_offload, param_offload
+    return other
+
+
+def offload_name(cfg: Config) -> str:
+    p = cfg.parallel
+    return " + ".join(n for n, on in (("optimizer", p.optimizer_cpu_offload), ("params", p.param_cpu_offload))
+                      if on) or "none"
+
+
+def compare_zero(cfg: Config, gpus_per_node: int, gpu_memory: Optional[float], host_memory: Optional[float]
+                 ) -> str:
+    """The table of ZeRO stages 0-3 x CPU offload for the model and layout of `cfg`."""
+    lines = ["| ZeRO stage | CPU offload | GPU GiB/rank | host GiB/node | GPU | host |", "|---|---|---|---|---|---|"]
+    for combo in COMBINATIONS:
+        c = with_zero(cfg, *combo)
+        rows = estimate(c)
+        gpu, host = max(r.total for r in rows), host_bytes_per_node(c, rows, gpus_per_node)
+        lines.append(f"| {combo[0]} | {offload_name(c)} | {gpu / GiB:.1f} | {host / GiB:.1f} | "
+                     f"{verdict(gpu, gpu_memory, 'GPU') or '-'} | {verdict(host, host_memory, 'host') or '-'} |")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[StageMemory]) -> str:
-    lines = ["| stage | params/rank | static GiB | activations GiB | logits GiB | predicted peak GiB |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| stage | params/rank | static GiB | transient GiB | activations GiB | logits GiB | predicted peak GiB "
+             "| host GiB/rank |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.stage} | {r.params / 1e6:.1f}M | {r.static_bytes / GiB:.2f} | "
-                     f"{r.activation_bytes / GiB:.2f} | {r.head_bytes / GiB:.2f} | {r.total / GiB:.2f} |")
+        lines.append(f"| {r.stage} | {r.params / 1e6:.1f}M | {r.static_bytes / GiB:.2f} "
+                     f"| {r.transient_bytes / GiB:.2f} | {r.activation_bytes / GiB:.2f} | {r.head_bytes / GiB:.2f} | {r.total / GiB:.2f} "
+                     f"| {r.cpu_bytes / GiB:.2f} |")
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from .arguments import Config, ConfigError, config_from_namespace, default_of, parse_flags
+from .arguments import DEEPSPEED_CONFIG, Config, ConfigError, config_from_namespace, default_of, parse_flags
 from .errors import USER_ERROR_EXIT, MegaparError
 from .checkpointing import check_load_dir
 from .initialize import build_run, init_distributed, print_rank0, train_iters
@@ -32,8 +32,10 @@ def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
     if not given.get("data_path"):  # the embedded default: fill only what the user did not give
         layers, hidden = (given.get(k, default_of(k)) for k in ("num_layers", "hidden_size"))
         save_dir = f"{EMBEDDED_SAVE}_{layers}l_{hidden}h"
-        chosen = {"eval_interval": 100, "eval_iters": 4, "save": save_dir, "log_interval": 20,
-                  "global_batch_size": 8}
+        chosen = {"eval_interval": 100, "eval_iters": 4, "save": save_dir, "log_interval": 20}
+        ds = given.get(DEEPSPEED_CONFIG)
+        if ds is None or ds.gradient_accumulation_steps is None:  # else the DeepSpeed batch triple decides
+            chosen["global_batch_size"] = 8
         if "train_samples" not in given:
             chosen["train_iters"] = 300
         if "lr_warmup_fraction" not in given:
@@ -121,6 +123,8 @@ def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None) -> TrainState:
                 f"on {device.type} ({dist.get_backend()}); {cfg.num_microbatches} microbatches of "
                 f"{cfg.train.micro_batch_size}; precision {cfg.train.params_dtype_name}; "
                 f"attention {cfg.model.attention_backend}, layernorm {cfg.model.layernorm_impl}")
+    for line in cfg.deepspeed.summary() if cfg.deepspeed is not None else ():
+        print_rank0(line)
     if "fused" in (cfg.model.attention_backend, cfg.model.layernorm_impl, cfg.train.adam_impl):
         from .kernels import fused_kernels_source, load_fused_kernels
         load_fused_kernels()  # an explicit request never falls back: this raises without CUDA/nvcc

@@ -68,11 +68,11 @@ def test_every_flag_is_one_config_field_with_no_parser_default():
     import argparse
     from dataclasses import fields
 
-    from megapar.arguments import ALIAS_FLAGS, SECTIONS, build_parser
+    from megapar.arguments import ALIAS_FLAGS, DEEPSPEED_CONFIG, SECTIONS, build_parser
     parser = build_parser()
     actions = [a for a in parser._actions if a.dest != "help"]
     cli_fields = {f.name for cls, _ in SECTIONS.values() for f in fields(cls) if f.metadata["cli"]}
-    extra = set(ALIAS_FLAGS) | {"recipe"}
+    extra = set(ALIAS_FLAGS) | {"recipe", DEEPSPEED_CONFIG, "deepspeed"}  # expanded by parse_flags
     assert {a.dest for a in actions} == cli_fields | extra
     second = {a.dest: a.default for a in actions if a.default is not argparse.SUPPRESS}
     assert not second, f"flags with a parser default besides their dataclass field: {second}"
@@ -113,3 +113,17 @@ def test_saved_config_from_a_megatron_args_namespace():
     assert typed.model.num_layers == 3  # the typed config wins over args
     with pytest.raises(CheckpointError, match="has no 'args'"):
         read_saved_config({}, "ck/model_optim_rng.pt")
+
+
+def test_a_run_planned_for_gpus_is_checked_as_on_gpus(monkeypatch):
+    """The memory estimator plans GPU runs on any machine: `assume_gpus` lifts only the no-GPU refusals."""
+    import torch
+    from megapar.arguments import config_from_namespace, parse_flags
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    flags = BASE + ["--zero-stage", "3", "--optimizer-cpu-offload", "--param-cpu-offload"]
+    with pytest.raises(ConfigError, match="no CUDA GPU"):
+        parse_config(flags, 2)
+    cfg = config_from_namespace(parse_flags(flags), 2, assume_gpus=True)
+    assert cfg.parallel.param_cpu_offload and cfg.parallel.zero_stage == 3
+    with pytest.raises(ConfigError, match="needs --zero-stage 3"):
+        config_from_namespace(parse_flags(BASE + ["--param-cpu-offload"]), 2, assume_gpus=True)

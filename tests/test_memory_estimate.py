@@ -50,3 +50,98 @@ def test_zero1_and_recompute_shrink_what_they_should():
     assert base - zero == pytest.approx(12 * n * (1 - 1 / 4) / GiB)
     rec, _ = _peak(["--micro-batch-size", "8", "--checkpoint-activations"], 1)
     assert rec < base - 4.0                                   # 24 layers of activations -> inputs + one layer
+
+
+# ---- ZeRO stages 0-3 and CPU offload, derived by hand -------------------------------------------------
+# 2 layers, hidden 64 (ffn 256), seq 32, vocab 1000 -> padded 1024, bf16, 4 GPUs (dp 4):
+#   one layer  = 12 h^2 + 13 h                  = 49,984 parameters
+#   L (layers) = 2 x 49,984                     = 99,968
+#   E (others) = 1024 h + 32 h + 2 h            = 67,712 (word + position embeddings, final LayerNorm)
+#   n          = L + E                          = 167,680
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32", "--bf16"]
+ONE, L, E = 49_984, 99_968, 67_712
+N = L + E
+# (flags, GPU static, GPU transient, host) in bytes of the one stage
+ZERO = [
+    (["--zero-stage", "0"], 2 * N + 4 * N + 12 * N, 0, 0),
+    (["--zero-stage", "1"], 2 * N + 4 * N + 12 * N / 4, 0, 0),
+    (["--zero-stage", "2"], 2 * N + (4 * L / 4 + 4 * E) + 12 * N / 4, 8 * ONE, 0),
+    (["--zero-stage", "3"], (2 * L / 4 + 2 * E) + (4 * L / 4 + 4 * E) + 12 * N / 4, 4 * ONE + 8 * ONE, 0),
+    (["--zero-stage", "1", "--optimizer-cpu-offload"], 2 * N + 4 * N, 0, 16 * N / 4),
+    (["--zero-stage", "3", "--param-cpu-offload"], 2 * E + (4 * L / 4 + 4 * E) + 12 * N / 4, 12 * ONE, 2 * L / 4),
+    (["--zero-stage", "3", "--optimizer-cpu-offload", "--param-cpu-offload"], 2 * E + (4 * L / 4 + 4 * E), 12 * ONE,
+     16 * N / 4 + 2 * L / 4),
+]
+
+
+def _tiny(flags, world=4):
+    from megapar.arguments import config_from_namespace, parse_flags
+    cfg = config_from_namespace(parse_flags(TINY + flags), world, assume_gpus=True)
+    set_vocab(cfg.model, 1000, cfg.parallel.tensor_model_parallel_size, log=lambda *_: None)
+    return cfg
+
+
+def test_hand_counts_match_the_model():
+    from megapar.memory_estimate import layer_params
+    cfg = _tiny([])
+    assert (layer_params(cfg), stage_params(cfg, 0)) == (ONE, N)
+
+
+@pytest.mark.parametrize("flags,static,transient,host", ZERO, ids=[" ".join(f) for f, *_ in ZERO])
+def test_zero_stage_and_offload_columns(flags, static, transient, host):
+    (row,) = estimate(_tiny(flags))
+    assert (row.static_bytes, row.transient_bytes, row.cpu_bytes) == (static, transient, host)
+
+
+def test_host_memory_is_summed_over_a_node():
+    from megapar.memory_estimate import host_bytes_per_node
+    cfg = _tiny(["--zero-stage", "3", "--optimizer-cpu-offload", "--param-cpu-offload"])
+    rows = estimate(cfg)
+    per_rank = 16 * N / 4 + 2 * L / 4
+    assert host_bytes_per_node(cfg, rows, 2) == 2 * per_rank
+    assert host_bytes_per_node(cfg, rows, 8) == 4 * per_rank    # one node holds the whole (4-GPU) job
+
+
+def test_sizes_and_verdicts():
+    from megapar.memory_estimate import parse_size, verdict
+    from megapar.topology import ConfigError
+    assert parse_size("80GB", "--gpu-memory") == parse_size("80 GiB", "--gpu-memory") == 80 * GiB
+    assert parse_size("1tb", "--host-memory") == 1024 * GiB and parse_size("512MiB", "--x") == GiB / 2
+    for bad in ("80XB", "80", "GB", "-1GB", "0GB", "1e3GB"):
+        with pytest.raises(ConfigError, match="is not a memory size"):
+            parse_size(bad, "--gpu-memory")
+    assert verdict(70 * GiB, 80 * GiB, "GPU") == "fits (70.0 of 80.0 GiB, 88%)"
+    assert verdict(75 * GiB, 80 * GiB, "GPU") == "fits (75.0 of 80.0 GiB, 94%, tight)"
+    assert verdict(90 * GiB, 80 * GiB, "GPU") == "does not fit: needs 90.0 GiB, GPU has 80.0"
+    assert verdict(1.0, None, "GPU") == ""
+
+
+def test_compare_stages_table_and_the_tool(capsys):
+    from megapar.cli.estimate_memory import main
+    from megapar.memory_estimate import COMBINATIONS
+    assert main(["--world-size", "4", "--vocab-size", "1000", *TINY, "--zero-stage", "3", "--param-cpu-offload",
+                 "--gpu-memory", "80GB", "--host-memory", "1TB", "--gpus-per-node", "2", "--compare-stages"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO stage 3, CPU offload params" in out
+    assert "GPU: fits (" in out and "host (2 GPUs per node): fits (" in out
+    table = [line for line in out.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()
+             and "ZeRO" not in line and len(line.split("|")) == 8]
+    assert len(table) == len(COMBINATIONS) == 9
+    assert all("fits (" in line for line in table)
+
+
+def test_gpt3_sizes_give_sensible_verdicts(capsys):
+    """The docs/guide.md examples: GPT-3 6.7B fits one 80 GB GPU only with the optimizer state on the CPU;
+    GPT-3 13B on two 141 GB GPUs does not fit at stage 1 and fits at stage 3."""
+    from megapar.cli.estimate_memory import main
+    shape = ["--seq-length", "2048", "--max-position-embeddings", "2048", "--bf16", "--recompute-granularity", "full",
+             "--micro-batch-size", "1"]
+    gpt3_6_7b = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", *shape]
+    gpt3_13b = ["--num-layers", "40", "--hidden-size", "5120", "--num-attention-heads", "40", *shape]
+    runs = [(gpt3_6_7b, 1, ["--zero-stage", "1", "--optimizer-cpu-offload"], "80GB", "GPU: fits"),
+            (gpt3_6_7b, 1, ["--zero-stage", "1"], "80GB", "GPU: does not fit"),
+            (gpt3_13b, 2, ["--zero-stage", "1"], "141GB", "GPU: does not fit"),
+            (gpt3_13b, 2, ["--zero-stage", "3"], "141GB", "GPU: fits")]
+    for model, world, zero, gpu, expected in runs:
+        assert main(["--world-size", str(world), *model, *zero, "--gpu-memory", gpu]) == 0
+        assert expected in capsys.readouterr().out, (zero, world)

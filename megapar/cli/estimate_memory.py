@@ -1,31 +1,64 @@
-"""Predict peak GPU memory per pipeline stage for a training configuration.
+"""Predict peak GPU memory per pipeline stage, and host memory for CPU offload, for a training configuration.
 
     python tools/estimate_memory.py --world-size 4 --tensor-parallel 2 --pipeline-parallel 2 \
         --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \
-        --micro-batch-size 8 --global-batch-size 64 --bf16 [--use-distributed-optimizer] [--checkpoint-activations]
+        --micro-batch-size 8 --global-batch-size 64 --bf16 [--zero-stage 0-3] [--optimizer-cpu-offload] \
+        [--param-cpu-offload] [--checkpoint-activations] [--gpu-memory 80GB --host-memory 1TB] [--compare-stages]
 
-Takes the training flags (megapar/arguments.py, `--recipe NAME` too) plus --world-size and --vocab-size (true size,
-default GPT-2's 50257); prints parameters, static memory (weights, fp32 grads, optimizer state),
-activations, logits and the predicted peak per stage. Model: megapar/memory_estimate.py.
+Takes the training flags (megapar/arguments.py; `--recipe NAME` and `--deepspeed-config FILE` too) plus:
+  --world-size N       processes (GPUs) of the run (default 1)
+  --vocab-size N       true vocabulary size (default GPT-2's 50257)
+  --gpus-per-node N    GPUs per node, for host memory per node (default: the world size, at most 8)
+  --gpu-memory SIZE    memory of one GPU (80GB, 141GB; GB = GiB = 2^30 bytes): say whether the run fits
+  --host-memory SIZE   CPU memory of one node (1TB): say whether the offloaded state of its GPUs fits
+  --compare-stages     also a table of ZeRO stages 0-3 x CPU offload for this model and layout
+Prints parameters, static memory (weights, fp32 grads, optimizer state), transient per-layer buffers (ZeRO 2-3),
+activations, logits, the predicted GPU peak and the host memory per stage. Model: megapar/memory_estimate.py.
 """
 import argparse
 import sys
+from typing import Optional
 
-from megapar.arguments import ConfigError, build_parser, config_from_namespace
-from megapar.memory_estimate import estimate, format_table
-from megapar.recipes import expand_recipes
+from megapar.arguments import ConfigError, _Parser, apply_config_files, build_parser, config_from_namespace
+from megapar.memory_estimate import (GiB, compare_zero, estimate, format_table, host_bytes_per_node, offload_name,
+                                     parse_size, verdict, zero_stage)
 from megapar.model import set_vocab
+from megapar.recipes import expand_recipes
+
+
+def _own_flags(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
+    """This tool's flags (the rest are training flags). A bad value ends in one `error:` line."""
+    pre = _Parser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--world-size", type=int, default=1)
+    pre.add_argument("--vocab-size", type=int, default=50257)
+    pre.add_argument("--gpus-per-node", type=int, default=None)
+    pre.add_argument("--gpu-memory", default=None)
+    pre.add_argument("--host-memory", default=None)
+    pre.add_argument("--compare-stages", action="store_true")
+    return pre.parse_known_args(argv)
+
+
+def _check_own(known: argparse.Namespace) -> tuple[int, Optional[float], Optional[float]]:
+    """(GPUs per node, GPU bytes, host bytes); ConfigError for a value out of range."""
+    for flag, value in (("--world-size", known.world_size), ("--vocab-size", known.vocab_size),
+                        ("--gpus-per-node", known.gpus_per_node)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value} must be >= 1")
+    per_node = known.gpus_per_node or min(known.world_size, 8)
+    gpu = parse_size(known.gpu_memory, "--gpu-memory") if known.gpu_memory is not None else None
+    host = parse_size(known.host_memory, "--host-memory") if known.host_memory is not None else None
+    return per_node, gpu, host
 
 
 def main(argv=None) -> int:
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--world-size", type=int, default=1)
-    pre.add_argument("--vocab-size", type=int, default=50257)
-    known, rest = pre.parse_known_args(argv)
+    known, rest = _own_flags(argv)
     parser = build_parser()
     parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     try:
-        cfg = config_from_namespace(parser.parse_args(expand_recipes(rest)), known.world_size)
+        per_node, gpu_memory, host_memory = _check_own(known)
+        given = apply_config_files(vars(parser.parse_args(expand_recipes(rest))))
+        cfg = config_from_namespace(given, known.world_size, assume_gpus=True)  # a plan for GPUs, checked anywhere
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -33,8 +66,16 @@ def main(argv=None) -> int:
     p = cfg.parallel
     print(f"tp {p.tensor_model_parallel_size} x pp {p.pipeline_model_parallel_size} x dp {p.data_parallel_size}, "
           f"{cfg.num_microbatches} microbatches of {cfg.train.micro_batch_size}, {cfg.train.params_dtype_name}, "
-          f"ZeRO-1 {'on' if p.use_distributed_optimizer else 'off'}, recompute {cfg.model.recompute_granularity}")
-    print(format_table(estimate(cfg)))
+          f"ZeRO stage {zero_stage(cfg)}, CPU offload {offload_name(cfg)}, recompute {cfg.model.recompute_granularity}")
+    rows = estimate(cfg)
+    print(format_table(rows))
+    peak, host = max(r.total for r in rows), host_bytes_per_node(cfg, rows, per_node)
+    if gpu_memory is not None:
+        print(f"GPU: {verdict(peak, gpu_memory, 'GPU')}")
+    if host_memory is not None:
+        print(f"host ({per_node} GPU{'s' if per_node > 1 else ''} per node): {verdict(host, host_memory, 'host')}")
+    if known.compare_stages:
+        print(compare_zero(cfg, per_node, gpu_memory, host_memory))
     return 0
 
 

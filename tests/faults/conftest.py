@@ -14,6 +14,8 @@ QUICK = {
     "test_faults_smoke.py": None,                                          # the harness itself: all
     "test_faults_checkpoints.py": {"test_save_dir_containing_the_source_is_refused"},        # data loss
     "test_faults_data.py": {"test_wrong_format_merge_file_in_preprocess"},                  # tokenizer files
+    "test_faults_deepspeed.py": {"test_bad_deepspeed_config_through_the_launcher[nvme offload]",  # ds_config.json
+                                 "test_bad_estimator_option[--gpu-memory 80XB]"},                 # estimator sizes
     "test_faults_launch.py": {"test_every_range_check_in_process",                          # flags, and
                               "test_bad_number_through_the_launcher[--train-iters -5]"},    # the launcher
     "test_faults_resume.py": {"test_train_longer_command_rewrites_the_flags",

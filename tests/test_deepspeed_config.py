@@ -1,0 +1,268 @@
+"""--deepspeed-config: every DeepSpeed key's mapping onto megapar's flags, and every refusal."""
+import json
+from pathlib import Path
+
+import pytest
+
+from megapar.arguments import DEEPSPEED_CONFIG, ConfigError, config_from_namespace, parse_config, parse_flags
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32"]
+
+
+def write(tmp_path: Path, config) -> str:
+    path = tmp_path / "ds_config.json"
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    return str(path)
+
+
+def flags_of(tmp_path, config, *extra: str) -> dict:
+    """The flags the config sets (with `extra` command-line flags), without the settings object."""
+    given = parse_flags([*BASE, "--deepspeed-config", write(tmp_path, config), *extra])
+    given.pop(DEEPSPEED_CONFIG)
+    return {k: v for k, v in given.items() if k not in parse_flags([*BASE, *extra])}
+
+
+def config_of(tmp_path, config, *extra: str, world: int = 1):
+    return parse_config([*BASE, "--deepspeed-config", write(tmp_path, config), *extra], world, )
+
+
+def refused(tmp_path, config, *fragments: str, extra=(), world: int = 1) -> str:
+    with pytest.raises(ConfigError) as e:
+        parse_config([*BASE, "--deepspeed-config", write(tmp_path, config), *extra], world)
+    message = str(e.value)
+    assert "\n" not in message
+    for f in fragments:
+        assert f in message, message
+    return message
+
+
+# ---- the mapping -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("config,expected", [
+    ({"train_micro_batch_size_per_gpu": 2}, {"micro_batch_size": 2}),
+    ({"train_batch_size": 16}, {"global_batch_size": 16}),
+    ({"gradient_clipping": 0.5}, {"clip_grad": 0.5}),
+    ({"steps_per_print": 5}, {"log_interval": 5}),
+    ({"wall_clock_breakdown": True}, {"timing_log_level": 1}),
+    ({"wall_clock_breakdown": False}, {}),
+    ({"bf16": {"enabled": True}}, {"bf16": True}),
+    ({"bfloat16": {"enabled": True}}, {"bf16": True}),
+    ({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 500,
+               "hysteresis": 3, "min_loss_scale": 0.5}},
+     {"fp16": True, "loss_scale": None, "initial_loss_scale": 65536.0, "loss_scale_window": 500, "hysteresis": 3,
+      "min_loss_scale": 0.5}),
+    ({"fp16": {"enabled": True, "loss_scale": 128}}, {"fp16": True, "loss_scale": 128.0}),
+    ({"fp16": {"enabled": False, "loss_scale_window": 7}}, {"fp16": False}),   # ignored when off, as DeepSpeed does
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6,
+                                                "weight_decay": 0.1}}},
+     {"lr": 3e-4, "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-6, "weight_decay": 0.1}),
+    ({"optimizer": {"type": "adam", "params": {"weight_decay": 0.01, "adam_w_mode": True}}}, {"weight_decay": 0.01}),
+    ({"zero_optimization": {"stage": 2}}, {"zero_stage": 2}),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
+     {"zero_stage": 1, "optimizer_cpu_offload": True}),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "none"}}},
+     {"zero_stage": 3, "param_cpu_offload": True, "optimizer_cpu_offload": False}),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
+                                                   "warmup_num_steps": 100, "warmup_type": "linear"}}},
+     {"lr_decay_style": "constant", "lr": 1e-3, "lr_warmup_iters": 100}),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 2e-4, "warmup_num_steps": 10,
+                                                        "warmup_type": "linear", "total_num_steps": 1000}}},
+     {"lr_decay_style": "linear", "lr": 2e-4, "lr_warmup_iters": 10, "lr_decay_iters": 1000, "min_lr": 0.0}),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+      "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 500, "warmup_num_steps": 50,
+                                                         "warmup_type": "linear", "cos_min_ratio": 0.1}}},
+     {"lr": 1e-3, "lr_decay_style": "cosine", "lr_warmup_iters": 50, "lr_decay_iters": 500, "min_lr": 1e-4}),
+    # "auto": the command line or megapar's default decides
+    ({"train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+      "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}},
+      "zero_optimization": {"stage": "auto", "reduce_bucket_size": "auto"}}, {}),
+])
+def test_each_key_sets_its_flag(tmp_path, config, expected):
+    got = flags_of(tmp_path, config)
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        assert got[k] == pytest.approx(v) if isinstance(v, float) else got[k] == v, k
+
+
+def test_the_schedule_defaults_are_deepspeeds(tmp_path):
+    """Absent scheduler params mean DeepSpeed's defaults (warmup 1000 steps; cosine floor 1e-4 x lr)."""
+    got = flags_of(tmp_path, {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 5000,
+                                                                               "warmup_type": "linear"}}},
+                   "--lr", "2e-3")
+    assert got["lr_warmup_iters"] == 1000 and got["min_lr"] == pytest.approx(2e-7)
+
+
+def test_cosine_floor_follows_the_command_line_lr(tmp_path):
+    cfg = config_of(tmp_path, {"scheduler": {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": 100, "warmup_num_steps": 0, "warmup_type": "linear", "cos_min_ratio": 0.5}}},
+        "--lr", "4e-4")
+    assert cfg.train.min_lr == pytest.approx(2e-4) and cfg.train.lr == 4e-4
+
+
+def test_accepted_not_acted_on_keys_are_listed_once(tmp_path):
+    given = parse_flags([*BASE, "--deepspeed-config", write(tmp_path, {
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8, "contiguous_gradients": True,
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True, "buffer_count": 4}}})])
+    s = given[DEEPSPEED_CONFIG]
+    assert s.not_acted_on == ["zero_allow_untested_optimizer", "zero_optimization.offload_optimizer.pin_memory",
+                              "zero_optimization.offload_optimizer.buffer_count", "zero_optimization.overlap_comm",
+                              "zero_optimization.reduce_bucket_size", "zero_optimization.contiguous_gradients"]
+    lines = s.summary()
+    assert len(lines) == 2
+    assert "--zero-stage 2" in lines[0] and "--optimizer-cpu-offload" in lines[0]
+    assert "accepted, not acted on:" in lines[1]
+    assert "zero_optimization.overlap_comm, zero_optimization.reduce_bucket_size (megapar schedules" in lines[1]
+
+
+@pytest.mark.parametrize("name", ["ds_config_zero2.json", "ds_config_zero3_offload.json"])
+def test_example_configs_parse(name):
+    given = parse_flags([*BASE, "--deepspeed", "--deepspeed_config", str(ROOT / "configs" / name)])
+    s = given[DEEPSPEED_CONFIG]
+    assert s.flags["zero_stage"] == (2 if "zero2" in name else 3)
+    cfg = config_from_namespace(given, 4, assume_gpus=True)
+    assert cfg.parallel.zero_stage == s.flags["zero_stage"] and cfg.deepspeed is s
+    if "zero3" in name:
+        t = cfg.train
+        assert cfg.parallel.optimizer_cpu_offload and cfg.parallel.param_cpu_offload and t.bf16
+        assert (t.micro_batch_size, t.global_batch_size, cfg.num_microbatches) == (4, 4 * 8 * 4, 8)
+        assert (t.lr_decay_style, t.min_lr) == ("cosine", pytest.approx(1.2e-5))
+    else:
+        assert cfg.train.fp16 and cfg.train.initial_loss_scale == 2.0**16 and cfg.num_microbatches == 2
+
+
+# ---- the batch triple, resolved at world size ---------------------------------------------------------
+@pytest.mark.parametrize("config,world,micro,global_batch", [
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 2, 2, 16),
+    ({"train_batch_size": 24, "gradient_accumulation_steps": 3}, 4, 2, 24),
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, 2, 2, 16),
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 2, 2, 16),
+    ({"gradient_accumulation_steps": 2}, 1, 4, 8),                     # micro: megapar's default 4
+])
+def test_any_two_of_the_batch_triple_give_the_third(tmp_path, config, world, micro, global_batch):
+    cfg = config_of(tmp_path, config, world=world)
+    assert (cfg.train.micro_batch_size, cfg.train.global_batch_size) == (micro, global_batch)
+
+
+def test_batch_triple_that_does_not_agree_at_this_world_size(tmp_path):
+    config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}
+    refused(tmp_path, config, "(train_batch_size / --global-batch-size) 16 != micro batch 2 x "
+                              "gradient_accumulation_steps 4 x data-parallel size 4 (= 32)", world=4)
+    refused(tmp_path, {"train_batch_size": 10, "gradient_accumulation_steps": 4},
+            "(train_batch_size / --global-batch-size) 10 is not divisible by gradient_accumulation_steps 4 x "
+            "data-parallel size 1")
+    refused(tmp_path, {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
+            "--global-batch-size 10 is not divisible", "(set by train_batch_size, train_micro_batch_size_per_gpu in")
+
+
+def test_the_embedded_default_leaves_the_batch_to_the_triple(tmp_path):
+    from megapar.pretrain_gpt2 import parse
+    cfg = parse(["--deepspeed-config", write(tmp_path, {"train_micro_batch_size_per_gpu": 2,
+                                                        "gradient_accumulation_steps": 3})], 1)
+    assert (cfg.train.micro_batch_size, cfg.train.global_batch_size) == (2, 6)
+
+
+# ---- command line vs config ------------------------------------------------------------------------
+def test_same_value_on_both_sides_is_fine(tmp_path):
+    cfg = config_of(tmp_path, {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}},
+                    "--micro-batch-size", "2", "--bf16", "--deepspeed")
+    assert cfg.train.micro_batch_size == 2 and cfg.train.bf16
+
+
+@pytest.mark.parametrize("config,extra,fragments", [
+    ({"train_micro_batch_size_per_gpu": 2}, ["--micro-batch-size", "4"],
+     ["--micro-batch-size 4 on the command line", "train_micro_batch_size_per_gpu", "(= --micro-batch-size 2)"]),
+    ({"fp16": {"enabled": False}}, ["--fp16"], ["--fp16 on the command line", "fp16.enabled", "(= no --fp16)"]),
+    ({"fp16": {"enabled": True, "loss_scale": 0}}, ["--loss-scale", "128"],
+     ["--loss-scale 128 on the command line", "fp16.loss_scale", "(= no --loss-scale)"]),
+    ({"zero_optimization": {"stage": 3}}, ["--zero-stage", "1"], ["--zero-stage 1 on the command line"]),
+])
+def test_different_values_on_both_sides_are_refused(tmp_path, config, extra, fragments):
+    refused(tmp_path, config, *fragments, extra=extra)
+
+
+def test_errors_name_the_keys_that_set_the_flags(tmp_path):
+    """A validation error names the key of each flag it mentions (--lr is not --lr-warmup-iters), and a
+    schedule default the file left out is named as DeepSpeed's default."""
+    message = refused(tmp_path, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                 "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}}},
+                      "--lr-warmup-fraction and --lr-warmup-iters were both given",
+                      "(set by scheduler.params.warmup_num_steps (absent: DeepSpeed's default) in",
+                      extra=["--lr-warmup-fraction", "0.1"])
+    assert "optimizer.params.lr" not in message
+    refused(tmp_path, {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}}},
+            "--lr 0.0006 on the command line and scheduler.params.warmup_max_lr (absent: DeepSpeed's default)",
+            extra=["--lr", "6e-4"])
+
+
+def test_two_keys_for_one_flag_must_agree(tmp_path):
+    refused(tmp_path, {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                       "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 6e-4, "warmup_type": "linear"}}},
+            "optimizer.params.lr (= --lr 0.001) and scheduler.params.warmup_max_lr (= --lr 0.0006) differ")
+
+
+# ---- refusals ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config,fragments", [
+    ({"train_batch_sise": 8}, ["unknown key train_batch_sise"]),
+    ({"zero_optimization": {"stage": 2, "overlap_com": True}}, ["unknown key zero_optimization.overlap_com"]),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "speed": 1}}},
+     ["unknown key zero_optimization.offload_optimizer.speed"]),
+    ({"activation_checkpointing": {"partition_activations": True}},
+     ["unknown key activation_checkpointing", "--recompute-granularity full"]),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+     ['zero_optimization.offload_optimizer.device: "nvme"', 'use "cpu"']),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+     ['zero_optimization.offload_param.device: "nvme"']),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}, ["is not a device"]),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+     ["zero_optimization.offload_optimizer.ratio: 0.3"]),
+    ({"zero_optimization": {"stage": 4}}, ["zero_optimization.stage: 4 is not a ZeRO stage"]),
+    ({"zero_optimization": {"stage": "two"}}, ["zero_optimization.stage \"two\" must be an integer"]),
+    ({"zero_optimization": []}, ["zero_optimization must be a JSON object"]),
+    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, ['optimizer.type: "Lamb" is not supported', "AdamW"]),
+    ({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.1, "adam_w_mode": False}}},
+     ["optimizer.params.adam_w_mode: false", "L2"]),
+    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, ["optimizer.params.betas: [0.9] is not a pair"]),
+    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, ["optimizer.params.bias_correction"]),
+    ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, ["unknown key optimizer.params.amsgrad"]),
+    ({"fp16": {"enabled": True, "consecutive_hysteresis": True}}, ["fp16.consecutive_hysteresis: true"]),
+    ({"fp16": {"enabled": True, "initial_scale_power": 99}}, ["fp16.initial_scale_power: 99 is out of range"]),
+    ({"fp16": {"enabled": True, "loss_scale": -1}}, ["fp16.loss_scale: -1.0 is negative"]),
+    ({"fp16": {"enabled": "yes"}}, ['fp16.enabled "yes" must be true or false']),
+    ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, ["bf16 and bfloat16"]),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, ["--fp16 and --bf16 were both given", "(set by"]),
+    ({"gradient_accumulation_steps": 0}, ["gradient_accumulation_steps 0 must be >= 1"]),
+    ({"train_micro_batch_size_per_gpu": 0}, ["--micro-batch-size 0 must be >= 1",
+                                             "(set by train_micro_batch_size_per_gpu in"]),
+    ({"gradient_clipping": -1}, ["--clip-grad -1.0 is out of range", "(set by gradient_clipping"]),
+    ({"scheduler": {"type": "OneCycle", "params": {}}}, ['scheduler.type: "OneCycle"', "WarmupLR, WarmupDecayLR"]),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}},
+     ['scheduler.params.warmup_type: "log" (DeepSpeed\'s default when absent)', '"warmup_type": "linear"']),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "log"}}},
+     ['scheduler.params.warmup_type: "log" is not supported']),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-5, "warmup_type": "linear"}}},
+     ["scheduler.params.warmup_min_lr: 1e-05", "use 0 (the nearest supported value)"]),
+    ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_type": "linear",
+                                                         "warmup_min_ratio": 0.1}}},
+     ["scheduler.params.warmup_min_ratio: 0.1", "use 0"]),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_type": "linear"}}},
+     ["WarmupDecayLR needs scheduler.params.total_num_steps"]),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear", "total_num_steps": 5}}},
+     ["unknown key scheduler.params.total_num_steps"]),
+])
+def test_values_megapar_cannot_honour_are_refused(tmp_path, config, fragments):
+    refused(tmp_path, config, *fragments)
+
+
+def test_missing_unreadable_and_malformed_files(tmp_path):
+    for argv, fragment in ((["--deepspeed-config", str(tmp_path / "nope.json")], "no such file"),
+                           (["--deepspeed-config", str(tmp_path)], "is a directory")):
+        with pytest.raises(ConfigError, match=fragment):
+            parse_config([*BASE, *argv], 1)
+    refused(tmp_path, '{\n  "train_batch_size": 8,\n  "bf16": {"enabled": true,}\n}',
+            "is not valid JSON", "line 3 column")
+    refused(tmp_path, "[1, 2]", "the top level is a JSON list, not an object")
+    refused(tmp_path, '{"train_batch_size": 8, "train_batch_size": 16}', "key 'train_batch_size' appears twice")
+    (tmp_path / "latin1.json").write_bytes(b'{"x": "\xff"}')
+    with pytest.raises(ConfigError, match="cannot be read"):
+        parse_config([*BASE, "--deepspeed-config", str(tmp_path / "latin1.json")], 1)
