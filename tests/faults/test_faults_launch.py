@@ -242,3 +242,34 @@ def test_sbatch_script_outside_a_slurm_job(tmp_path):
     refused(["bash", "scripts/slurm_pretrain_gpt2.sbatch", "--train-iters", "1"], fault_class="several nodes",
             case="scripts/slurm_pretrain_gpt2.sbatch run outside a SLURM job", expect="not inside a SLURM job",
             watch=[tmp_path])
+
+
+# ---- experiment tracking: --wandb-* and --tensorboard-dir ------------------------------------------
+LOGGER_CASES = [
+    (["--train-iters", "5", "--wandb-exp-name", "run1"], "--wandb-exp-name is a setting of the W&B run"),
+    (["--train-iters", "5", "--wandb-save-dir", "wb"], "--wandb-save-dir is a setting of the W&B run"),
+    (["--train-iters", "5", "--wandb-project", " "], "--wandb-project is empty"),
+    (["--train-iters", "5", "--wandb-project", "p", "--wandb-save-dir", "setup.py"], "is a file, not a folder"),
+]
+# The entry point as `python -m megapar.pretrain_gpt2` runs it, with the named packages hidden (as if
+# not installed) whether or not this machine has them.
+WITHOUT_PACKAGES = ("import runpy, sys; hidden = sys.argv.pop(1).split(','); sys.modules.update(dict.fromkeys(hidden)); "
+                    "runpy.run_module('megapar.pretrain_gpt2', run_name='__main__')")
+
+
+def test_bad_logger_flags_in_process():
+    from megapar.arguments import ConfigError, parse_config
+    for flags, expect in LOGGER_CASES:
+        with pytest.raises(ConfigError) as e:
+            parse_config(flags, 1)
+        assert expect in str(e.value)
+        _record("flags", f"{' '.join(flags)} (parsed in process)", True, True)
+
+
+@pytest.mark.parametrize("flag,package", [("--wandb-project", "wandb"), ("--tensorboard-dir", "tensorboard")])
+def test_logger_package_missing_is_refused_before_any_work(data, tmp_path, flag, package):
+    (tmp_path / "keep.txt").write_text("user data")
+    refused(["python", "-c", WITHOUT_PACKAGES, package, *data, "--train-iters", "5", flag, str(tmp_path / "logs"),
+             "--save", tmp_path / "ck"], fault_class="flags",
+            case=f"{flag} without the {package} package installed (python -m megapar.pretrain_gpt2)",
+            expect=[flag, f"needs the {package} package", f"pip install {package}"], watch=[tmp_path])
