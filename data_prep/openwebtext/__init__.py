@@ -1,4 +1,4 @@
-"""OpenWebText data-prep pipeline (issue 4): Reddit dumps -> clean, deduplicated JSON lines.
+"""OpenWebText data-prep pipeline: Reddit dumps -> clean, deduplicated JSON lines.
 
 One module per step, each a small CLI (``python -m data_prep.openwebtext.<step> --help``):
 
