@@ -80,7 +80,9 @@ def check_rendezvous(torchrun_args: Sequence[str]) -> None:
     rank 0 host the store at --master-addr:--master-port, and each of the --nnodes launchers must
     give the same --nnodes and its own --node-rank. Mistakes there leave nodes waiting for each
     other until a timeout (two nodes of rank 0, a node 1 connecting to itself), so they end here."""
-    value = lambda flag: _launcher_value(torchrun_args, flag)  # noqa: E731
+    def value(flag: str) -> Optional[str]:
+        return _launcher_value(torchrun_args, flag)
+
     if value("--nproc-per-node") not in AUTO_NPROC:
         _whole("--nproc-per-node", value("--nproc-per-node"), 1, MAX, "the number of processes on this node")
     nnodes = _whole("--nnodes", value("--nnodes"), 1, MAX, "the number of nodes, the same on every node (a "
