@@ -10,6 +10,7 @@ or model exists and raises `ConfigError` with one message that names the flags a
 from __future__ import annotations
 
 import argparse
+import os
 import typing
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
@@ -185,7 +186,13 @@ class LogConfig:
     log_interval: int = arg(10)
     eval_interval: int = arg(1000)
     eval_iters: int = arg(10)
-    tensorboard_dir: Optional[str] = arg(None)
+    tensorboard_dir: Optional[str] = arg(None, "write the training scalars for TensorBoard here (needs the "
+                                               "tensorboard package)")
+    wandb_project: Optional[str] = arg(None, "also log the training scalars to this Weights & Biases project "
+                                             "(needs the wandb package; WANDB_MODE=offline logs without network)")
+    wandb_exp_name: Optional[str] = arg(None, "the W&B run's name (default: one W&B picks)")
+    wandb_save_dir: Optional[str] = arg(None, "where W&B writes the run's files (default: --save/wandb, or "
+                                              "./wandb without --save)")
     timing_log_level: int = arg(0, choices=(0, 1, 2))
     profile: bool = arg(False, "torch.profiler over iterations [--profile-step-start, --profile-step-end): rank 0 "
                                "prints the top kernels and writes a Chrome trace (to --tensorboard-dir or the "
@@ -430,6 +437,7 @@ def validate(ns: argparse.Namespace, world_size: int, assume_gpus: bool = False)
               f"smallest pipeline stage ({per_stage})")
     gpus = assume_gpus or _has_gpus()
     _check_zero(ns, gpus)
+    _check_loggers(ns)
     if ns.enable_cuda_graph:
         _check_cuda_graph(ns, gpus)
 
@@ -516,6 +524,26 @@ def _check_zero(ns: argparse.Namespace, gpus: bool) -> None:
         _fail(f"--zero-stage {stage} allocates and frees each layer's {'parameters and ' if stage == 3 else ''}"
               f"gradients during the step, which a CUDA graph cannot replay; use --zero-stage 1 (or 0) with "
               f"--enable-cuda-graph, or drop --enable-cuda-graph")
+
+
+def _check_loggers(ns: argparse.Namespace) -> None:
+    """TensorBoard and W&B: the optional package is there, the W&B flags are complete."""
+    import importlib.util
+
+    if ns.wandb_project is None:
+        for flag in ("wandb_exp_name", "wandb_save_dir"):
+            if getattr(ns, flag) is not None:
+                _fail(f"{_flag(flag)} is a setting of the W&B run that --wandb-project starts; add --wandb-project "
+                      f"NAME or drop {_flag(flag)}")
+    elif not ns.wandb_project.strip():
+        _fail("--wandb-project is empty; name the W&B project, e.g. --wandb-project gpt2")
+    if ns.wandb_save_dir is not None and os.path.exists(ns.wandb_save_dir) and not os.path.isdir(ns.wandb_save_dir):
+        _fail(f"--wandb-save-dir {ns.wandb_save_dir} is a file, not a folder; give a folder for the W&B run files")
+    for flag, value, package in (("--tensorboard-dir", ns.tensorboard_dir, "tensorboard"),
+                                 ("--wandb-project", ns.wandb_project, "wandb")):
+        if value is not None and importlib.util.find_spec(package) is None:
+            _fail(f"{flag} needs the {package} package, which is not installed: pip install {package} "
+                  f"(or drop {flag})")
 
 
 def _check_cuda_graph(ns: argparse.Namespace, gpus: bool) -> None:

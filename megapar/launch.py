@@ -5,7 +5,10 @@ and the user.
 
 1. The flags are parsed and validated here, once, at the world size torchrun will start
    (--nproc-per-node x --nnodes): a bad flag ends in one `error:` line and exit 2 before any
-   process starts (no line per rank, no torchrun report).
+   process starts (no line per rank, no torchrun report). So are the rendezvous flags of a
+   multi-node job (`check_rendezvous`): torchrun's static rendezvous, where node rank 0 hosts the
+   store at --master-addr:--master-port and every node gives the same --nnodes and its own
+   --node-rank.
 2. torchrun runs in a session of its own, its output read line by line and passed on. Once a rank
    reports a user error (a line starting `error:`, printed by megapar.pretrain_gpt2's main, which
    then exits with status 2), what follows on stderr is its consequence -- the other ranks losing
@@ -37,19 +40,65 @@ from .errors import USER_ERROR_EXIT
 # What torchrun itself would forward; the first two make --exit-signal-handler save (training.py).
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 SAVING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+AUTO_NPROC = ("gpu", "cpu", "auto")  # --nproc-per-node values with which torchrun counts the processes itself
+MAX = 2**31
 
 
 def _world_size(torchrun_args: Sequence[str]) -> Optional[int]:
-    """--nproc-per-node x --nnodes, or None where torchrun decides (elastic ranges, 'gpu', ...)."""
-    def value(flag: str, default: str) -> str:
-        for i, a in enumerate(torchrun_args):
-            if a in (flag, flag.replace("-", "_")) and i + 1 < len(torchrun_args):
-                return torchrun_args[i + 1]
-            if a.startswith(flag + "="):
-                return a.split("=", 1)[1]
-        return default
-    nproc, nnodes = value("--nproc-per-node", "1"), value("--nnodes", "1")
+    """--nproc-per-node x --nnodes, or None where torchrun decides ('gpu', 'auto', ...)."""
+    nproc = _launcher_value(torchrun_args, "--nproc-per-node") or "1"
+    nnodes = _launcher_value(torchrun_args, "--nnodes") or "1"
     return int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
+
+
+def _launcher_value(torchrun_args: Sequence[str], flag: str) -> Optional[str]:
+    """The value of a torchrun flag (`--flag v`, `--flag=v`, or the underscore spelling), or None."""
+    for i, a in enumerate(torchrun_args):
+        if a in (flag, flag.replace("-", "_")) and i + 1 < len(torchrun_args):
+            return torchrun_args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+class LaunchError(ValueError):
+    """A launcher flag the user can fix."""
+
+
+def _whole(flag: str, value: Optional[str], low: int, high: int, why: str) -> Optional[int]:
+    """`value` as an integer in [low, high], or None when the flag was not given."""
+    if value is None:
+        return None
+    if not value.isdigit() or not low <= int(value) <= high:
+        raise LaunchError(f"{flag} {value} must be a whole number " + (f">= {low}" if high == MAX else
+                          f"in [{low}, {high}]") + f"; {why}")
+    return int(value)
+
+
+def check_rendezvous(torchrun_args: Sequence[str]) -> None:
+    """The multi-node flags, checked before torchrun starts. torchrun's static rendezvous has node
+    rank 0 host the store at --master-addr:--master-port, and each of the --nnodes launchers must
+    give the same --nnodes and its own --node-rank. Mistakes there leave nodes waiting for each
+    other until a timeout (two nodes of rank 0, a node 1 connecting to itself), so they end here."""
+    def value(flag: str) -> Optional[str]:
+        return _launcher_value(torchrun_args, flag)
+
+    if value("--nproc-per-node") not in AUTO_NPROC:
+        _whole("--nproc-per-node", value("--nproc-per-node"), 1, MAX, "the number of processes on this node")
+    nnodes = _whole("--nnodes", value("--nnodes"), 1, MAX, "the number of nodes, the same on every node (a "
+                    "range MIN:MAX needs an elastic rendezvous, which this launcher does not start)") or 1
+    rank = _whole("--node-rank", value("--node-rank"), 0, MAX, "0 on the --master-addr node, 1, 2, ... on the others")
+    _whole("--master-port", value("--master-port"), 1, 65535, "a free TCP port of the --master-addr node, the "
+           "same on every node")
+    if rank is not None and rank >= nnodes:
+        raise LaunchError(f"--node-rank {rank} must be less than --nnodes {nnodes}; node ranks run from 0 to "
+                          f"{nnodes - 1}, one per node")
+    if nnodes > 1 and value("--master-addr") is None:
+        raise LaunchError(f"--nnodes {nnodes} needs --master-addr: the address of the node with --node-rank 0, "
+                          f"the same on every node")
+    if nnodes > 1 and rank is None:
+        raise LaunchError(f"--nnodes {nnodes} needs --node-rank on every node: 0 on the --master-addr node, "
+                          + ("1 on the other" if nnodes == 2 else f"1 to {nnodes - 1} on the others"))
 
 
 def check_flags(flags: Sequence[str], world: Optional[int]) -> None:
@@ -164,6 +213,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     torchrun_args, flags = argv[:split], argv[split + 1:]
+    try:
+        check_rendezvous(torchrun_args)
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT
     check_flags(flags, _world_size(torchrun_args))
     return Launch(torchrun_args, flags).run()
 

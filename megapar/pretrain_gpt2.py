@@ -21,6 +21,7 @@ from .errors import USER_ERROR_EXIT, MegaparError
 from .checkpointing import check_load_dir
 from .initialize import build_run, init_distributed, print_rank0, train_iters
 from .topology import Topology
+from .scalar_writer import build_writer
 from .training import TrainState, evaluate, load, log_eval, save, train
 
 EMBEDDED_DIR = os.path.join("data_cache", "embedded")
@@ -102,16 +103,6 @@ def build_tokenizer_for(cfg: Config):
                            tokenizer_model=d.tokenizer_model)
 
 
-def tensorboard_writer(cfg: Config, rank: int):
-    if not cfg.log.tensorboard_dir or rank != 0:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ConfigError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from None
-    return SummaryWriter(log_dir=cfg.log.tensorboard_dir)
-
-
 def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None) -> TrainState:
     """Run training in an initialised process group; returns the final TrainState. `argv` (the
     flags as given) lets the closing "train longer" command repeat them."""
@@ -147,7 +138,12 @@ def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None) -> TrainState:
         return state
     train_ds, valid_ds, test_ds = build_datasets(cfg)
     start = time.time()
-    state = train(run, train_ds, valid_ds, state, tensorboard_writer(cfg, rank))
+    writer = build_writer(cfg, rank)  # TensorBoard and/or W&B on rank 0, as the flags ask
+    try:
+        state = train(run, train_ds, valid_ds, state, writer)
+    finally:
+        if writer is not None:
+            writer.close()
     if state.exit_reason is None:
         _finish(run, state, valid_ds, test_ds)
     print_rank0(f"> training done in {time.time() - start:.1f} s at iteration {state.iteration}")

@@ -8,7 +8,9 @@
 #     (python -m megapar.recipes lists them with their GPU counts; a flag you give overrides the recipe's)
 #
 # Processes per node: --nproc-per-node N, else every visible GPU, else tp x pp on CPU (dp = 1).
-# Several nodes: --nnodes, --node-rank, --master-addr, --master-port are passed to torchrun.
+# Several nodes: run it once on every node with the same --nnodes N, --master-addr (the address of
+# node rank 0) and --master-port, and --node-rank 0..N-1 (torchrun's static rendezvous; checked by
+# megapar.launch before any process starts). On SLURM: scripts/slurm_pretrain_gpt2.sbatch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import torch, megapar" 2>/dev/null || bash scripts/install.sh   # fresh machine
@@ -34,7 +36,15 @@ fi
 if [ ${#launcher[@]} -eq 0 ]; then launcher=(--standalone); fi
 
 # CPU threads per process: the cores shared evenly (torchrun would otherwise force 1).
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(python3 -c "import os; print(max(1, os.cpu_count() // $nproc))")}"
+# (A --nproc-per-node that is not a whole number >= 1 is refused by megapar.launch below.)
+if [ -z "${OMP_NUM_THREADS:-}" ]; then
+  cores=$(nproc 2>/dev/null || echo 1)
+  if [[ "$nproc" =~ ^[0-9]+$ ]] && [ "$nproc" -gt 0 ] && [ "$cores" -gt "$nproc" ]; then
+    export OMP_NUM_THREADS=$((cores / nproc))
+  else
+    export OMP_NUM_THREADS=1
+  fi
+fi
 # megapar.launch checks the flags at this world size before any process starts, then runs torchrun:
 # a user error ends in one `error:` line (no torchrun report), and SIGTERM / Ctrl-C reach the training
 # processes once (with --exit-signal-handler: finish the iteration, save, exit 0). See its docstring.

@@ -5,6 +5,7 @@ Fully offline: downloads go through a proxy on 127.0.0.1 that serves pages built
 gives byte-identical outputs to an uninterrupted run.
 """
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -101,3 +102,53 @@ def test_driver_rejects_missing_vocab(shared_data, tmp_path):
                           "--vocab-file", str(tmp_path / "nope.json"), "--merge-file", "x"],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "vocab-file" in res.stderr
+
+
+AFTER_CLEANUP = ("near_duplicates.jsonl", "duplicate_groups.jsonl", "deduplicated.jsonl", "openwebtext.jsonl",
+                 "openwebtext_text_document.bin", "openwebtext_text_document.idx")
+
+
+def test_driver_runs_the_optional_fix_and_decontamination_steps(shared_data, gpt2_files, web, full_run, tmp_path):
+    """A copy of the full run's output up to cleanup, resumed with --fix-tasks and --decontaminate-with
+    (an evaluation file of 20-word passages from three cleaned pages): the new steps run, the
+    overlaps are gone from the final corpus, and a re-run skips every step."""
+    from data_prep.openwebtext.filter_ngrams import words_of
+    from megapar.data.validate import validate
+
+    out = tmp_path / "owt"
+    shutil.copytree(full_run, out)
+    for name in AFTER_CLEANUP:
+        (out / name).unlink()
+    cleaned = [json.loads(line) for line in (out / "cleaned.jsonl").read_text().splitlines()]
+    leaked = []
+    for doc in cleaned[10:13]:
+        words, spans = words_of(doc["text"])
+        leaked.append(doc["text"][spans[len(words) // 2][0]:spans[len(words) // 2 + 19][1]])
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join(json.dumps({"text": s}) + "\n" for s in leaked))
+    cmd = [*driver_cmd(shared_data, gpt2_files, out, web.proxy), "--fix-tasks", "remove_512,general_cleaning",
+           "--decontaminate-with", str(eval_file)]
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    fixed = summary(out, "cleanup_fix_dataset")
+    assert fixed["documents"] == len(cleaned) and fixed["kept"] == summary(out, "remove_duplicates")["documents"]
+    decontaminated = summary(out, "filter_ngrams")
+    assert decontaminated["eval_ngrams"] == 3 * 8 and decontaminated["kept"] < decontaminated["documents"]
+    final = (out / "openwebtext.jsonl").read_text()
+    assert all(s not in final for s in leaked)
+    assert validate(str(out / "openwebtext_text_document"))["num_documents"] == len(final.splitlines())
+    before = {p: p.read_bytes() for p in out.glob("*.jsonl")}
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0 and "[filter_ngrams] done already" in again.stderr
+    assert "[cleanup_fix_dataset] done already" in again.stderr
+    assert {p: p.read_bytes() for p in out.glob("*.jsonl")} == before
+
+
+def test_driver_refuses_an_optional_step_asked_for_too_late(shared_data, gpt2_files, full_run, tmp_path):
+    """Asking for --fix-tasks on an output whose later steps were done without it would not apply it."""
+    out = tmp_path / "owt"
+    shutil.copytree(full_run, out, ignore=shutil.ignore_patterns("download"))
+    res = subprocess.run(["bash", str(SCRIPT), "--dumps", str(shared_data / "openwebtext_urls" / "pushshift_dumps"),
+                          "--output", str(out), "--vocab-file", gpt2_files[0], "--merge-file", gpt2_files[1],
+                          "--fix-tasks", "remove_512", "--no-progress"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 2 and "error: --fix-tasks was not given when" in res.stderr, res.stderr[-2000:]
+    assert not (out / "fixed").exists()

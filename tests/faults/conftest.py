@@ -13,11 +13,15 @@ from harness import ROWS, table  # noqa: E402
 QUICK = {
     "test_faults_smoke.py": None,                                          # the harness itself: all
     "test_faults_checkpoints.py": {"test_save_dir_containing_the_source_is_refused"},        # data loss
-    "test_faults_data.py": {"test_wrong_format_merge_file_in_preprocess"},                  # tokenizer files
+    "test_faults_data.py": {"test_wrong_format_merge_file_in_preprocess",                   # tokenizer files,
+                            "test_bad_evaluation_file[malformed JSON line]"},               # OpenWebText steps
     "test_faults_deepspeed.py": {"test_bad_deepspeed_config_through_the_launcher[nvme offload]",  # ds_config.json
                                  "test_bad_estimator_option[--gpu-memory 80XB]"},                 # estimator sizes
     "test_faults_launch.py": {"test_every_range_check_in_process",                          # flags, and
-                              "test_bad_number_through_the_launcher[--train-iters -5]"},    # the launcher
+                              "test_bad_number_through_the_launcher[--train-iters -5]",     # the launcher,
+                              "test_bad_rendezvous_flags[--nnodes 2 --node-rank 1]",        # several nodes,
+                              "test_bad_logger_flags_in_process",                           # W&B flags
+                              "test_logger_package_missing_is_refused_before_any_work[--wandb-project-wandb]"},
     "test_faults_resume.py": {"test_train_longer_command_rewrites_the_flags",
                               "test_a_run_stopped_early_is_told_how_to_resume"},
     "test_faults_server.py": {"test_random_seed_of_2_63_or_more_is_refused_before_any_rank"},

@@ -259,3 +259,64 @@ def test_preprocess_killed_leaves_no_workers_and_no_outputs(files, tmp_path, sig
     assert "Traceback" not in rest, rest
     assert len(errors) == 1 and "interrupted" in errors[0], rest
     assert not new_files, new_files  # no partial or temporary outputs
+
+
+# ---- OpenWebText optional steps: the evaluation file of filter_ngrams, the fix-up tasks --------------
+FILTER_NGRAMS = ["python", "-m", "data_prep.openwebtext.filter_ngrams", "--no-progress"]
+PASSAGE = "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat"
+EVAL_CASES = {  # case -> (evaluation file lines or None for no file, expected fragments with {eval} for its path)
+    "missing file": (None, ["--decontaminate-with {eval}: no such file"]),
+    "malformed JSON line": ([json.dumps({"text": PASSAGE}), "", '{"text": "unterminated'],
+                            ["{eval}:3: not a JSON line"]),
+    "line without text": ([json.dumps({"text": PASSAGE}), json.dumps({"question": PASSAGE})],
+                          ['{eval}:2: no string "text"']),
+    "no text long enough": ([json.dumps({"text": "too short"})], ["nothing to decontaminate against"]),
+}
+
+
+def _eval_file(tmp_path: Path, lines) -> Path:
+    path = tmp_path / "eval" / "lambada_test.jsonl"
+    if lines is not None:
+        path.parent.mkdir()
+        path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("case", list(EVAL_CASES))
+def test_bad_evaluation_file(files, tmp_path, case):
+    lines, expect = EVAL_CASES[case]
+    ev = _eval_file(tmp_path, lines)
+    refused([*FILTER_NGRAMS, files["jsonl"], tmp_path / "out.jsonl", "--decontaminate-with", ev],
+            fault_class="OpenWebText steps", case=f"filter_ngrams: evaluation file, {case}",
+            expect=[e.format(eval=ev) for e in expect], watch=[tmp_path])
+
+
+def test_bad_ngram_sizes(files, tmp_path):
+    ev = _eval_file(tmp_path, [json.dumps({"text": PASSAGE})])
+    refused([*FILTER_NGRAMS, files["jsonl"], tmp_path / "out.jsonl", "--decontaminate-with", ev,
+             "--min-ngram-size", "14"], fault_class="OpenWebText steps",
+            case="filter_ngrams: --min-ngram-size 14 above --max-ngram-size 13",
+            expect="--min-ngram-size 14 is larger than --max-ngram-size 13", watch=[tmp_path])
+
+
+def test_cleanup_fix_dataset_missing_input(tmp_path):
+    refused(["python", "-m", "data_prep.openwebtext.cleanup_fix_dataset", "--input-files", tmp_path / "nope.jsonl",
+             "--tasks", "remove_512", "--output-path", tmp_path / "out", "--no-progress"],
+            fault_class="OpenWebText steps", case="cleanup_fix_dataset: missing input file",
+            expect="--input-files", watch=[tmp_path])
+
+
+@pytest.mark.parametrize("case", ["malformed evaluation file", "unknown fix task"])
+def test_driver_refuses_bad_optional_step_flags_before_any_work(gpt2_files, tmp_path, case):
+    (tmp_path / "dumps").mkdir()
+    out = tmp_path / "owt"
+    if case == "unknown fix task":
+        extra, expect = ["--fix-tasks", "remove_512,remove_1024"], "--fix-tasks: unknown task 'remove_1024'"
+    else:
+        ev = _eval_file(tmp_path, ["not json"])
+        extra, expect = ["--decontaminate-with", str(ev)], f"{ev}:1: not a JSON line"
+    refused(["bash", "scripts/prepare_openwebtext.sh", "--dumps", tmp_path / "dumps", "--output", out,
+             "--vocab-file", gpt2_files[0], "--merge-file", gpt2_files[1], *extra],
+            fault_class="OpenWebText steps", case=f"scripts/prepare_openwebtext.sh: {case}", expect=expect,
+            watch=[tmp_path])
+    assert not out.exists()

@@ -214,3 +214,62 @@ def test_every_range_check_in_process():
                   ["--clip-grad", "0"], ["--adam-beta1", "0", "--adam-beta2", "0.9999"],
                   ["--eval-interval", "0", "--eval-iters", "0"], ["--train-iters", "0"]):
         parse_config(["--train-iters", "5", *extra], 1)
+
+
+# ---- several nodes: the rendezvous flags, refused before torchrun starts ---------------------------
+RENDEZVOUS_CASES = [
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"], "--node-rank 2 must be less than --nnodes 2"),
+    (["--nnodes", "2", "--node-rank", "1"], "--nnodes 2 needs --master-addr"),
+    (["--nnodes", "2", "--master-addr", "127.0.0.1"], "--nnodes 2 needs --node-rank"),
+    (["--nnodes", "1:2", "--node-rank", "0", "--master-addr", "127.0.0.1"], "--nnodes 1:2 must be a whole number"),
+    (["--nnodes", "2", "--node-rank", "-1", "--master-addr", "127.0.0.1"], "--node-rank -1 must be a whole number"),
+    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "70000"],
+     "--master-port 70000 must be a whole number in [1, 65535]"),
+    (["--nproc-per-node", "0"], "--nproc-per-node 0 must be a whole number >= 1"),
+]
+
+
+@pytest.mark.parametrize("flags,expect", RENDEZVOUS_CASES, ids=[" ".join(f) for f, _ in RENDEZVOUS_CASES])
+def test_bad_rendezvous_flags(tmp_path, flags, expect):
+    (tmp_path / "keep.txt").write_text("user data")
+    out = refused(["bash", "scripts/pretrain_gpt2.sh", *flags, "--train-iters", "1", "--save", tmp_path / "ck"],
+                  fault_class="several nodes", case=f"{' '.join(flags)} (scripts/pretrain_gpt2.sh)", expect=expect,
+                  watch=[tmp_path])
+    assert out.rc == 2 and "torch.distributed" not in out.output
+
+
+def test_sbatch_script_outside_a_slurm_job(tmp_path):
+    refused(["bash", "scripts/slurm_pretrain_gpt2.sbatch", "--train-iters", "1"], fault_class="several nodes",
+            case="scripts/slurm_pretrain_gpt2.sbatch run outside a SLURM job", expect="not inside a SLURM job",
+            watch=[tmp_path])
+
+
+# ---- experiment tracking: --wandb-* and --tensorboard-dir ------------------------------------------
+LOGGER_CASES = [
+    (["--train-iters", "5", "--wandb-exp-name", "run1"], "--wandb-exp-name is a setting of the W&B run"),
+    (["--train-iters", "5", "--wandb-save-dir", "wb"], "--wandb-save-dir is a setting of the W&B run"),
+    (["--train-iters", "5", "--wandb-project", " "], "--wandb-project is empty"),
+    (["--train-iters", "5", "--wandb-project", "p", "--wandb-save-dir", "setup.py"], "is a file, not a folder"),
+]
+# The entry point as `python -m megapar.pretrain_gpt2` runs it, with the named packages hidden (as if
+# not installed) whether or not this machine has them.
+WITHOUT_PACKAGES = ("import runpy, sys; hidden = sys.argv.pop(1).split(','); sys.modules.update(dict.fromkeys(hidden)); "
+                    "runpy.run_module('megapar.pretrain_gpt2', run_name='__main__')")
+
+
+def test_bad_logger_flags_in_process():
+    from megapar.arguments import ConfigError, parse_config
+    for flags, expect in LOGGER_CASES:
+        with pytest.raises(ConfigError) as e:
+            parse_config(flags, 1)
+        assert expect in str(e.value)
+        _record("flags", f"{' '.join(flags)} (parsed in process)", True, True)
+
+
+@pytest.mark.parametrize("flag,package", [("--wandb-project", "wandb"), ("--tensorboard-dir", "tensorboard")])
+def test_logger_package_missing_is_refused_before_any_work(data, tmp_path, flag, package):
+    (tmp_path / "keep.txt").write_text("user data")
+    refused(["python", "-c", WITHOUT_PACKAGES, package, *data, "--train-iters", "5", flag, str(tmp_path / "logs"),
+             "--save", tmp_path / "ck"], fault_class="flags",
+            case=f"{flag} without the {package} package installed (python -m megapar.pretrain_gpt2)",
+            expect=[flag, f"needs the {package} package", f"pip install {package}"], watch=[tmp_path])
