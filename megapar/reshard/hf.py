@@ -1,5 +1,6 @@
 """Export a megapar checkpoint (any layout, or a canonical folder) to a Hugging Face
-GPT2LMHeadModel folder: config.json + model.safetensors (dummy vocabulary rows removed).
+GPT2LMHeadModel folder: config.json + model.safetensors (dummy vocabulary rows removed), and the
+tokenizer's files (megapar/reshard/hf_tokenizer.py).
 
 Mapping (Megatron -> HF GPT-2; HF's Conv1D stores weights as [in, out], so linears transpose):
   word_embeddings[:vocab_size]     -> transformer.wte.weight  (lm_head is tied to it)
@@ -24,6 +25,8 @@ import torch
 
 from ..arguments import DataConfig
 from ..checkpointing import SavedConfig
+from . import hf_tokenizer
+from .hf_tokenizer import TokenizerFiles
 from .output import HF, staged_output
 
 _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
@@ -91,9 +94,10 @@ def _eod(data: DataConfig, vocab_size: int) -> int:
         return 50256 if vocab_size == 50257 else vocab_size - 1
 
 
-def hf_config(saved: SavedConfig) -> dict:
+def hf_config(saved: SavedConfig, eos: Optional[int] = None) -> dict:
+    """config.json of the export; `eos`: the tokenizer's end-of-document id (default: _eod)."""
     m, vocab_size = saved.model, saved.model.vocab_size
-    eos = _eod(saved.data, vocab_size)
+    eos = _eod(saved.data, vocab_size) if eos is None else eos
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
             "n_positions": m.max_position_embeddings, "n_ctx": m.max_position_embeddings,
             "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_attention_heads,
@@ -103,21 +107,29 @@ def hf_config(saved: SavedConfig) -> dict:
             "bos_token_id": eos, "eos_token_id": eos}
 
 
-def export_hf(src, out_dir: str, dtype: Optional[torch.dtype] = None, force: bool = False, log=print) -> None:
-    """Write `src` (ShardedCheckpoint / CanonicalFolder) as a transformers GPT2LMHeadModel folder."""
+def export_hf(src, out_dir: str, dtype: Optional[torch.dtype] = None, force: bool = False, log=print,
+              tokenizer: Optional[TokenizerFiles] = None) -> None:
+    """Write `src` (ShardedCheckpoint / CanonicalFolder) as a transformers GPT2LMHeadModel folder,
+    with the tokenizer files of `tokenizer` (megapar/reshard/hf_tokenizer.py; None: the model alone)."""
     from safetensors.torch import save_file
     m = src.saved.model
     with staged_output(src, out_dir, force, (HF,)) as staging:
+        tok = hf_tokenizer.check(tokenizer, m.vocab_size) if tokenizer is not None else None
         if m.vocab_size is None:
             raise ValueError("the checkpoint does not record its true vocab_size; cannot remove the dummy rows")
         tensors = {}
         for name in src.names:
             key, t = hf_name_and_tensor(name, src.full(name), m.num_attention_heads)
             tensors[key] = t.to(dtype) if dtype is not None else t
-        cfg = hf_config(src.saved)
+        cfg = hf_config(src.saved, tok.eod if tok is not None else None)
         cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).replace("torch.", "")
         save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
+        written = hf_tokenizer.write(tokenizer, tok, staging, m.max_position_embeddings) if tok is not None else []
     log(f"wrote Hugging Face GPT2LMHeadModel ({m.num_layers} layers, hidden {m.hidden_size}, "
         f"vocab {m.vocab_size}) to {out_dir}")
+    if tok is not None:
+        source = ", ".join(p for p in (tokenizer.vocab_file, tokenizer.merge_file, tokenizer.tokenizer_model) if p)
+        log(f"wrote tokenizer: {'GPT-2 BPE' if tokenizer.kind == 'GPT2BPETokenizer' else 'SentencePiece'} "
+            f"({', '.join(written)}) from {source}")

@@ -11,7 +11,9 @@ write:
                         holding only mp_rank_XX[_YYY]/ folders holding only model_optim_rng.pt /
                         distrib_optim.pt  (what checkpoint_util.py writes)
     canonical folder    metadata.pt + tensors/ holding only *.pt files  (checkpoint_util.py --to-full)
-    Hugging Face folder exactly config.json (a GPT-2 config) + model.safetensors  (convert_to_hf.py)
+    Hugging Face folder config.json (a GPT-2 config) + model.safetensors, and only the tokenizer files
+                        an export writes (vocab.json, merges.txt, tokenizer.model, tokenizer_config.json,
+                        special_tokens_map.json)  (convert_to_hf.py)
   Anything else (a user's file, a training run's leftovers, another tool's output) is refused.
 * The new output is written into a fresh hidden staging folder beside `--save-dir` and renamed
   into place at the end; the previous output (checked again just before) is renamed aside and
@@ -61,8 +63,14 @@ def is_canonical_output(path: str) -> bool:
             and _only_files(os.path.join(path, "tensors"), lambda n: n.endswith(".pt")))
 
 
+HF_TOKENIZER_FILES = {"vocab.json", "merges.txt", "tokenizer.model", "tokenizer_config.json",
+                      "special_tokens_map.json"}   # megapar/reshard/hf_tokenizer.py
+
+
 def is_hf_output(path: str) -> bool:
-    if _entries(path) != {"config.json", "model.safetensors"} or not _only_files(path, lambda n: True):
+    names = _entries(path)
+    if not {"config.json", "model.safetensors"} <= names or not names <= {"config.json", "model.safetensors"} | \
+            HF_TOKENIZER_FILES or not _only_files(path, lambda n: True):
         return False
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
