@@ -200,16 +200,19 @@ def _losses(result):
 
 
 def test_finetuning_an_import_continues_from_its_weights(embedded_data, tmp_path):
-    """Train 8 iterations, export to HF, import at tp 2, fine-tune: the losses equal those of
-    fine-tuning the original checkpoint, and start far below a fresh model's."""
+    """Train 8 iterations, export to HF, import at tp 2, fine-tune (--finetune, or --no-load-optim
+    --no-load-rng): the losses equal those of fine-tuning the original checkpoint, and start far below
+    a fresh model's."""
     base = TINY_TRAIN + embedded_data + ["--lr", "5e-3"]
     first = run_training(base + ["--train-iters", "8", "--save", str(tmp_path / "ck")])
     assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf")]) == 0
     import_hf(tmp_path / "hf", tmp_path / "imported", 2, 1)
-    tune = base + ["--train-iters", "2", "--finetune"]
-    from_import = _losses(run_training(tune + ["--tensor-model-parallel-size", "2", "--load",
-                                               str(tmp_path / "imported")], 2))
-    from_original = _losses(run_training(tune + ["--load", str(tmp_path / "ck")]))
+    tune = base + ["--train-iters", "2"]
+    at_tp2 = tune + ["--tensor-model-parallel-size", "2", "--load", str(tmp_path / "imported")]
+    from_import = _losses(run_training(at_tp2 + ["--finetune"], 2))
+    without_optim = _losses(run_training(at_tp2 + ["--no-load-optim", "--no-load-rng"], 2))
+    from_original = _losses(run_training(tune + ["--finetune", "--load", str(tmp_path / "ck")]))
     fresh = _losses(first)
     assert len(from_import) == 2 and from_import == pytest.approx(from_original, rel=1e-4)
+    assert without_optim == pytest.approx(from_import, rel=1e-6)          # a release checkpoint starts at 0
     assert from_import[0] < fresh[0] - 0.5, (from_import, fresh)

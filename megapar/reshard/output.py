@@ -1,7 +1,7 @@
 """Where the conversion tools write, and what `--force` may replace.
 
-The tools (tools/checkpoint_util.py, tools/convert_to_hf.py) never delete anything they did not
-write:
+The tools (tools/checkpoint_util.py, tools/convert_to_hf.py, tools/convert_from_hf.py) never delete
+anything they did not write:
 
 * `--save-dir` must not be, contain, or lie inside `--load-dir` (paths resolved: symlinks,
   `..`, relative paths).
@@ -9,7 +9,7 @@ write:
   previous output of the same tool (`recognise`):
     megapar checkpoint  latest_checkpointed_iteration.txt + iter_NNNNNNN/ or release/ folders
                         holding only mp_rank_XX[_YYY]/ folders holding only model_optim_rng.pt /
-                        distrib_optim.pt  (what checkpoint_util.py writes)
+                        distrib_optim.pt  (what checkpoint_util.py and convert_from_hf.py write)
     canonical folder    metadata.pt + tensors/ holding only *.pt files  (checkpoint_util.py --to-full)
     Hugging Face folder config.json (a GPT-2 config) + model.safetensors, and only the tokenizer files
                         an export writes (vocab.json, merges.txt, tokenizer.model, tokenizer_config.json,
