@@ -216,3 +216,36 @@ def test_finetuning_an_import_continues_from_its_weights(embedded_data, tmp_path
     assert len(from_import) == 2 and from_import == pytest.approx(from_original, rel=1e-4)
     assert without_optim == pytest.approx(from_import, rel=1e-6)          # a release checkpoint starts at 0
     assert from_import[0] < fresh[0] - 0.5, (from_import, fresh)
+
+
+def test_sharded_safetensors_import_the_same(tmp_path):
+    """model.safetensors.index.json naming two shard files gives the same checkpoint as one file."""
+    from safetensors.torch import save_file
+    tensors = write_hf_gpt2(tmp_path / "one")
+    os.makedirs(tmp_path / "two")
+    keys = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    for name, part in shards.items():
+        save_file({k: tensors[k] for k in part}, str(tmp_path / "two" / name), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}
+    (tmp_path / "two" / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "two" / "config.json").write_text((tmp_path / "one" / "config.json").read_text())
+    import_hf(tmp_path / "one", tmp_path / "a", 2, 1)
+    import_hf(tmp_path / "two", tmp_path / "b", 2, 1)
+    for shard in ("mp_rank_00", "mp_rank_01"):
+        a = torch.load(tmp_path / "a" / "release" / shard / MODEL_FILE, weights_only=False)["model"]
+        b = torch.load(tmp_path / "b" / "release" / shard / MODEL_FILE, weights_only=False)["model"]
+        enc_a, enc_b = a["language_model"]["encoder"], b["language_model"]["encoder"]
+        assert all(torch.equal(enc_a[k], enc_b[k]) for k in enc_a)
+
+
+def test_truncated_pytorch_model_bin_is_named(tmp_path, capsys):
+    tensors = write_hf_gpt2(tmp_path / "hf")
+    os.remove(tmp_path / "hf" / "model.safetensors")
+    torch.save(tensors, tmp_path / "hf" / "pytorch_model.bin")
+    data = (tmp_path / "hf" / "pytorch_model.bin").read_bytes()
+    (tmp_path / "hf" / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    assert convert_from_hf.main(["--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "ck")]) == 1
+    err = capsys.readouterr().err
+    assert "pytorch_model.bin is truncated or corrupt" in err and err.count("\n") == 1, err
