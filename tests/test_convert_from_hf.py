@@ -153,6 +153,8 @@ def set_config(folder, **settings) -> None:
     ("n_layer", 0, "n_layer"),
     ("n_inner", "big", "n_inner"),
     ("layer_norm_epsilon", -1, "layer_norm_epsilon"),
+    ("resid_pdrop", "0.1", "resid_pdrop is '0.1'; it must be a number"),
+    ("attn_pdrop", 1.5, "--attention-dropout"),
 ])
 def test_unrepresentable_config_is_refused_by_name(tmp_path, capsys, setting, value, expect):
     write_hf_gpt2(tmp_path / "hf")

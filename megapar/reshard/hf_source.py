@@ -115,21 +115,31 @@ def tokenizer_flags(folder: str, vocab_file: Optional[str] = None, merge_file: O
         path = os.path.join(folder, name)
         return os.path.abspath(path) if os.path.isfile(path) else None
 
-    if tokenizer_model or (not (vocab_file or merge_file) and here("tokenizer.model")
-                           and not here("vocab.json")):
-        return ["--tokenizer-type", "SentencePieceTokenizer",
-                "--tokenizer-model", os.path.abspath(tokenizer_model or here("tokenizer.model"))]
+    sp_model = tokenizer_model or (here("tokenizer.model") if not (vocab_file or merge_file or here("vocab.json"))
+                                   else None)
+    if sp_model:
+        return ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", os.path.abspath(sp_model)]
     vocab = os.path.abspath(vocab_file) if vocab_file else here("vocab.json")
     merges = os.path.abspath(merge_file) if merge_file else here("merges.txt")
     flags = ["--tokenizer-type", "GPT2BPETokenizer"]
     return flags + (["--vocab-file", vocab] if vocab else []) + (["--merge-file", merges] if merges else [])
 
 
+def _number(cfg: dict, name: str, default: float, path: str) -> str:
+    """config.json's number `name` (HF's default when absent or null) as a flag value."""
+    value = cfg.get(name)
+    if value is None:
+        return str(default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise CheckpointError(f"{path}: {name} is {value!r}; it must be a number")
+    return str(value)
+
+
 def saved_config_for(cfg: dict, path: str, divisible_by: int, tokenizer: list[str]) -> SavedConfig:
     """The SavedConfig (Megatron args, model config) of the HF model at tp = pp = 1, as training writes it."""
     flags = megapar_flags(cfg, divisible_by) + tokenizer + [
-        "--hidden-dropout", str(cfg.get("resid_pdrop", 0.1)), "--attention-dropout", str(cfg.get("attn_pdrop", 0.1)),
-        "--init-method-std", str(cfg.get("initializer_range", 0.02))]
+        "--hidden-dropout", _number(cfg, "resid_pdrop", 0.1, path), "--attention-dropout",
+        _number(cfg, "attn_pdrop", 0.1, path), "--init-method-std", _number(cfg, "initializer_range", 0.02, path)]
     from ..model import set_vocab
     try:
         run = parse_config(flags, world_size=1)
