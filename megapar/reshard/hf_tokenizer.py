@@ -65,8 +65,8 @@ def check(files: TokenizerFiles, vocab_size: Optional[int]):
     if its vocabulary is not the checkpoint's); returns it."""
     from ..data.tokenizer import TokenizerError, build_tokenizer
     if files.kind == "GPT2BPETokenizer" and not (files.vocab_file and files.merge_file):
-        raise CheckpointError(f"the checkpoint names no GPT-2 BPE {'--vocab-file' if not files.vocab_file else '--merge-file'}"
-                              f" to export; {_FIX}")
+        flag = "--merge-file" if files.vocab_file else "--vocab-file"
+        raise CheckpointError(f"the checkpoint names no GPT-2 BPE {flag} to export; {_FIX}")
     if files.kind == "SentencePieceTokenizer" and not files.tokenizer_model:
         raise CheckpointError(f"the checkpoint names no --tokenizer-model to export; {_FIX}")
     try:
