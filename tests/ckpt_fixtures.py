@@ -81,3 +81,38 @@ def save_tiny_checkpoint(root: str, tp: int, pp: int, dp: int = 1, zero: bool = 
     """Returns each rank's model state dict (rank order tp, dp, pp)."""
     return run_distributed(_save_body, world_size=tp * pp * dp,
                            args=(root, tp, pp, dp, zero, steps, iteration, tuple(extra)))
+
+
+def write_hf_gpt2(folder, n_layer: int = 2, n_embd: int = 32, n_head: int = 4, vocab: int = VOCAB,
+                  n_positions: int = 32, n_inner=None, seed: int = 0, extra_tensors=None, **config) -> dict:
+    """A GPT2LMHeadModel folder (config.json + model.safetensors) with random weights, written with
+    safetensors alone (no transformers): what `save_pretrained` writes for such a model. `config`
+    adds or overrides config.json settings. Returns {key: tensor}."""
+    import json
+    import os
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    f = n_inner or 4 * n_embd
+    shapes = {"wte.weight": (vocab, n_embd), "wpe.weight": (n_positions, n_embd),
+              "ln_f.weight": (n_embd,), "ln_f.bias": (n_embd,)}
+    for i in range(n_layer):
+        shapes.update({f"h.{i}.ln_1.weight": (n_embd,), f"h.{i}.ln_1.bias": (n_embd,),
+                       f"h.{i}.attn.c_attn.weight": (n_embd, 3 * n_embd), f"h.{i}.attn.c_attn.bias": (3 * n_embd,),
+                       f"h.{i}.attn.c_proj.weight": (n_embd, n_embd), f"h.{i}.attn.c_proj.bias": (n_embd,),
+                       f"h.{i}.ln_2.weight": (n_embd,), f"h.{i}.ln_2.bias": (n_embd,),
+                       f"h.{i}.mlp.c_fc.weight": (n_embd, f), f"h.{i}.mlp.c_fc.bias": (f,),
+                       f"h.{i}.mlp.c_proj.weight": (f, n_embd), f"h.{i}.mlp.c_proj.bias": (n_embd,)})
+    tensors = {f"transformer.{k}": torch.randn(s, generator=g) * 0.05 + float("ln_" in k and k.endswith("weight"))
+               for k, s in shapes.items()}
+    tensors.update(extra_tensors or {})
+    cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
+           "vocab_size": vocab, "n_positions": n_positions, "n_embd": n_embd, "n_layer": n_layer, "n_head": n_head,
+           "n_inner": n_inner, "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
+           "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+           "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True,
+           **config}
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=2)
+    return tensors

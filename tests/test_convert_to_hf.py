@@ -1,5 +1,7 @@
-"""tools/convert_to_hf.py: transformers' GPT2LMHeadModel gives megapar's logits."""
+"""tools/convert_to_hf.py: transformers' GPT2LMHeadModel gives megapar's logits, and AutoTokenizer of the
+export encodes text as megapar's tokenizer does."""
 import json
+import os
 
 import pytest
 import torch
@@ -16,7 +18,8 @@ from megapar.cli import convert_to_hf  # noqa: E402
 @pytest.mark.parametrize("tp,pp", [pytest.param(2, 2, marks=pytest.mark.slow), (1, 1)])
 def test_hf_export_matches_megapar_logits(tmp_path, tp, pp):
     save_tiny_checkpoint(str(tmp_path / "ck"), tp=tp, pp=pp, steps=1)
-    assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf")]) == 0
+    assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf"),
+                               "--no-tokenizer"]) == 0
     cfg_json = json.load(open(tmp_path / "hf" / "config.json"))
     assert cfg_json["vocab_size"] == VOCAB and cfg_json["activation_function"] == "gelu_new"
 
@@ -43,3 +46,87 @@ def test_hf_export_refuses_non_empty_dir(tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
     assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf"), "--force"]) == 1
     assert "not a previous output" in capsys.readouterr().err and (tmp_path / "hf" / "x").read_text() == "x"
+
+
+# ---- the tokenizer beside the model ---------------------------------------------------------------
+from conftest import SHARED_DATA  # noqa: E402
+from ckpt_fixtures import write_hf_gpt2  # noqa: E402
+from megapar.cli import convert_from_hf  # noqa: E402
+from megapar.data.tokenizer import build_tokenizer  # noqa: E402
+from test_golden_checkpoint import _byte_gpt2_files  # noqa: E402
+
+GPT2_DIR, CORPORA = SHARED_DATA / "gpt2", SHARED_DATA / "corpora"
+needs_data = pytest.mark.skipif(not (GPT2_DIR / "encoder.json").is_file() or not CORPORA.is_dir(),
+                                reason=f"needs the GPT-2 BPE files and corpora in {SHARED_DATA}")
+
+
+def real_texts() -> list[str]:
+    """Web documents, and paragraphs of a novel and of a play (real text of every kind of character)."""
+    web = [p.read_text() for p in sorted((CORPORA / "webtext_gpt2_sample").glob("*.txt"))]
+    emma = (CORPORA / "gutenberg_emma" / "austen-emma.txt").read_text()[:30000]
+    play = (CORPORA / "tinyshakespeare" / "input.txt").read_text()[:30000]
+    return web + emma.split("\n\n")[:200] + [play]
+
+
+def imported_checkpoint(tmp_path, vocab: int, *tokenizer_flags) -> str:
+    """A checkpoint whose args name `tokenizer_flags`' files (an HF import is the cheapest way to write one)."""
+    write_hf_gpt2(tmp_path / "hf_in", vocab=vocab)
+    argv = ["--load-dir", str(tmp_path / "hf_in"), "--save-dir", str(tmp_path / "ck"), *map(str, tokenizer_flags)]
+    assert convert_from_hf.main(argv) == 0
+    return str(tmp_path / "ck")
+
+
+@needs_data
+def test_exported_gpt2_tokenizer_encodes_as_megapar(tmp_path, capsys):
+    vocab, merges = GPT2_DIR / "encoder.json", GPT2_DIR / "vocab.bpe"
+    ck = imported_checkpoint(tmp_path, 50257, "--vocab-file", vocab, "--merge-file", merges)
+    capsys.readouterr()
+    assert convert_to_hf.main(["--load-dir", ck, "--save-dir", str(tmp_path / "hf")]) == 0
+    assert "wrote tokenizer: GPT-2 BPE (vocab.json, merges.txt, tokenizer_config.json" in capsys.readouterr().out
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
+    assert len(hf) == 50257 and hf.eos_token_id == ours.eod == 50256
+    assert hf("Hello world")["input_ids"] == [15496, 995]
+    for text in real_texts():
+        assert hf(text)["input_ids"] == ours.tokenize(text), text[:80]
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["eos_token_id"] == cfg["bos_token_id"] == 50256
+
+
+@needs_data
+def test_exported_sentencepiece_tokenizer_encodes_as_megapar(tmp_path, capsys):
+    from megapar.data.train_tokenizer import train_sentencepiece
+    model = train_sentencepiece([str(CORPORA / "tinyshakespeare" / "input.txt")], str(tmp_path / "spm"), 1000)
+    ours = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
+    ck = imported_checkpoint(tmp_path, ours.vocab_size, "--tokenizer-model", model)
+    capsys.readouterr()
+    assert convert_to_hf.main(["--load-dir", ck, "--save-dir", str(tmp_path / "hf")]) == 0
+    assert "wrote tokenizer: SentencePiece (tokenizer.model, tokenizer_config.json" in capsys.readouterr().out
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert len(hf) == ours.vocab_size and hf.eos_token_id == ours.eod
+    for text in real_texts():   # none starts with whitespace (HF's Llama tokenizer drops one leading space)
+        assert hf(text)["input_ids"] == ours.tokenize(text), text[:80]
+
+
+def test_tokenizer_options_missing_files_and_no_tokenizer(tmp_path, capsys):
+    vocab, merges = _byte_gpt2_files(str(tmp_path))
+    ck = imported_checkpoint(tmp_path, 265)          # args name GPT-2 BPE without files
+    out = str(tmp_path / "hf")
+    assert convert_to_hf.main(["--load-dir", ck, "--save-dir", out]) == 1
+    assert "names no GPT-2 BPE --vocab-file to export; pass --vocab-file" in capsys.readouterr().err
+    assert convert_to_hf.main(["--load-dir", ck, "--save-dir", out, "--vocab-file", vocab, "--merge-file",
+                               str(tmp_path / "nope.txt")]) == 1
+    assert "cannot read --merge-file" in capsys.readouterr().err and not os.path.exists(out)
+    assert convert_to_hf.main(["--load-dir", ck, "--save-dir", out, "--no-tokenizer"]) == 0
+    assert "warning: --no-tokenizer" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert convert_to_hf.main(["--load-dir", ck, "--save-dir", out, "--force", "--vocab-file", vocab,
+                               "--merge-file", merges]) == 0               # --force replaces an export
+    assert sorted(os.listdir(out)) == ["config.json", "merges.txt", "model.safetensors", "special_tokens_map.json",
+                                       "tokenizer_config.json", "vocab.json"]
+    assert convert_to_hf.main(["--load-dir", ck, "--save-dir", out, "--force", "--no-tokenizer"]) == 0
+    ck100 = imported_checkpoint(tmp_path / "v100", 100)
+    assert convert_to_hf.main(["--load-dir", ck100, "--save-dir", str(tmp_path / "hf100"), "--vocab-file", vocab,
+                               "--merge-file", merges]) == 1
+    assert "has 265 tokens but the model's vocabulary is 100" in capsys.readouterr().err
+

@@ -3,10 +3,10 @@
 Each command line is checked by what it runs:
   * cheap ones run for real: `--help`, tools/estimate_memory.py, tools/preprocess_data.py on a small JSON-lines
     file (with the GPT-2 BPE files from ../shared/data), `python -m megapar.data.validate`, modules that take no
-    argparse flags;
+    argparse flags, tools/convert_from_hf.py (on a small random GPT-2 folder when --load-dir does not exist);
   * training (`bash scripts/pretrain_gpt2.sh`, `python -m megapar.pretrain_gpt2`) is parsed and validated by
-    megapar.pretrain_gpt2.parse at the world size the launcher would start (tp x pp on CPU), so a bad layout or
-    batch fails here too;
+    megapar.pretrain_gpt2.parse at the world size the launcher would start (tp x pp on CPU), in the block's
+    scratch directory (a --load an earlier command wrote exists), so a bad layout or batch fails here too;
   * every other Python tool is run in-process and stopped the moment its own argparse parser has accepted the
     flags (a checkpoint, a GPU or a download would be needed past that point);
   * shell scripts with their own flag loops (prepare_openwebtext.sh, run_tests.sh, gpu_checks.sh) are run or
@@ -128,14 +128,16 @@ def flag_value(args: list[str], flag: str, default=None):
     return default
 
 
-def check_training(args: list[str], world_size: int) -> None:
-    """Parse and validate training flags as megapar.pretrain_gpt2 does at this world size."""
+def check_training(args: list[str], world_size: int, cwd: Path | None = None) -> None:
+    """Parse and validate training flags as megapar.pretrain_gpt2 does at this world size (relative
+    paths such as --load from `cwd`, where earlier commands of the block wrote)."""
     from megapar.pretrain_gpt2 import parse
     from megapar.topology import ConfigError
     import torch
 
-    err = io.StringIO()
+    err, old_cwd = io.StringIO(), os.getcwd()
     try:
+        os.chdir(cwd or old_cwd)
         with contextlib.redirect_stderr(err):
             parse(args, world_size)
     except SystemExit as e:
@@ -146,12 +148,14 @@ def check_training(args: list[str], world_size: int) -> None:
             return
         if torch.cuda.is_available() or not re.search(r"CUDA|GPU", str(e)):
             raise AssertionError(f"training flags rejected: {e}") from None
+    finally:
+        os.chdir(old_cwd)
 
 
 LAUNCHER_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port")
 
 
-def check_pretrain_script(args: list[str], script_text: str) -> None:
+def check_pretrain_script(args: list[str], script_text: str, cwd: Path | None = None) -> None:
     """scripts/pretrain_gpt2.sh: launcher flags are its own, the rest goes to megapar.pretrain_gpt2.
     World size as the script picks it on a CPU machine: --nproc-per-node, else tp x pp."""
     for flag in LAUNCHER_FLAGS:
@@ -167,7 +171,7 @@ def check_pretrain_script(args: list[str], script_text: str) -> None:
     tp = int(flag_value(rest, "--tensor-parallel", flag_value(rest, "--tensor-model-parallel-size", 1)))
     pp = int(flag_value(rest, "--pipeline-parallel", flag_value(rest, "--pipeline-model-parallel-size", 1)))
     nproc = int(launcher.get("--nproc-per-node", tp * pp))
-    check_training(rest, nproc * int(launcher.get("--nnodes", 1)))
+    check_training(rest, nproc * int(launcher.get("--nnodes", 1)), cwd)
 
 
 def check_prepare_openwebtext(args: list[str], cwd: Path) -> None:
@@ -247,6 +251,16 @@ def check_validate(args: list[str], cwd: Path) -> None:
     assert out.count(": OK") == len(args), out
 
 
+def check_convert_from_hf(args: list[str], cwd: Path) -> None:
+    """Run it for real; when --load-dir does not exist, write a small random GPT-2 folder there
+    first (so a later command of the block can --load what it wrote)."""
+    from ckpt_fixtures import write_hf_gpt2
+    load = cwd / flag_value(args, "--load-dir", flag_value(args, "--load", ""))
+    if "--help" not in args and not load.exists():
+        write_hf_gpt2(load, n_layer=2, n_embd=32, n_head=4)
+    run_python("tools/convert_from_hf.py", args, module=False, parse_only=False, cwd=cwd)
+
+
 REAL_TOOLS = {"tools/estimate_memory.py"}   # cheap: run for real
 
 
@@ -254,7 +268,7 @@ def check_python(tokens: list[str], cwd: Path) -> None:
     if tokens[0] == "-m":
         module, args = tokens[1], tokens[2:]
         if module == "megapar.pretrain_gpt2":
-            return check_training(args, 1)
+            return check_training(args, 1, cwd)
         if module == "megapar.data.validate":
             return check_validate(args, cwd)
         run_python(module, args, module=True, parse_only="--help" not in args, cwd=cwd)
@@ -263,6 +277,8 @@ def check_python(tokens: list[str], cwd: Path) -> None:
     assert (ROOT / script).is_file(), f"{script} does not exist"
     if script == "tools/preprocess_data.py" and "--help" not in args:
         return check_preprocess(args, cwd)
+    if script == "tools/convert_from_hf.py":
+        return check_convert_from_hf(args, cwd)
     real = script in REAL_TOOLS or "--help" in args
     out = run_python(script, args, module=False, parse_only=not real, cwd=cwd)
     if script == "tools/estimate_memory.py":
@@ -278,7 +294,7 @@ def check_bash(tokens: list[str], env: dict, cwd: Path) -> None:
         assert name in text, f"{script} does not read the environment variable {name}"
     name = path.name
     if name == "pretrain_gpt2.sh":
-        return check_pretrain_script(args, text)
+        return check_pretrain_script(args, text, cwd)
     if name == "prepare_openwebtext.sh":
         return check_prepare_openwebtext(args, cwd)
     if name == "run_tests.sh":
@@ -355,6 +371,7 @@ def test_commands_work(where, commands, tmp_path):
 @pytest.mark.parametrize("line", [
     "python tools/checkpoint_util.py --load-dir a --save-dir b --target-tensor-paralel-size 1",
     "python tools/convert_to_hf.py --load-dir a --save-dir b --dtype bf61",
+    "python tools/convert_from_hf.py --load-dir a --save-dir b --target-tensor-paralel-size 2",
     "bash scripts/pretrain_gpt2.sh --tensor-paralel 2",
     "bash scripts/pretrain_gpt2.sh --tensor-parallel 3 --num-attention-heads 8",
     "bash scripts/generate_text.sh --load ckpt --top_p 0.9",

@@ -1,7 +1,10 @@
-"""Export a megapar checkpoint of any layout to a Hugging Face GPT2LMHeadModel folder.
+"""Export a megapar checkpoint of any layout to a Hugging Face GPT2LMHeadModel folder, with its tokenizer.
 
   python tools/convert_to_hf.py --load-dir ckpt --save-dir gpt2_hf [--dtype fp16|bf16|fp32]
-  then: transformers.GPT2LMHeadModel.from_pretrained("gpt2_hf")
+  then: transformers.GPT2LMHeadModel.from_pretrained("gpt2_hf"), transformers.AutoTokenizer.from_pretrained("gpt2_hf")
+
+The tokenizer files are the ones the checkpoint's args name (--vocab-file/--merge-file for GPT-2
+BPE, --tokenizer-model for SentencePiece) unless the options below name others.
 """
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ import sys
 
 import torch
 
-from megapar.checkpointing import CheckpointError
 from megapar.cli.checkpoint_util import open_source
-from megapar.reshard import bounded_heap
+from megapar.errors import MegaparError
+from megapar.reshard import bounded_heap, hf_tokenizer
 from megapar.reshard.hf import export_hf
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -25,15 +28,29 @@ def main(argv=None) -> int:
     p.add_argument("--save-dir", "--save", dest="save_dir", required=True)
     p.add_argument("--iteration", default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
+    p.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocabulary to export (default: the checkpoint's)")
+    p.add_argument("--merge-file", default=None, help="GPT-2 BPE merges to export (default: the checkpoint's)")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece model to export (default: the checkpoint's, if it used one)")
+    p.add_argument("--no-tokenizer", action="store_true", help="export the model alone, without tokenizer files")
     p.add_argument("--force", action="store_true",
-                   help="replace an existing --save-dir that holds a previous export (exactly config.json + "
-                        "model.safetensors), never anything else")
+                   help="replace an existing --save-dir that holds a previous export (config.json + "
+                        "model.safetensors + the tokenizer files an export writes), never anything else")
     a = p.parse_args(argv)
     bounded_heap()
     try:
-        export_hf(open_source(a.load_dir, False, a.iteration), a.save_dir,
-                  DTYPES[a.dtype] if a.dtype else None, force=a.force)
-    except (CheckpointError, ValueError, KeyError) as e:
+        src = open_source(a.load_dir, False, a.iteration)
+        tokenizer = None
+        if a.no_tokenizer and (a.vocab_file or a.merge_file or a.tokenizer_model):
+            raise ValueError("--no-tokenizer exports no tokenizer; drop it or --vocab-file/--merge-file/"
+                             "--tokenizer-model")
+        if a.no_tokenizer:
+            print("warning: --no-tokenizer: no tokenizer files are written; AutoTokenizer.from_pretrained will not "
+                  "load this folder", file=sys.stderr)
+        else:
+            tokenizer = hf_tokenizer.resolve(src.saved.data, a.vocab_file, a.merge_file, a.tokenizer_model)
+        export_hf(src, a.save_dir, DTYPES[a.dtype] if a.dtype else None, force=a.force, tokenizer=tokenizer)
+    except (MegaparError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -102,9 +102,9 @@ def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None
     with staged_output(src, save_dir, force, (CHECKPOINT, CANONICAL)) as staging:
         _write_stages(src, target, staging, tp, pp, with_optim, distributed, log)
         atomic_write_text(os.path.join(staging, TRACKER), str(src.iteration))
+    optimizer = ("distributed" if distributed else "in model file") if with_optim else "none"
     log(f"wrote checkpoint at tensor-parallel {tp} x pipeline-parallel {pp} (iteration {src.iteration}, "
-        f"optimizer: {'distributed' if distributed else 'in model file'}" + ("" if with_optim else ", none")
-        + f") to {save_dir}")
+        f"optimizer: {optimizer}) to {save_dir}")
 
 
 def _write_stages(src, target: SavedConfig, staging: str, tp: int, pp: int, with_optim: bool, distributed: bool,

@@ -1,7 +1,7 @@
 """Where the conversion tools write, and what `--force` may replace.
 
-The tools (tools/checkpoint_util.py, tools/convert_to_hf.py) never delete anything they did not
-write:
+The tools (tools/checkpoint_util.py, tools/convert_to_hf.py, tools/convert_from_hf.py) never delete
+anything they did not write:
 
 * `--save-dir` must not be, contain, or lie inside `--load-dir` (paths resolved: symlinks,
   `..`, relative paths).
@@ -9,9 +9,11 @@ write:
   previous output of the same tool (`recognise`):
     megapar checkpoint  latest_checkpointed_iteration.txt + iter_NNNNNNN/ or release/ folders
                         holding only mp_rank_XX[_YYY]/ folders holding only model_optim_rng.pt /
-                        distrib_optim.pt  (what checkpoint_util.py writes)
+                        distrib_optim.pt  (what checkpoint_util.py and convert_from_hf.py write)
     canonical folder    metadata.pt + tensors/ holding only *.pt files  (checkpoint_util.py --to-full)
-    Hugging Face folder exactly config.json (a GPT-2 config) + model.safetensors  (convert_to_hf.py)
+    Hugging Face folder config.json (a GPT-2 config) + model.safetensors, and only the tokenizer files
+                        an export writes (vocab.json, merges.txt, tokenizer.model, tokenizer_config.json,
+                        special_tokens_map.json)  (convert_to_hf.py)
   Anything else (a user's file, a training run's leftovers, another tool's output) is refused.
 * The new output is written into a fresh hidden staging folder beside `--save-dir` and renamed
   into place at the end; the previous output (checked again just before) is renamed aside and
@@ -61,8 +63,14 @@ def is_canonical_output(path: str) -> bool:
             and _only_files(os.path.join(path, "tensors"), lambda n: n.endswith(".pt")))
 
 
+HF_TOKENIZER_FILES = {"vocab.json", "merges.txt", "tokenizer.model", "tokenizer_config.json",
+                      "special_tokens_map.json"}   # megapar/reshard/hf_tokenizer.py
+
+
 def is_hf_output(path: str) -> bool:
-    if _entries(path) != {"config.json", "model.safetensors"} or not _only_files(path, lambda n: True):
+    names = _entries(path)
+    if not {"config.json", "model.safetensors"} <= names or not names <= {"config.json", "model.safetensors"} | \
+            HF_TOKENIZER_FILES or not _only_files(path, lambda n: True):
         return False
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:

@@ -24,6 +24,7 @@ QUICK = {
                               "test_logger_package_missing_is_refused_before_any_work[--wandb-project-wandb]"},
     "test_faults_resume.py": {"test_train_longer_command_rewrites_the_flags",
                               "test_a_run_stopped_early_is_told_how_to_resume"},
+    "test_faults_hf_import.py": {"test_truncated_safetensors_is_refused"},                 # HF import
     "test_faults_server.py": {"test_random_seed_of_2_63_or_more_is_refused_before_any_rank"},
 }
 

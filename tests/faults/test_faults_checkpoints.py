@@ -208,7 +208,8 @@ def test_hf_previous_export_is_replaced_with_force(runs):
     assert run(to_hf(runs / "ck", hf)).rc == 0
     done = run(to_hf(runs / "ck", hf, "--force", "--dtype", "fp16"))
     assert done.rc == 0, done.output[-3000:]
-    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors"] and not leftovers(runs)
+    assert sorted(os.listdir(hf)) == ["config.json", "merges.txt", "model.safetensors", "special_tokens_map.json",
+                                      "tokenizer_config.json", "vocab.json"] and not leftovers(runs)
     assert json.loads((hf / "config.json").read_text())["torch_dtype"] == "float16"
     wte = load_file(str(hf / "model.safetensors"))["transformer.wte.weight"]
     src = model_tensors(runs / "ck" / MODEL)["embedding.word_embeddings"]

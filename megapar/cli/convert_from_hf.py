@@ -1,0 +1,71 @@
+"""Import a Hugging Face GPT-2 model (GPT2LMHeadModel folder) as a megapar checkpoint at any layout.
+
+  python tools/convert_from_hf.py --load-dir gpt2_hf --save-dir ckpt_tp2 \\
+      --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1
+  then: python -m megapar.pretrain_gpt2 <the model flags it prints> --load ckpt_tp2 --finetune ...
+
+Reads config.json + model.safetensors (or pytorch_model.bin) and writes Megatron's legacy layout
+with the tracker `release` (weights only), through the same writer as tools/checkpoint_util.py.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from megapar.errors import MegaparError
+from megapar.reshard import bounded_heap
+from megapar.reshard.convert import write_sharded
+from megapar.reshard.hf_source import HFFolder, megapar_flags
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load-dir", "--load", dest="load_dir", required=True,
+                   help="Hugging Face folder: config.json + model.safetensors or pytorch_model.bin")
+    p.add_argument("--save-dir", "--save", dest="save_dir", required=True)
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="vocabulary padding, as in training (default 128; padded to a multiple of it x tp)")
+    p.add_argument("--vocab-file", default=None,
+                   help="GPT-2 BPE vocabulary the checkpoint names (default: the folder's vocab.json)")
+    p.add_argument("--merge-file", default=None, help="GPT-2 BPE merges (default: the folder's merges.txt)")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="a SentencePiece model instead (default: the folder's tokenizer.model, if any)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --save-dir that holds a previous output of this tool or "
+                        "tools/checkpoint_util.py (never anything else)")
+    return p
+
+
+def check_sizes(a: argparse.Namespace) -> None:
+    for flag, value in (("--target-tensor-parallel-size", a.target_tensor_parallel_size),
+                        ("--target-pipeline-parallel-size", a.target_pipeline_parallel_size),
+                        ("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    bounded_heap()
+    t0 = time.time()
+    try:
+        check_sizes(a)
+        src = HFFolder(a.load_dir, a.make_vocab_size_divisible_by, a.vocab_file, a.merge_file, a.tokenizer_model)
+        print(f"read {src.describe()}")
+        tp, pp = a.target_tensor_parallel_size, a.target_pipeline_parallel_size
+        write_sharded(src, a.save_dir, tp, pp, with_optim=False, force=a.force)
+    except (MegaparError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    flags = " ".join(megapar_flags(src.config, a.make_vocab_size_divisible_by))
+    print(f"done in {time.time() - t0:.1f} s; fine-tune it with\n  python -m megapar.pretrain_gpt2 {flags} "
+          f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} --load {a.save_dir} --finetune "
+          f"...")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
