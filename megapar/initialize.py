@@ -77,15 +77,12 @@ class Run:
 
 
 def embedding_params(model: GPT2Model, topo: Topology) -> list[nn.Parameter]:
-    """The tied word-embedding copies that are all-reduced over the embedding group (pp > 1)."""
+    """The tied word-embedding copy of this stage (or of its model chunks) that is all-reduced over
+    the embedding group (pp > 1): the first stage's word embeddings or the last stage's head copy."""
     if topo.pp == 1:
         return []
-    params = []
-    if model.stage.is_first:
-        params.append(model.language_model.embedding.word_embeddings.weight)
-    if model.stage.is_last:
-        params.append(model.word_embeddings_for_head.weight)
-    return params
+    stage = model.stage
+    return [model.output_embedding_weight()] if stage.is_first or stage.is_last else []
 
 
 def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, vocab_size: int) -> Run:

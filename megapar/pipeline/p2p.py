@@ -46,11 +46,12 @@ class PipelineTimeoutError(PipelineP2PError):
 
 
 # ---- "what am I doing" record ----------------------------------------------------------------
-_STEP: dict = {"label": "", "schedule": None, "phase": None, "microbatch": None, "op": None}
+_STEP: dict = {"label": "", "schedule": None, "phase": None, "microbatch": None, "chunk": None, "op": None}
 
 
 def set_step(**fields) -> None:
-    """Update the record (keys: label, schedule, phase, microbatch, op)."""
+    """Update the record (keys: label, schedule, phase, microbatch, chunk, op); `chunk` is the
+    model chunk of the interleaved schedule (None elsewhere)."""
     _STEP.update(fields)
 
 
@@ -58,7 +59,7 @@ def current_step() -> str:
     """Where this rank is in the pipeline schedule, e.g. 'schedule 1f1b, phase steady,
     microbatch 4, waiting for recv_forward from rank 1' ('' outside any schedule)."""
     parts = [_STEP["label"]] if _STEP["label"] else []
-    for key in ("schedule", "phase", "microbatch"):
+    for key in ("schedule", "phase", "microbatch", "chunk"):
         if _STEP[key] is not None:
             parts.append(f"{key} {_STEP[key]}")
     if _STEP["op"]:
@@ -126,18 +127,22 @@ def _check(t: Tensor, what: str, cfg: "ScheduleConfig") -> Tensor:
 
 
 def communicate(cfg: "ScheduleConfig", send_next: Optional[Tensor] = None, send_prev: Optional[Tensor] = None,
-                recv_prev: bool = False, recv_next: bool = False) -> tuple[Optional[Tensor], Optional[Tensor]]:
+                recv_prev: bool = False, recv_next: bool = False,
+                grad_tag: int = 0) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Post the requested sends/receives as one batch and wait for all of them.
 
     Returns (tensor received from the previous stage, tensor received from the next stage);
     a tensor received from the previous stage is an activation and gets requires_grad=True
-    when grad mode is on."""
+    when grad mode is on. `grad_tag` tags the gradient messages (send_prev / recv_next;
+    activations use tag 0): the interleaved schedule's ring sends both kinds between the same
+    two ranks when pp == 2, and distinct tags keep them apart on gloo (NCCL ignores tags)."""
     ops: list = []
     names: list[tuple[str, int]] = []
     from_prev = from_next = None
 
     def add(fn, tensor: Tensor, peer: int, name: str) -> None:
-        ops.append(dist.P2POp(fn, tensor, peer, cfg.pp_group))
+        tag = grad_tag if name in ("send_backward", "recv_backward") else 0
+        ops.append(dist.P2POp(fn, tensor, peer, cfg.pp_group, tag))
         names.append((name, peer))
 
     def empty() -> Tensor:
