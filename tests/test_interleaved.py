@@ -80,3 +80,94 @@ def test_interleaved_schedule_grads_order_and_activation_bound():
 def run_distributed_toy(pp, v, ms):
     from distributed import run_distributed
     return run_distributed(_toy_interleaved_body, pp, args=(v, ms))
+
+
+@pytest.mark.slow  # 4-process runs; test_pp2_v2_matches_serial is the quick representative
+def test_tp2_pp2_v2_and_zero1_dp2_pp2_v2_match_serial(embedded_data):
+    """tp 2 x pp 2 x v 2, and pp 2 x dp 2 x v 2 with ZeRO-1 (2 microbatches = pp: every forward
+    is warmup), equal the serial losses."""
+    base = TINY_TRAIN + embedded_data + ["--train-iters", "4"]
+    serial = losses(run_training(base, 1))
+    tp2 = losses(run_training(base + ["--tensor-parallel", "2", "--pipeline-parallel", "2", *VIRTUAL], 4))
+    assert tp2 == pytest.approx(serial, rel=2e-5), (serial, tp2)
+    zero1 = losses(run_training(base + ["--pipeline-parallel", "2", "--use-distributed-optimizer", *VIRTUAL], 4))
+    assert zero1 == pytest.approx(serial, rel=2e-5), (serial, zero1)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------
+def _shard(root, pp_rank, it=2):
+    return torch.load(root / f"iter_{it:07d}" / f"mp_rank_00_{pp_rank:03d}" / "model_optim_rng.pt",
+                      map_location="cpu", weights_only=False)
+
+
+def _convert(src, dst, *extra):
+    from megapar.cli import checkpoint_util
+    assert checkpoint_util.main(["--load-dir", str(src), "--save-dir", str(dst), *map(str, extra)]) == 0
+
+
+def test_v2_checkpoint_converts_to_v1_and_resumes_with_the_same_losses(embedded_data, tmp_path):
+    """Save at pp 2 x v 2 with ZeRO-1 after 2 of 4 iterations: each shard holds model0 / model1
+    (layer indices local to the chunk) and args.virtual_pipeline_model_parallel_size = 2. Resuming
+    it at v 2, or converted to v 1 (plain pp 2), gives the serial run's last 2 losses; converting
+    v 1 back to v 2 gives the original shards bitwise."""
+    from megapar.checkpointing import flatten_model_states
+    base = TINY_TRAIN + embedded_data + ["--train-iters", "4", "--pipeline-parallel", "2",
+                                         "--use-distributed-optimizer"]
+    ck, ck1, ck2 = tmp_path / "v2", tmp_path / "v1", tmp_path / "v2again"
+    first = run_training(base + VIRTUAL + ["--exit-interval", "2", "--save", str(ck)], 2)
+    assert first["iteration"] == 2
+    shards = [_shard(ck, p) for p in range(2)]
+    assert all("model" not in s and {"model0", "model1"} <= s.keys() for s in shards)
+    assert shards[0]["args"].virtual_pipeline_model_parallel_size == 2
+    layers = [{k.split(".")[4] for k in flatten_model_states(s) if ".layers." in k} for s in shards]
+    assert layers == [{"0"}, {"0"}]                                        # one layer per chunk, local index 0
+    assert "model0.language_model.embedding.word_embeddings.weight" in flatten_model_states(shards[0])
+    assert "model1.word_embeddings_for_head.weight" in flatten_model_states(shards[1])
+
+    _convert(ck, ck1, "--target-virtual-pipeline-parallel-size", 1)
+    plain = _shard(ck1, 0)
+    assert "model" in plain and plain["args"].virtual_pipeline_model_parallel_size is None
+    _convert(ck1, ck2, "--target-num-layers-per-virtual-pipeline-stage", 1)
+    for p in range(2):
+        a, b = _shard(ck, p), _shard(ck2, p)
+        fa, fb = flatten_model_states(a), flatten_model_states(b)
+        assert fa.keys() == fb.keys()
+        for k in fa:
+            if "word_embeddings" not in k:                                 # dummy vocabulary rows: zeros in b
+                assert torch.equal(fa[k], fb[k]), k
+
+    serial = losses(run_training(TINY_TRAIN + embedded_data + ["--train-iters", "4"], 1))
+    resumed_v1 = losses(run_training(base + ["--load", str(ck1)], 2))
+    resumed_v2 = losses(run_training(base + VIRTUAL + ["--load", str(ck)], 2))
+    assert resumed_v1 == pytest.approx(serial[2:], rel=2e-5), (serial, resumed_v1)
+    assert resumed_v2 == pytest.approx(serial[2:], rel=2e-5), (serial, resumed_v2)
+
+
+def test_resuming_another_chunk_count_is_refused():
+    import argparse
+
+    from megapar.arguments import ModelConfig
+    from megapar.checkpointing import CheckpointError, check_compatible, read_saved_config
+    from megapar.topology import Topology
+    saved = read_saved_config({"args": argparse.Namespace(num_layers=4, tensor_model_parallel_size=1,
+                                                          pipeline_model_parallel_size=2,
+                                                          virtual_pipeline_model_parallel_size=2)})
+    with pytest.raises(CheckpointError, match=r"holds 2 model chunk\(s\) per pipeline rank .* this run 1; .*"
+                                              r"--target-virtual-pipeline-parallel-size 1"):
+        check_compatible(saved, ModelConfig(num_layers=4), Topology(1, 2, 1), "ck")
+    check_compatible(saved, ModelConfig(num_layers=4, virtual_pipeline_model_parallel_size=2), Topology(1, 2, 1), "ck")
+
+
+def test_chunk_layout_and_keys():
+    """Canonical names <-> shard keys of interleaved stages (8 layers, pp 2, v 2: rank 0 holds
+    blocks 0 and 2, i.e. layers 0-1 and 4-5)."""
+    from megapar.arguments import ModelConfig
+    from megapar.reshard.layout import HEAD, WORD, canonical_key, chunk_layout, stage_keys, stage_of
+    layout = chunk_layout(ModelConfig(num_layers=8, virtual_pipeline_model_parallel_size=2), 2)
+    assert layout == [[("model0.", 0, 2), ("model1.", 4, 6)], [("model0.", 2, 4), ("model1.", 6, 8)]]
+    ln = "language_model.encoder.layers.5.input_layernorm.weight"
+    assert stage_of(ln, layout) == (0, "model1.language_model.encoder.layers.1.input_layernorm.weight")
+    assert canonical_key("model1.language_model.encoder.layers.1.input_layernorm.weight", layout[0]) == ln
+    assert stage_of("language_model.encoder.final_layernorm.weight", layout)[1].startswith("model1.")
+    assert stage_of(WORD, layout) == (0, "model0." + WORD)
+    assert ("model1." + HEAD, WORD) in stage_keys([WORD], layout, 1)
