@@ -91,7 +91,7 @@ def schedule_config(run: Run, num_microbatches: int, label: str = "") -> Schedul
         tensor_shape=(cfg.model.seq_length // (run.topo.tp if cfg.model.sequence_parallel else 1),
                       cfg.train.micro_batch_size, cfg.model.hidden_size),                  # [s(/tp), b, h]
         pp_group=run.topo.groups.pp, prev_rank=run.topo.prev_rank(run.rank), next_rank=run.topo.next_rank(run.rank),
-        loss_scale=run.optimizer.scaler.scale, no_sync=run.grad_buffer.no_sync)
+        loss_scale=run.optimizer.scaler.scale, no_sync=run.grad_buffer.no_sync, pp_grad_group=run.topo.groups.pp_grad)
 
 
 def average_loss(run: Run, logs: list[dict], sched: ScheduleConfig) -> torch.Tensor:

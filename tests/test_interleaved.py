@@ -25,7 +25,9 @@ def test_pp2_v2_matches_serial(embedded_data):
 def _toy_interleaved_body(rank, world_size, v, microbatches):
     from megapar.pipeline import ScheduleConfig, average_logs, current_step, get_forward_backward_func
     from test_pipeline import LAYERS, STATE, ToyStage, _grads, _no_sync, toy_data, toy_forward_step
+    import torch.distributed as dist
     pp, per = world_size, LAYERS // (world_size * v)
+    grad_group = dist.new_group(list(range(pp))) if pp == 2 else None   # Topology's pp_grad group
     chunks = [ToyStage((j * pp + rank) * per, (j * pp + rank + 1) * per) for j in range(v)]
     schedule = get_forward_backward_func(pp, "1f1b", virtual=v)
     out = {}
@@ -33,7 +35,7 @@ def _toy_interleaved_body(rank, world_size, v, microbatches):
         stats = {}
         cfg = ScheduleConfig(num_microbatches=m, tensor_shape=(3, 2, 8), prev_rank=rank - 1 if rank else None,
                              next_rank=rank + 1 if rank < pp - 1 else None, no_sync=_no_sync, p2p_timeout=30,
-                             stats=stats)
+                             stats=stats, pp_grad_group=grad_group)
         for c in chunks:
             c.zero_grad(set_to_none=True)
         STATE.update(alive=0, max=0, sync=[])
@@ -75,6 +77,20 @@ def test_interleaved_schedule_grads_order_and_activation_bound():
             assert r[m]["step"].endswith("phase finished")                     # no stale microbatch / chunk
         if m > pp:   # the bound is reached on rank 0, and it is below holding every microbatch
             assert results[0][m]["peak"] == num_warmup(pp, 0, v, m) + 1 < m * v
+
+
+def test_interleaved_schedule_pp2():
+    """pp 2 (the ring sends activations and gradients between the same two ranks: gradients go on
+    their own group) with v 4 chunks, m = 2, 4, 6: the serial gradients and losses."""
+    from test_pipeline import _serial
+    results = run_distributed_toy(2, 4, (2, 4, 6))
+    for m in (2, 4, 6):
+        serial_grads, serial_logs, _ = _serial(m)
+        grads = {k: g for r in results for k, g in r[m]["grads"].items()}
+        assert grads.keys() == serial_grads.keys()
+        for k in grads:
+            torch.testing.assert_close(grads[k], serial_grads[k], rtol=1e-5, atol=1e-6)
+        assert results[-1][m]["logs"] == pytest.approx(serial_logs, rel=1e-6)
 
 
 def run_distributed_toy(pp, v, ms):

@@ -18,9 +18,11 @@ Requirements (checked by the caller's configuration): p > 1 and m a multiple of 
 `data_iterator` is one iterator per chunk (or one shared by all); `cfg.no_sync()` wraps every
 backward but the rank's last, so the data-parallel reduction runs once, after the schedule
 (buckets whose last gradient came from an earlier chunk are reduced by the caller's
-`finish()`, not overlapped with the last backward). Gradient messages travel with p2p tag 1,
-activations with tag 0 (needed on gloo when p == 2: both kinds then go between the same two
-ranks). Hang diagnostics name the phase, the microbatch and the chunk.
+`finish()`, not overlapped with the last backward). With p == 2 activations and gradients go
+between the same two ranks in both directions; the gradients then travel on a second group,
+`cfg.pp_grad_group`, so that each kind is matched in its own order (NCCL matches messages
+between two ranks by communicator only). Hang diagnostics name the phase, the microbatch and
+the chunk.
 """
 from __future__ import annotations
 
@@ -35,8 +37,6 @@ import torch.nn as nn
 
 from . import p2p
 from .schedules import ForwardStep, Logs, ScheduleConfig, backward_step, deallocate_output, forward_step_and_loss
-
-GRAD_TAG = 1
 
 
 def chunk_id(k: int, p: int, v: int, forward: bool = True) -> int:
@@ -65,6 +65,10 @@ class _Interleaved:
         self.data = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator] * self.v
         ring = [self._global((self.rank + d) % self.p) for d in (-1, 1)]
         self.ring = dataclasses.replace(cfg, prev_rank=ring[0], next_rank=ring[1])
+        if self.p == 2 and cfg.pp_grad_group is None:
+            raise ValueError("interleaved 1F1B with pp == 2 sends activations and gradients between the same two "
+                             "ranks: give ScheduleConfig.pp_grad_group (Topology's pp_grad group) for the gradients")
+        self.grad_group = cfg.pp_grad_group if self.p == 2 else None
         self.chunk_cfg = [dataclasses.replace(cfg, prev_rank=None if self.is_first(j) else ring[0],
                                               next_rank=None if self.is_last(j) else ring[1]) for j in range(self.v)]
         self.inputs: list[deque] = [deque() for _ in range(self.v)]   # per chunk: inputs, outputs, output grads
@@ -122,7 +126,7 @@ class _Interleaved:
     def exchange(self, output: Optional[torch.Tensor], input_grad: Optional[torch.Tensor],
                  recv_prev: bool, recv_next: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         got = p2p.communicate(self.ring, send_next=output, send_prev=input_grad, recv_prev=recv_prev,
-                              recv_next=recv_next, grad_tag=GRAD_TAG)
+                              recv_next=recv_next, grad_group=self.grad_group)
         if output is not None and output.requires_grad:
             deallocate_output(output)                                   # sent: keep only its autograd graph
         return got

@@ -128,21 +128,23 @@ def _check(t: Tensor, what: str, cfg: "ScheduleConfig") -> Tensor:
 
 def communicate(cfg: "ScheduleConfig", send_next: Optional[Tensor] = None, send_prev: Optional[Tensor] = None,
                 recv_prev: bool = False, recv_next: bool = False,
-                grad_tag: int = 0) -> tuple[Optional[Tensor], Optional[Tensor]]:
+                grad_group: Optional[dist.ProcessGroup] = None) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Post the requested sends/receives as one batch and wait for all of them.
 
     Returns (tensor received from the previous stage, tensor received from the next stage);
     a tensor received from the previous stage is an activation and gets requires_grad=True
-    when grad mode is on. `grad_tag` tags the gradient messages (send_prev / recv_next;
-    activations use tag 0): the interleaved schedule's ring sends both kinds between the same
-    two ranks when pp == 2, and distinct tags keep them apart on gloo (NCCL ignores tags)."""
+    when grad mode is on. `grad_group`: gradient messages (send_prev / recv_next) go over this
+    group as a second batch, with tag 1 -- the interleaved schedule's ring sends activations and
+    gradients between the same two ranks when pp == 2, and each kind needs its own queue (gloo
+    tells them apart by tag, NCCL only by communicator)."""
     ops: list = []
     names: list[tuple[str, int]] = []
     from_prev = from_next = None
 
     def add(fn, tensor: Tensor, peer: int, name: str) -> None:
-        tag = grad_tag if name in ("send_backward", "recv_backward") else 0
-        ops.append(dist.P2POp(fn, tensor, peer, cfg.pp_group, tag))
+        grad = grad_group is not None and name in ("send_backward", "recv_backward")
+        group = grad_group if grad else cfg.pp_group
+        ops.append(dist.P2POp(fn, tensor, peer, group, 1 if grad else 0))
         names.append((name, peer))
 
     def empty() -> Tensor:
@@ -160,7 +162,10 @@ def communicate(cfg: "ScheduleConfig", send_next: Optional[Tensor] = None, send_
         add(dist.irecv, from_next, cfg.next_rank, "recv_backward")
     if not ops:
         return None, None
-    _wait(dist.batch_isend_irecv(ops), names, cfg)
+    groups = list(dict.fromkeys(op.group for op in ops))   # one batch per group
+    order = sorted(range(len(ops)), key=lambda i: groups.index(ops[i].group))
+    reqs = [r for g in groups for r in dist.batch_isend_irecv([op for op in ops if op.group is g])]
+    _wait(reqs, [names[i] for i in order], cfg)
     set_step(op=None)
     if from_prev is not None and torch.is_grad_enabled():
         from_prev.requires_grad_()

@@ -56,6 +56,7 @@ class ScheduleConfig:
     label: str = ""                                    # prefix for diagnostics, e.g. "iteration 12"
     diagnose_hangs: bool = True                        # NCCL: poll waits against p2p_timeout (blocks the CPU)
     stats: Optional[dict] = None                       # interleaved: receives "peak_live_outputs"
+    pp_grad_group: Optional[dist.ProcessGroup] = None  # interleaved, pp == 2: gradients travel on this group
 
     @property
     def is_first_stage(self) -> bool:
