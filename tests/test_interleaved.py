@@ -1,6 +1,8 @@
 """Interleaved 1F1B (virtual pipeline stages): the same losses as the serial run, the schedule's
 activation bound and chunk order, and checkpoints in Megatron's model0/model1 convention that
 convert to and from the plain layout."""
+import re
+
 import pytest
 import torch
 
@@ -14,11 +16,14 @@ def losses(result):
 
 
 def test_pp2_v2_matches_serial(embedded_data):
-    """4 layers over pp 2 x 2 chunks (one layer each: rank 0 holds layers 0 and 2), 4 microbatches."""
-    base = TINY_TRAIN + embedded_data + ["--train-iters", "4"]
-    serial = losses(run_training(base, 1))
-    interleaved = losses(run_training(base + ["--pipeline-parallel", "2", *VIRTUAL], 2))
-    assert interleaved == pytest.approx(serial, rel=2e-5), (serial, interleaved)
+    """4 layers over pp 2 x 2 chunks (one layer each: rank 0 holds layers 0 and 2), 4 microbatches;
+    evaluation (the forward-only interleaved schedule) too."""
+    base = TINY_TRAIN + embedded_data + ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "2"]
+    serial = run_training(base, 1)
+    interleaved = run_training(base + ["--pipeline-parallel", "2", *VIRTUAL], 2)
+    assert losses(interleaved) == pytest.approx(losses(serial), rel=2e-5), (serial, interleaved)
+    assert len(serial["valid_losses"]) == 2
+    assert [l for _, l in interleaved["valid_losses"]] == pytest.approx([l for _, l in serial["valid_losses"]], rel=2e-5)
 
 
 # ---- the schedule alone, on test_pipeline's toy stack: pp 4 x v 2 chunks of one layer ------------------
@@ -187,3 +192,31 @@ def test_chunk_layout_and_keys():
     assert stage_of("language_model.encoder.final_layernorm.weight", layout)[1].startswith("model1.")
     assert stage_of(WORD, layout) == (0, "model0." + WORD)
     assert ("model1." + HEAD, WORD) in stage_keys([WORD], layout, 1)
+
+
+def _mismatch_body(rank, world_size):
+    """Rank 0 trains while rank 1 only evaluates: rank 1 times out first (2 s), naming the chunk."""
+    import torch.distributed as dist
+    from megapar.pipeline import PipelineP2PError, ScheduleConfig, current_step, get_forward_backward_func
+    from test_pipeline import ToyStage, toy_data, toy_forward_step
+    pp_group, grad_group = dist.new_group([0, 1]), dist.new_group([0, 1])   # the default group stays usable
+    chunks = [ToyStage(j * 2 + rank, j * 2 + rank + 1) for j in range(2)]
+    cfg = ScheduleConfig(num_microbatches=4, tensor_shape=(3, 2, 8), pp_group=pp_group, pp_grad_group=grad_group,
+                         prev_rank=None if rank == 0 else 0, next_rank=1 if rank == 0 else None,
+                         p2p_timeout=2 if rank == 1 else 6, label="iteration 7")
+    try:
+        get_forward_backward_func(2, "1f1b", virtual=2)(toy_forward_step, [iter(toy_data(4)) for _ in chunks],
+                                                         chunks, cfg, forward_only=rank == 1)
+        return None
+    except PipelineP2PError as e:
+        return str(e), current_step()
+
+
+def test_hang_diagnostic_names_the_chunk():
+    from distributed import run_distributed
+    _, last = run_distributed(_mismatch_body, 2)
+    error, step = last
+    assert re.fullmatch(r"pipeline p2p timeout after 2s on rank 1 \(pp stage 1/2\): iteration 7, schedule "
+                        r"interleaved-1f1b, phase warmup, microbatch \d+, chunk \d, waiting for recv_forward "
+                        r"from rank 0", error), error
+    assert step == error.split(": ", 1)[1]
