@@ -130,7 +130,7 @@ def test_v2_checkpoint_converts_to_v1_and_resumes_with_the_same_losses(embedded_
     """Save at pp 2 x v 2 with ZeRO-1 after 2 of 4 iterations: each shard holds model0 / model1
     (layer indices local to the chunk) and args.virtual_pipeline_model_parallel_size = 2. Resuming
     it at v 2, or converted to v 1 (plain pp 2), gives the serial run's last 2 losses; converting
-    v 1 back to v 2 gives the original shards bitwise."""
+    v 1 back to v 2 gives the original shards bitwise; generation loads it as plain stages."""
     from megapar.checkpointing import flatten_model_states
     base = TINY_TRAIN + embedded_data + ["--train-iters", "4", "--pipeline-parallel", "2",
                                          "--use-distributed-optimizer"]
@@ -156,6 +156,13 @@ def test_v2_checkpoint_converts_to_v1_and_resumes_with_the_same_losses(embedded_
         for k in fa:
             if "word_embeddings" not in k:                                 # dummy vocabulary rows: zeros in b
                 assert torch.equal(fa[k], fb[k]), k
+
+    from megapar.generation import load_model_state   # inference regroups the chunks into plain stages
+    for p in range(2):
+        _, state = load_model_state(str(ck), 1, 2, 0, p)
+        want = flatten_model_states(_shard(ck1, p))
+        assert state.keys() == want.keys()
+        assert all(torch.equal(state[k], want[k]) for k in want if "word_embeddings" not in k)
 
     serial = losses(run_training(TINY_TRAIN + embedded_data + ["--train-iters", "4"], 1))
     resumed_v1 = losses(run_training(base + ["--load", str(ck1)], 2))
