@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from .arguments import Config
 from .topology import layer_counts
+from .pipeline.interleaved import num_warmup
 from .model.sharding import tp_partition_dim
 
 GiB = 2**30
@@ -105,8 +106,11 @@ def estimate(cfg: Config) -> list[StageMemory]:
         optim = opt_per_param * n / (dp if p.use_distributed_optimizer else 1)
         static = elem * n + 4 * n + optim
         layer_input = elem * sbh / (p.tensor_model_parallel_size if m.sequence_parallel else 1)
-        acts_one = activations_one_microbatch(cfg, counts[stage], per_layer, layer_input)
-        in_flight = min(pp - stage, cfg.num_microbatches) if pp > 1 else 1
+        v = m.virtual_pipeline_model_parallel_size or 1
+        acts_one = activations_one_microbatch(cfg, counts[stage] // v, per_layer, layer_input)   # one chunk
+        in_flight = v * min(pp - stage, cfg.num_microbatches) if pp > 1 else 1
+        if v > 1:  # interleaved 1F1B: warmup + 1 chunk outputs alive (pipeline/interleaved.py)
+            in_flight = min(num_warmup(pp, stage, v, cfg.num_microbatches) + 1, v * cfg.num_microbatches)
         head = 0.0
         if stage == pp - 1:
             head = 2 * elem * m.seq_length * t.micro_batch_size * m.padded_vocab_size / p.tensor_model_parallel_size

@@ -227,3 +227,18 @@ def test_hang_diagnostic_names_the_chunk():
                         r"interleaved-1f1b, phase warmup, microbatch \d+, chunk \d, waiting for recv_forward "
                         r"from rank 0", error), error
     assert step == error.split(": ", 1)[1]
+
+
+def test_memory_estimate_counts_chunk_activations():
+    """tools/estimate_memory.py: rank r keeps warmup + 1 chunk outputs of num_layers / (pp v) layers."""
+    from megapar.arguments import parse_config
+    from megapar.memory_estimate import estimate
+    from megapar.model.build import set_vocab
+    argv = ["--num-layers", "8", "--pipeline-parallel", "2", "--global-batch-size", "32", "--micro-batch-size", "4"]
+    plain, chunked = parse_config(argv, 2), parse_config(argv + VIRTUAL, 2)
+    for cfg in (plain, chunked):
+        set_vocab(cfg.model, 50257, 1, log=lambda _: None)
+    a, b = estimate(plain), estimate(chunked)
+    per_layer = a[1].activation_bytes / 4                      # plain last stage: 1 microbatch x 4 layers
+    assert [r.activation_bytes / per_layer for r in a] == pytest.approx([8, 4])
+    assert [r.activation_bytes / per_layer for r in b] == pytest.approx([2 * 5, 2 * 3])   # (2 + 2 + 1), (0 + 2 + 1) chunks
