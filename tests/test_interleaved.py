@@ -242,3 +242,46 @@ def test_memory_estimate_counts_chunk_activations():
     per_layer = a[1].activation_bytes / 4                      # plain last stage: 1 microbatch x 4 layers
     assert [r.activation_bytes / per_layer for r in a] == pytest.approx([8, 4])
     assert [r.activation_bytes / per_layer for r in b] == pytest.approx([2 * 5, 2 * 3])   # (2 + 2 + 1), (0 + 2 + 1) chunks
+
+
+# ---- NCCL on 2 GPUs (gpu marker: run on a lent multi-GPU machine) ------------------------------
+def _nccl_worker(rank, port, out_dir):
+    import os
+
+    import torch.distributed as dist
+    from megapar.pipeline import ScheduleConfig, get_forward_backward_func
+    from test_pipeline import ToyStage, _grads, toy_data, toy_forward_step
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
+    grad_group = dist.new_group([0, 1])                       # Topology's pp_grad group at pp 2
+    v, per = 4, 1
+    chunks = [ToyStage((j * 2 + rank) * per, (j * 2 + rank + 1) * per).cuda() for j in range(v)]
+    cfg = ScheduleConfig(num_microbatches=6, tensor_shape=(3, 2, 8), device=torch.device("cuda", rank),
+                         prev_rank=None if rank == 0 else 0, next_rank=1 if rank == 0 else None,
+                         pp_grad_group=grad_group, p2p_timeout=60)
+    data = [(x.cuda(), t.cuda()) for x, t in toy_data(6)]
+    get_forward_backward_func(2, "1f1b", virtual=v)(toy_forward_step, [iter(data) for _ in chunks], chunks, cfg)
+    grads = {}
+    for j, c in enumerate(chunks):
+        grads.update({k: g.cpu() for k, g in _grads(c, (j * 2 + rank) * per).items()})
+    torch.save(grads, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_nccl_pp2_interleaved_two_gpus():
+    """pp 2 x v 4 on NCCL, where only the second group keeps activations and gradients apart."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+    from distributed import _free_port
+    from test_pipeline import _serial
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_nccl_worker, args=(_free_port(), d), nprocs=2, join=True)
+        got = {**torch.load(f"{d}/rank0.pt"), **torch.load(f"{d}/rank1.pt")}
+    ref, _, _ = _serial(6)
+    for name, g in ref.items():
+        assert torch.allclose(got[name], g, rtol=1e-4, atol=1e-6), name   # GPU vs CPU fp32
