@@ -305,7 +305,8 @@ def check_compatible(saved: SavedConfig, model: ModelConfig, topo, path: str) ->
             f"uses {topo.tp} x {topo.pp}; resume with the layout it was saved with ({saved_layout_flags(saved)}, "
             f"on a multiple of {s_tp * s_pp} processes), or reshard it first: python tools/checkpoint_util.py "
             f"--load-dir <ckpt> --save-dir <new> --target-tensor-parallel-size {topo.tp} "
-            f"--target-pipeline-parallel-size {topo.pp}" + (f" --target-virtual-pipeline-parallel-size {v}" if v else ""))
+            f"--target-pipeline-parallel-size {topo.pp}"
+            + (f" --target-virtual-pipeline-parallel-size {v}" if v else ""))
     diffs = [f"--{a.replace('_', '-')} {getattr(saved.model, a)} (checkpoint) vs {getattr(model, a)} (run)"
              for a in SHAPE_FIELDS if getattr(saved.model, a) != getattr(model, a)]
     if diffs:

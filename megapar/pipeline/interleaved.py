@@ -7,12 +7,12 @@ order, virtual microbatch k is microbatch (k // (p * v)) * p + k % p of chunk (k
 (Megatron's `get_model_chunk_id`; backward runs the chunks in reverse). The bubble shrinks from
 (p - 1) / m to (p - 1) / (v * m) of the step, at v times the point-to-point traffic.
 
-    Warmup    (p - r - 1) * 2 + (v - 1) * p forwards (all m * v when m == p)
+    Warmup    (p - r - 1) * 2 + (v - 1) * p forwards on rank r (all m * v when m == p)
     Steady    one forward and one backward per step, exchanging both with the neighbours
     Cooldown  the remaining backwards
 
 Live forward outputs on rank r never exceed warmup + 1 (`peak_live`), each a chunk of 1/v of
-the rank's layers: about p + (p - 1) / v stages' worth on rank 0, as 1F1B's p.
+the rank's layers: p + (p - 1) / v stages' worth on rank 0, against 1F1B's p.
 Requirements (checked by the caller's configuration): p > 1 and m a multiple of p.
 
 `data_iterator` is one iterator per chunk (or one shared by all); `cfg.no_sync()` wraps every
@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import deque
-from typing import Any, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
