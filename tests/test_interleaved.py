@@ -285,3 +285,17 @@ def test_nccl_pp2_interleaved_two_gpus():
     ref, _, _ = _serial(6)
     for name, g in ref.items():
         assert torch.allclose(got[name], g, rtol=1e-4, atol=1e-6), name   # GPU vs CPU fp32
+
+
+def test_flags_resolve_to_one_chunk_count():
+    """Either flag gives both fields; v 1 (or N = layers / pp) means no chunks."""
+    from megapar.arguments import parse_config
+    base = ["--num-layers", "8", "--pipeline-parallel", "2", "--global-batch-size", "8", "--micro-batch-size", "2"]
+    for extra, want in ((["--num-layers-per-virtual-pipeline-stage", "1"], (4, 1)),
+                        (["--virtual-pipeline-model-parallel-size", "2"], (2, 2)),
+                        (["--virtual-pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+                         (2, 2)),
+                        (["--virtual-pipeline-model-parallel-size", "1"], (None, None)),
+                        (["--num-layers-per-virtual-pipeline-stage", "4"], (None, None))):
+        m = parse_config(base + extra, 2).model
+        assert (m.virtual_pipeline_model_parallel_size, m.num_layers_per_virtual_pipeline_stage) == want, extra
