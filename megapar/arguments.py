@@ -69,6 +69,11 @@ class ModelConfig:
     sequence_parallel: bool = arg(False, "with tp > 1: split LayerNorm, dropout and residual work (and their "
                                          "activations) along the sequence; all-reduces become reduce-scatter + "
                                          "all-gather", group="parallelism")
+    virtual_pipeline_model_parallel_size: Optional[int] = arg(
+        None, "model chunks per pipeline rank (interleaved 1F1B): chunk j of rank r holds layer block j x pp + r; "
+              "the number of microbatches must be a multiple of the pipeline size", group="parallelism")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = arg(
+        None, "layers per model chunk (the other way to ask for interleaved 1F1B)", group="parallelism")
 
     def __post_init__(self) -> None:  # the defaults that depend on other fields, resolved once here
         self.ffn_hidden_size = self.ffn_hidden_size or 4 * self.hidden_size
@@ -380,6 +385,65 @@ def _resolve_and_validate(cfg: Config, given: dict[str, Any], world_size: int, a
             default_of("micro_batch_size"), p.data_parallel_size)
     t.global_batch_size = t.global_batch_size or t.micro_batch_size * p.data_parallel_size
     _check_batch(t.global_batch_size, t.micro_batch_size, p.data_parallel_size)
+    _resolve_virtual_stages(cfg)
+
+
+def virtual_stages(num_layers: int, pp: int, v: Optional[int], per_stage: Optional[int]) -> Optional[int]:
+    """Model chunks per pipeline rank from --virtual-pipeline-model-parallel-size (v) and/or
+    --num-layers-per-virtual-pipeline-stage (per_stage); None when not interleaved (v = 1)."""
+    if v is None and per_stage is None:
+        return None
+    if (v is not None and v < 1) or (per_stage is not None and per_stage < 1):
+        _fail(f"--virtual-pipeline-model-parallel-size ({v}) and --num-layers-per-virtual-pipeline-stage "
+              f"({per_stage}) must be >= 1")
+    if per_stage is not None:
+        if num_layers % (pp * per_stage):
+            _fail(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                  f"--num-layers-per-virtual-pipeline-stage {per_stage} = {pp * per_stage}; pick a layer count "
+                  f"per virtual stage that divides {num_layers // pp if num_layers % pp == 0 else num_layers} evenly")
+        from_layers = num_layers // (pp * per_stage)
+        if v is not None and v != from_layers:
+            _fail(f"--virtual-pipeline-model-parallel-size {v} disagrees with --num-layers-per-virtual-pipeline-stage "
+                  f"{per_stage} (--num-layers {num_layers} over --pipeline-model-parallel-size {pp} gives "
+                  f"{from_layers} chunks per rank); give only one of the two")
+        v = from_layers
+    elif num_layers % (pp * v):
+        _fail(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+              f"--virtual-pipeline-model-parallel-size {v} = {pp * v}; every model chunk must get the same "
+              f"number of layers")
+    return v if v > 1 else None
+
+
+def _resolve_virtual_stages(cfg: Config) -> None:
+    """Interleaved 1F1B: resolve both virtual-pipeline flags into one chunk count (ModelConfig keeps
+    both, consistent) and refuse what the interleaved schedule cannot run."""
+    m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
+    v = virtual_stages(m.num_layers, pp, m.virtual_pipeline_model_parallel_size,
+                       m.num_layers_per_virtual_pipeline_stage)
+    m.virtual_pipeline_model_parallel_size = v
+    m.num_layers_per_virtual_pipeline_stage = None if v is None else m.num_layers // (pp * v)
+    if v is None:
+        return
+    flag = "--virtual-pipeline-model-parallel-size"
+    if pp == 1:
+        _fail(f"{flag} {v} interleaves model chunks over pipeline stages: it needs --pipeline-model-parallel-size "
+              f"> 1; add one or drop the virtual-pipeline flags")
+    if m.decoder_first_pipeline_num_layers is not None or m.decoder_last_pipeline_num_layers is not None:
+        _fail(f"{flag} {v} splits the layers into equal chunks: it cannot be combined with "
+              f"--decoder-first/last-pipeline-num-layers; drop one or the other")
+    if cfg.parallel.pipeline_schedule != "1f1b":
+        _fail(f"{flag} {v} runs the interleaved 1F1B schedule; --pipeline-schedule "
+              f"{cfg.parallel.pipeline_schedule} has no interleaved form: drop --pipeline-schedule or the "
+              f"virtual-pipeline flags")
+    if cfg.num_microbatches % pp:
+        _fail(f"{flag} {v}: the number of microbatches ({cfg.num_microbatches} = --global-batch-size "
+              f"{cfg.train.global_batch_size} / (--micro-batch-size {cfg.train.micro_batch_size} x data-parallel "
+              f"size {cfg.parallel.data_parallel_size})) must be a multiple of --pipeline-model-parallel-size {pp}; "
+              f"use --global-batch-size "
+              f"{cfg.train.micro_batch_size * cfg.parallel.data_parallel_size * pp * -(-cfg.num_microbatches // pp)}")
+    if m.recompute_granularity == "full" and m.recompute_num_layers > m.num_layers_per_virtual_pipeline_stage:
+        _fail(f"--recompute-num-layers {m.recompute_num_layers} must be between 1 and the layers of one model "
+              f"chunk ({m.num_layers_per_virtual_pipeline_stage} with {flag} {v})")
 
 
 def _resolve_zero_stage(p: ParallelConfig) -> None:

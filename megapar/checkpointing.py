@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, fields
@@ -144,6 +145,40 @@ def flatten_model_state(nested: dict) -> dict[str, torch.Tensor]:
     return flat
 
 
+_CHUNK_KEY = re.compile(r"^model(\d+)\.(.+)$")
+
+
+def nest_model_states(flat: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """A model's flat state dict -> the checkpoint's model entries: {"model": nested} for one
+    stage, or Megatron's {"model0": nested, "model1": ...} for the model chunks of interleaved 1F1B
+    (keys "model{j}." + the chunk's key, layer indices local to the chunk)."""
+    chunks: dict[Optional[int], dict] = {}
+    for key, t in flat.items():
+        m = _CHUNK_KEY.match(key)
+        j, local = (int(m.group(1)), m.group(2)) if m else (None, key)
+        chunks.setdefault(j, {})[local] = t
+    if None in chunks:
+        if len(chunks) > 1:
+            raise KeyError(f"model keys mix model chunks and a plain stage: {sorted(flat)[:3]}")
+        return {"model": nest_model_state(chunks[None])}
+    return {f"model{j}": nest_model_state(chunks[j]) for j in sorted(chunks)}
+
+
+def flatten_model_states(state: dict) -> dict[str, torch.Tensor]:
+    """The inverse of `nest_model_states` on a checkpoint file's dict ("model" or model0, model1, ...)."""
+    if "model" in state:
+        return flatten_model_state(state["model"])
+    flat, j = {}, 0
+    while f"model{j}" in state:
+        flat.update({f"model{j}.{k}": t for k, t in flatten_model_state(state[f"model{j}"]).items()})
+        j += 1
+    return flat
+
+
+def has_model_state(state: dict) -> bool:
+    return "model" in state or "model0" in state
+
+
 # ---- RNG ------------------------------------------------------------------------------------
 def get_rng_state() -> dict:
     return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
@@ -188,7 +223,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     if c.dp == 0:
         os.makedirs(shard, exist_ok=True)
         state = {"args": args, "model_config": asdict(model_config), "checkpoint_version": CHECKPOINT_VERSION,
-                 "iteration": iteration, "model": nest_model_state(model_state)}
+                 "iteration": iteration, **nest_model_states(model_state)}
         if optim_state is not None:
             state["optimizer"] = {"distributed": True, "grad_scaler": optim_state["grad_scaler"]} \
                 if distributed else optim_state
@@ -275,7 +310,8 @@ def saved_layout_flags(saved: SavedConfig) -> str:
     """The layout flags of the run that wrote a checkpoint (what a resume at that layout passes)."""
     flags = [f"--tensor-model-parallel-size {saved.parallel.tensor_model_parallel_size}",
              f"--pipeline-model-parallel-size {saved.parallel.pipeline_model_parallel_size}"]
-    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "virtual_pipeline_model_parallel_size"):
         if getattr(saved.model, name, None) is not None:
             flags.append(f"--{name.replace('_', '-')} {getattr(saved.model, name)}")
     return " ".join(flags)
@@ -289,13 +325,21 @@ def check_compatible(saved: SavedConfig, model: ModelConfig, topo, path: str) ->
             f"checkpoint {path} holds {layer_counts(saved.model, s_pp)} layers per pipeline stage, but this run "
             f"splits them {layer_counts(model, s_pp)}; set --decoder-first/last-pipeline-num-layers as the "
             f"checkpoint did (its layout: {saved_layout_flags(saved)}), or reshard it with tools/checkpoint_util.py")
+    s_v, v = saved.model.virtual_pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size
+    if (s_tp, s_pp) == (topo.tp, topo.pp) and (s_v or 1) != (v or 1):
+        raise CheckpointError(
+            f"checkpoint {path} holds {s_v or 1} model chunk(s) per pipeline rank (--virtual-pipeline-model-parallel-"
+            f"size), this run {v or 1}; resume with its layout ({saved_layout_flags(saved)}), or convert it: python "
+            f"tools/checkpoint_util.py --load-dir <ckpt> --save-dir <new> --target-virtual-pipeline-parallel-size "
+            f"{v or 1}")
     if (s_tp, s_pp) != (topo.tp, topo.pp):
         raise CheckpointError(
             f"checkpoint {path} was saved with tensor-parallel {s_tp} x pipeline-parallel {s_pp}, but this run "
             f"uses {topo.tp} x {topo.pp}; resume with the layout it was saved with ({saved_layout_flags(saved)}, "
             f"on a multiple of {s_tp * s_pp} processes), or reshard it first: python tools/checkpoint_util.py "
             f"--load-dir <ckpt> --save-dir <new> --target-tensor-parallel-size {topo.tp} "
-            f"--target-pipeline-parallel-size {topo.pp}")
+            f"--target-pipeline-parallel-size {topo.pp}"
+            + (f" --target-virtual-pipeline-parallel-size {v}" if v else ""))
     diffs = [f"--{a.replace('_', '-')} {getattr(saved.model, a)} (checkpoint) vs {getattr(model, a)} (run)"
              for a in SHAPE_FIELDS if getattr(saved.model, a) != getattr(model, a)]
     if diffs:
@@ -339,7 +383,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
         _explain_missing_shard(root, iteration, path, topo, model_config)
     state = load_file(path)
     check_compatible(read_saved_config(state, path), model_config, topo, path)
-    load_model_state(model, flatten_model_state(state["model"]), path)
+    load_model_state(model, flatten_model_states(state), path)
     restore_optim = load_optim and not finetune and optimizer is not None
     if restore_optim and "optimizer" not in state:
         raise CheckpointError(f"checkpoint {path} has no optimizer state (saved with --no-save-optim); "

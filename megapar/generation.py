@@ -350,6 +350,8 @@ def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int
         return load_model_state_for(load_dir, tp, pp, tp_rank, pp_rank, iteration=it)
     path = os.path.join(step_dir, ck.shard_dir_name(tp_rank, pp_rank, pp), ck.MODEL_FILE)
     state = ck.load_file(path)
+    if "model" not in state:  # model chunks of interleaved 1F1B (model0, model1, ...): regroup into stages
+        return load_model_state_for(load_dir, tp, pp, tp_rank, pp_rank, iteration=it)
     return ck.read_saved_config(state, path), ck.flatten_model_state(state["model"])
 
 

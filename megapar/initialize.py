@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from .arguments import Config
 from .model import GPT2Model, build_model, set_vocab
+from .model.transformer import TransformerLayer
 from .optimizer.grad_buffer import GradBuffer
 from .optimizer.sharded_grads import ShardedGradBuffer
 from .optimizer.sharded_params import ShardedParams
@@ -79,15 +80,12 @@ class Run:
 
 
 def embedding_params(model: GPT2Model, topo: Topology) -> list[nn.Parameter]:
-    """The tied word-embedding copies that are all-reduced over the embedding group (pp > 1)."""
+    """The tied word-embedding copy of this stage (or of its model chunks) that is all-reduced over
+    the embedding group (pp > 1): the first stage's word embeddings or the last stage's head copy."""
     if topo.pp == 1:
         return []
-    params = []
-    if model.stage.is_first:
-        params.append(model.language_model.embedding.word_embeddings.weight)
-    if model.stage.is_last:
-        params.append(model.word_embeddings_for_head.weight)
-    return params
+    stage = model.stage
+    return [model.output_embedding_weight()] if stage.is_first or stage.is_last else []
 
 
 def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, vocab_size: int) -> Run:
@@ -127,7 +125,7 @@ def build_grad_buffer(cfg: Config, model: GPT2Model, topo: Topology, device: tor
     tp_summed = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
     stage = cfg.parallel.zero_stage
     if stage >= 2:
-        layers = list(model.language_model.encoder.layers)
+        layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]  # every chunk's, in order
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         release = (lambda i: sharded.units[i].release()) if sharded else None
         return ShardedGradBuffer(layers, [p for p in model.parameters() if id(p) not in in_layers], topo.groups.dp,

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .arguments import Config
+from .pipeline.interleaved import num_warmup
 from .model.sharding import tp_partition_dim
 from .topology import ConfigError, Topology, layer_counts
 
@@ -163,8 +164,11 @@ def estimate(cfg: Config) -> list[StageMemory]:
         n = stage_params(cfg, stage)
         static, transient, host = state_bytes(cfg, n, counts[stage])
         layer_input = elem * sbh / (p.tensor_model_parallel_size if m.sequence_parallel else 1)
-        acts_one = activations_one_microbatch(cfg, counts[stage], per_layer, layer_input)
-        in_flight = min(pp - stage, cfg.num_microbatches) if pp > 1 else 1
+        v = m.virtual_pipeline_model_parallel_size or 1
+        acts_one = activations_one_microbatch(cfg, counts[stage] // v, per_layer, layer_input)   # one chunk
+        in_flight = v * min(pp - stage, cfg.num_microbatches) if pp > 1 else 1
+        if v > 1:  # interleaved 1F1B: warmup + 1 chunk outputs alive (pipeline/interleaved.py)
+            in_flight = min(num_warmup(pp, stage, v, cfg.num_microbatches) + 1, v * cfg.num_microbatches)
         head = 0.0
         if stage == pp - 1:
             head = 2 * elem * m.seq_length * t.micro_batch_size * m.padded_vocab_size / p.tensor_model_parallel_size

@@ -110,8 +110,10 @@ def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None) -> TrainState:
     p = cfg.parallel
     topo = Topology(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
     topo.create_groups(rank)
+    chunks = cfg.model.virtual_pipeline_model_parallel_size
     print_rank0(f"> megapar: world size {world} = tensor {topo.tp} x pipeline {topo.pp} x data {topo.dp} "
-                f"on {device.type} ({dist.get_backend()}); {cfg.num_microbatches} microbatches of "
+                + (f"({chunks} model chunks per pipeline rank, interleaved 1F1B) " if chunks else "")
+                + f"on {device.type} ({dist.get_backend()}); {cfg.num_microbatches} microbatches of "
                 f"{cfg.train.micro_batch_size}; precision {cfg.train.params_dtype_name}; "
                 f"attention {cfg.model.attention_backend}, layernorm {cfg.model.layernorm_impl}")
     for line in cfg.deepspeed.summary() if cfg.deepspeed is not None else ():

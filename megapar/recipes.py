@@ -81,6 +81,11 @@ RECIPES: dict[str, Recipe] = {
                                   about="345M, pipeline parallel 2, last stage 11 layers"),
     "345m-pp4-m8-last3": _recipe(4, GPT2_345M, 8, 64, *_pp(4), "--decoder-last-pipeline-num-layers", "3",
                                  about="345M, pipeline parallel 4, last stage 3 layers"),
+    # interleaved 1F1B: 2 model chunks per rank; the bubble (pp - 1) / m shrinks to (pp - 1) / (2 m)
+    "345m-pp2-m8-v2": _recipe(2, GPT2_345M, 8, 64, *_pp(2), "--virtual-pipeline-model-parallel-size", "2",
+                              about="345M, pipeline parallel 2, 8 microbatches, interleaved (2 chunks per rank)"),
+    "345m-pp4-m8-v2": _recipe(4, GPT2_345M, 8, 64, *_pp(4), "--virtual-pipeline-model-parallel-size", "2",
+                              about="345M, pipeline parallel 4, 8 microbatches, interleaved (2 chunks per rank)"),
     "345m-tp2-pp2": _recipe(4, GPT2_345M, 8, 64, *_tp(2), *_pp(2), "--use-distributed-optimizer",
                             about="345M, tensor 2 x pipeline 2, ZeRO-1"),
     **{f"345m-compile-zero{z}": _recipe(1, GPT2_345M, 8, 8, *COMPILE, *_zero(z), about=f"345M compiled, ZeRO-{z}")

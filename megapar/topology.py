@@ -46,6 +46,7 @@ class Groups:
     pp: Optional[dist.ProcessGroup] = None
     mp: Optional[dist.ProcessGroup] = None          # tp x pp: one full model replica
     embedding: Optional[dist.ProcessGroup] = None   # first + last stage (when they differ)
+    pp_grad: Optional[dist.ProcessGroup] = None     # pp == 2 only: the pipeline again, for gradient messages
 
 
 @dataclass
@@ -91,6 +92,12 @@ class Topology:
         """First and last stage of each pipeline (one rank when pp == 1)."""
         return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
 
+    def pp_grad_groups(self) -> list[list[int]]:
+        """With pp == 2, a second communicator over each pipeline: the interleaved schedule's ring
+        then sends activations and gradients between the same two ranks in the same direction,
+        and NCCL (which has no tags) would match them in one queue; gradients travel on this one."""
+        return self.pp_groups() if self.pp == 2 else []
+
     def group_of(self, kind: str, rank: int) -> list[int]:
         """The member list of `rank`'s group of `kind` (tp, dp, pp, mp, embedding)."""
         for members in getattr(self, f"{kind}_groups")():
@@ -121,7 +128,7 @@ class Topology:
         if dist.get_world_size() != self.world_size:
             raise ValueError(f"world size {dist.get_world_size()} != tp*pp*dp = {self.world_size}")
         mine = Groups()
-        for kind in ("tp", "dp", "pp", "mp", "embedding"):
+        for kind in ("tp", "dp", "pp", "mp", "embedding", "pp_grad"):
             for members in getattr(self, f"{kind}_groups")():
                 group = dist.new_group(members)
                 if rank in members:

@@ -17,6 +17,7 @@ from .checkpointing import load_checkpoint, save_checkpoint
 from .cuda_graph import GraphedStep
 from .errors import MegaparError
 from .initialize import Run, checkpoint_args, print_rank0, train_iters
+from .model import VirtualStages
 from .pipeline.p2p import current_step
 from .pipeline.schedules import ScheduleConfig, average_logs, get_forward_backward_func
 from .readback import to_host, wait_host
@@ -37,12 +38,13 @@ class TrainState:
 
 
 # ---- data -----------------------------------------------------------------------------------
-def microbatches(run: Run, dataset, first_sample: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def microbatches(run: Run, dataset, first_sample: int, stage=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(tokens [b, s], labels [b, s]) for each microbatch of one global batch, Megatron-style:
     microbatch m of dp rank d holds samples first + m*micro*dp + d*micro + [0, micro).
-    Middle pipeline stages use neither and get (None, None) without touching the data."""
+    Middle pipeline stages use neither and get (None, None) without touching the data.
+    `stage`: the model chunk's stage (interleaved schedule), default the rank's."""
     micro, dp, device = run.cfg.train.micro_batch_size, run.topo.dp, run.device
-    stage = run.model.stage
+    stage = stage or run.model.stage
     for m in range(run.cfg.num_microbatches):
         if not (stage.is_first or stage.is_last):
             yield None, None
@@ -53,6 +55,20 @@ def microbatches(run: Run, dataset, first_sample: int) -> Iterator[tuple[torch.T
             sample = sample.pin_memory()
         sample = sample.to(device, non_blocking=True)                                   # [b, s + 1]
         yield sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
+
+
+def data_iterators(run: Run, dataset, first_sample: int):
+    """The microbatches of one global batch: one iterator, or with model chunks (interleaved
+    1F1B) one per chunk, each reading data only where its chunk is the first or last stage."""
+    if isinstance(run.model, VirtualStages):
+        return [microbatches(run, dataset, first_sample, chunk.stage) for chunk in run.model]
+    return microbatches(run, dataset, first_sample)
+
+
+def schedule_func(run: Run):
+    """The pipeline schedule of this run (interleaved 1F1B with model chunks)."""
+    return get_forward_backward_func(run.topo.pp, run.cfg.parallel.pipeline_schedule,
+                                     run.cfg.model.virtual_pipeline_model_parallel_size)
 
 
 def forward_step(data_iterator, model):
@@ -75,7 +91,7 @@ def schedule_config(run: Run, num_microbatches: int, label: str = "") -> Schedul
         tensor_shape=(cfg.model.seq_length // (run.topo.tp if cfg.model.sequence_parallel else 1),
                       cfg.train.micro_batch_size, cfg.model.hidden_size),                  # [s(/tp), b, h]
         pp_group=run.topo.groups.pp, prev_rank=run.topo.prev_rank(run.rank), next_rank=run.topo.next_rank(run.rank),
-        loss_scale=run.optimizer.scaler.scale, no_sync=run.grad_buffer.no_sync)
+        loss_scale=run.optimizer.scaler.scale, no_sync=run.grad_buffer.no_sync, pp_grad_group=run.topo.groups.pp_grad)
 
 
 def average_loss(run: Run, logs: list[dict], sched: ScheduleConfig) -> torch.Tensor:
@@ -99,7 +115,7 @@ def queue_step(run: Run, data: Iterator, label: str, timers: Timers) -> tuple[bo
     step can be queued ahead of the GPU, or captured as a CUDA graph."""
     run.grad_buffer.start_step()
     timers.start("forward-backward")
-    schedule = get_forward_backward_func(run.topo.pp, run.cfg.parallel.pipeline_schedule)
+    schedule = schedule_func(run)
     sched = schedule_config(run, run.cfg.num_microbatches, label)
     logs = schedule(forward_step, data, run.model, sched)
     timers.stop("forward-backward")
@@ -127,7 +143,7 @@ def train_step(run: Run, dataset, state: TrainState, timers: Timers,
     """Queue one global batch (eagerly or as a graph replay). Returns (applied, [lm loss, grad
     norm] on the device); nothing waits for the GPU."""
     run.model.train()
-    data = microbatches(run, dataset, state.consumed_samples)
+    data = data_iterators(run, dataset, state.consumed_samples)
     if graph is None:
         return queue_step(run, data, f"iteration {state.iteration + 1}", timers)
     timers.start("step (cuda graph)")
@@ -148,10 +164,10 @@ def evaluate(run: Run, dataset, iters: int) -> float:
     """Mean lm loss over the first `iters` global batches of `dataset` (forward only)."""
     cfg, losses = run.cfg, []
     run.model.eval()
-    schedule = get_forward_backward_func(run.topo.pp, cfg.parallel.pipeline_schedule)
+    schedule = schedule_func(run)
     with torch.no_grad():
         for i in range(iters):
-            data = microbatches(run, dataset, i * cfg.train.global_batch_size)
+            data = data_iterators(run, dataset, i * cfg.train.global_batch_size)
             sched = schedule_config(run, cfg.num_microbatches, f"evaluation batch {i}")
             logs = schedule(forward_step, data, run.model, sched, forward_only=True)
             losses.append(average_loss(run, logs, sched).item())

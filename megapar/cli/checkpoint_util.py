@@ -4,6 +4,8 @@
       --target-tensor-parallel-size T --target-pipeline-parallel-size P [--target-data-parallel-size D]
   python tools/checkpoint_util.py --load-dir A --save-dir FULL --to-full      # canonical unsharded folder
   python tools/checkpoint_util.py --load-dir FULL --save-dir B --from-full --target-... # back to shards
+  python tools/checkpoint_util.py --load-dir A --save-dir B --target-virtual-pipeline-parallel-size 1
+      # interleaved (model0, model1, ... per rank) <-> plain stages; any v the layers allow
 
 Every conversion reads the source as canonical full tensors (megapar.reshard) one parameter
 at a time. See megapar/reshard/convert.py for what is carried and how.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Optional
 
 from megapar.checkpointing import CheckpointError
 from megapar.reshard import bounded_heap
@@ -34,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-decoder-last-pipeline-num-layers", dest="target_last", type=int, default=None,
                    help="layers on the target's last pipeline stage (default: the source's split at the same "
                         "pipeline size, else an even split)")
+    v = p.add_mutually_exclusive_group()
+    v.add_argument("--target-virtual-pipeline-parallel-size", dest="target_virtual", type=int, default=None,
+                   help="model chunks per pipeline rank (interleaved 1F1B: model0, model1, ... entries); 1 = none "
+                        "(default: the source's at the same pipeline size, else none)")
+    v.add_argument("--target-num-layers-per-virtual-pipeline-stage", dest="target_layers_per_chunk", type=int,
+                   default=None, help="layers per model chunk (the other way to give the chunk count)")
     p.add_argument("--iteration", default=None, help="iteration to convert (default: the tracker's)")
     p.add_argument("--no-optim", action="store_true", help="convert model weights only")
     g = p.add_mutually_exclusive_group()
@@ -52,9 +61,22 @@ def check_targets(a: argparse.Namespace) -> None:
     """Refuse a target size below 1 (0 would silently mean 'as in the source')."""
     for flag, value in (("--target-tensor-parallel-size", a.target_tensor_parallel_size),
                         ("--target-pipeline-parallel-size", a.target_pipeline_parallel_size),
-                        ("--target-data-parallel-size", a.target_data_parallel_size)):
+                        ("--target-data-parallel-size", a.target_data_parallel_size),
+                        ("--target-virtual-pipeline-parallel-size", a.target_virtual),
+                        ("--target-num-layers-per-virtual-pipeline-stage", a.target_layers_per_chunk)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}; omit it to keep the source's size")
+
+
+def target_chunks(a: argparse.Namespace, num_layers: int, pp: int) -> Optional[int]:
+    """Model chunks per pipeline rank asked for (None: as the source at the same pipeline size)."""
+    n = a.target_layers_per_chunk
+    if n is None:
+        return a.target_virtual
+    if num_layers % (pp * n):
+        raise ValueError(f"--target-num-layers-per-virtual-pipeline-stage {n}: --num-layers {num_layers} is not "
+                         f"divisible by the target pipeline-parallel size {pp} x {n}")
+    return num_layers // (pp * n)
 
 
 def open_source(load_dir: str, from_full: bool, iteration):
@@ -82,7 +104,8 @@ def main(argv=None) -> int:
                 else a.target_pipeline_parallel_size
             split = None if a.target_first is None and a.target_last is None else (a.target_first, a.target_last)
             write_sharded(src, a.save_dir, tp, pp, a.target_data_parallel_size, a.distributed,
-                          with_optim=not a.no_optim, force=a.force, split=split)
+                          with_optim=not a.no_optim, force=a.force, split=split,
+                          virtual=target_chunks(a, src.saved.model.num_layers, pp))
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -49,6 +49,15 @@ class Stage:
         return Stage._of_counts(layer_counts(cfg, pp), pp_rank)
 
     @staticmethod
+    def virtual(num_layers: int, pp: int, pp_rank: int, v: int, chunk: int) -> "Stage":
+        """Model chunk `chunk` of pipeline rank `pp_rank` with v chunks per rank (interleaved 1F1B):
+        layer block chunk * pp + pp_rank of num_layers / (pp * v) layers. Only chunk 0 of rank 0 is
+        the first stage and only chunk v - 1 of the last rank is the last."""
+        n = num_layers // (pp * v)
+        start = (chunk * pp + pp_rank) * n
+        return Stage(start, start + n, pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == v - 1)
+
+    @staticmethod
     def _of_counts(counts: list[int], pp_rank: int) -> "Stage":
         start = sum(counts[:pp_rank])
         return Stage(start, start + counts[pp_rank], pp_rank == 0, pp_rank == len(counts) - 1)

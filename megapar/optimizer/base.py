@@ -41,7 +41,7 @@ def no_weight_decay(name: str, p: nn.Parameter) -> bool:
 def counts_for_norm(name: str, tp_rank: int) -> bool:
     """Count each distinct gradient once in the global norm: TP-replicated tensors only on TP
     rank 0; the last stage's copy of the word embeddings never (the first stage counts it)."""
-    if name.startswith("word_embeddings_for_head"):
+    if name.startswith("word_embeddings_for_head") or ".word_embeddings_for_head." in name:  # model{j}. chunks
         return False
     return tp_partition_dim(name) is not None or tp_rank == 0
 

@@ -46,11 +46,12 @@ class PipelineTimeoutError(PipelineP2PError):
 
 
 # ---- "what am I doing" record ----------------------------------------------------------------
-_STEP: dict = {"label": "", "schedule": None, "phase": None, "microbatch": None, "op": None}
+_STEP: dict = {"label": "", "schedule": None, "phase": None, "microbatch": None, "chunk": None, "op": None}
 
 
 def set_step(**fields) -> None:
-    """Update the record (keys: label, schedule, phase, microbatch, op)."""
+    """Update the record (keys: label, schedule, phase, microbatch, chunk, op); `chunk` is the
+    model chunk of the interleaved schedule (None elsewhere)."""
     _STEP.update(fields)
 
 
@@ -58,7 +59,7 @@ def current_step() -> str:
     """Where this rank is in the pipeline schedule, e.g. 'schedule 1f1b, phase steady,
     microbatch 4, waiting for recv_forward from rank 1' ('' outside any schedule)."""
     parts = [_STEP["label"]] if _STEP["label"] else []
-    for key in ("schedule", "phase", "microbatch"):
+    for key in ("schedule", "phase", "microbatch", "chunk"):
         if _STEP[key] is not None:
             parts.append(f"{key} {_STEP[key]}")
     if _STEP["op"]:
@@ -126,18 +127,24 @@ def _check(t: Tensor, what: str, cfg: "ScheduleConfig") -> Tensor:
 
 
 def communicate(cfg: "ScheduleConfig", send_next: Optional[Tensor] = None, send_prev: Optional[Tensor] = None,
-                recv_prev: bool = False, recv_next: bool = False) -> tuple[Optional[Tensor], Optional[Tensor]]:
+                recv_prev: bool = False, recv_next: bool = False,
+                grad_group: Optional[dist.ProcessGroup] = None) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Post the requested sends/receives as one batch and wait for all of them.
 
     Returns (tensor received from the previous stage, tensor received from the next stage);
     a tensor received from the previous stage is an activation and gets requires_grad=True
-    when grad mode is on."""
+    when grad mode is on. `grad_group`: gradient messages (send_prev / recv_next) go over this
+    group as a second batch, with tag 1 -- the interleaved schedule's ring sends activations and
+    gradients between the same two ranks when pp == 2, and each kind needs its own queue (gloo
+    tells them apart by tag, NCCL only by communicator)."""
     ops: list = []
     names: list[tuple[str, int]] = []
     from_prev = from_next = None
 
     def add(fn, tensor: Tensor, peer: int, name: str) -> None:
-        ops.append(dist.P2POp(fn, tensor, peer, cfg.pp_group))
+        grad = grad_group is not None and name in ("send_backward", "recv_backward")
+        group = grad_group if grad else cfg.pp_group
+        ops.append(dist.P2POp(fn, tensor, peer, group, 1 if grad else 0))
         names.append((name, peer))
 
     def empty() -> Tensor:
@@ -155,7 +162,10 @@ def communicate(cfg: "ScheduleConfig", send_next: Optional[Tensor] = None, send_
         add(dist.irecv, from_next, cfg.next_rank, "recv_backward")
     if not ops:
         return None, None
-    _wait(dist.batch_isend_irecv(ops), names, cfg)
+    groups = list(dict.fromkeys(op.group for op in ops))   # one batch per group
+    order = sorted(range(len(ops)), key=lambda i: groups.index(ops[i].group))
+    reqs = [r for g in groups for r in dist.batch_isend_irecv([op for op in ops if op.group is g])]
+    _wait(reqs, [names[i] for i in order], cfg)
     set_step(op=None)
     if from_prev is not None and torch.is_grad_enabled():
         from_prev.requires_grad_()

@@ -17,6 +17,8 @@ Schedules for pp > 1 (inter-stage tensors are `cfg.tensor_shape` [s, b, h] in `c
   1f1b   warmup of pp - stage - 1 forwards, then one forward / one backward, then the remaining
          backwards: at most pp microbatches of activations alive on any stage.
   forward_only=True runs the forward-only schedule (evaluation) for either.
+  interleaved 1F1B (v model chunks per rank, Megatron's virtual pipeline stages) lives in
+         interleaved.py; `get_forward_backward_func(pp, "1f1b", virtual=v)` picks it.
 A sent activation's storage is freed at once (`deallocate_output`); its autograd graph stays
 and `backward_step` runs the autograd engine directly, without torch.autograd.backward's shape
 check. A p2p wait longer than `cfg.p2p_timeout` raises p2p.PipelineTimeoutError naming the
@@ -53,6 +55,8 @@ class ScheduleConfig:
     p2p_timeout: float = 600.0                         # seconds a p2p wait may take before it raises
     label: str = ""                                    # prefix for diagnostics, e.g. "iteration 12"
     diagnose_hangs: bool = True                        # NCCL: poll waits against p2p_timeout (blocks the CPU)
+    stats: Optional[dict] = None                       # interleaved: receives "peak_live_outputs"
+    pp_grad_group: Optional[dist.ProcessGroup] = None  # interleaved, pp == 2: gradients travel on this group
 
     @property
     def is_first_stage(self) -> bool:
@@ -235,8 +239,14 @@ def average_logs(logs: Logs, cfg: ScheduleConfig) -> dict[str, torch.Tensor]:
     return {k: torch.tensor(v, dtype=torch.float64, device=cfg.device) for k, v in box[0].items()}
 
 
-def get_forward_backward_func(pp: int, schedule: str = "1f1b") -> Callable[..., Logs]:
-    """The schedule for this pipeline size: no pipelining for pp == 1, else 1F1B or AFAB."""
+def get_forward_backward_func(pp: int, schedule: str = "1f1b", virtual: Optional[int] = None) -> Callable[..., Logs]:
+    """The schedule for this pipeline size: no pipelining for pp == 1, else 1F1B or AFAB; with
+    virtual (model chunks per rank) > 1, interleaved 1F1B (pipeline/interleaved.py)."""
+    if virtual is not None and virtual > 1:
+        if pp == 1 or schedule != "1f1b":
+            raise ValueError(f"the interleaved schedule needs pp > 1 and the 1f1b schedule (pp {pp}, {schedule})")
+        from .interleaved import forward_backward_pipelining_interleaved
+        return forward_backward_pipelining_interleaved
     if pp == 1:
         return forward_backward_no_pipelining
     funcs = {"1f1b": forward_backward_pipelining_1f1b, "afab": forward_backward_pipelining_afab}

@@ -14,8 +14,8 @@ import torch
 
 from ..arguments import ParallelConfig, section_from_args
 from ..checkpointing import SavedConfig
-from ..topology import check_parallel_shape, layer_counts, padded_vocab_size
-from .layout import split, stage_keys
+from ..topology import ConfigError, check_parallel_shape, padded_vocab_size
+from .layout import chunk_layout, split, stage_keys
 from .source import ShardedCheckpoint
 
 
@@ -36,17 +36,22 @@ def bounded_heap(threshold: int = 1 << 20) -> bool:
 
 def retarget(saved: SavedConfig, tp: int, pp: int, dp: Optional[int] = None,
              distributed_optimizer: Optional[bool] = None,
-             split: Optional[tuple[Optional[int], Optional[int]]] = None) -> SavedConfig:
+             split: Optional[tuple[Optional[int], Optional[int]]] = None,
+             virtual: Optional[int] = None) -> SavedConfig:
     """The checkpoint's config with the parallel sizes and padded vocabulary of the target
     (ConfigError when the model cannot be split that way): new `model`, `parallel` and the
     Megatron `args` to write. split = (first, last) sets the target's
     --decoder-first/last-pipeline-num-layers; without it the pipeline keeps the source's at the
-    same pipeline size, and another size gets an even split."""
+    same pipeline size, and another size gets an even split. virtual: model chunks per pipeline
+    rank (interleaved 1F1B; 1 = none); without it the source's are kept at the same pipeline size."""
     model = dataclasses.replace(saved.model)
+    same_pp = pp == saved.parallel.pipeline_model_parallel_size
     if split is not None:
         model.decoder_first_pipeline_num_layers, model.decoder_last_pipeline_num_layers = split
-    elif pp != saved.parallel.pipeline_model_parallel_size:
+    elif not same_pp:
         model.decoder_first_pipeline_num_layers = model.decoder_last_pipeline_num_layers = None
+    v = virtual if virtual is not None else (model.virtual_pipeline_model_parallel_size if same_pp else None)
+    model.virtual_pipeline_model_parallel_size, model.num_layers_per_virtual_pipeline_stage = _chunks(model, pp, v)
     check_parallel_shape(model.num_layers, model.num_attention_heads, model.ffn_hidden_size, tp, pp,
                          "the target tensor-parallel size", "the target pipeline-parallel size",
                          model.decoder_first_pipeline_num_layers, model.decoder_last_pipeline_num_layers)
@@ -56,7 +61,9 @@ def retarget(saved: SavedConfig, tp: int, pp: int, dp: Optional[int] = None,
     changed = {"decoder_first_pipeline_num_layers": model.decoder_first_pipeline_num_layers,
                "decoder_last_pipeline_num_layers": model.decoder_last_pipeline_num_layers,
                "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-               "padded_vocab_size": model.padded_vocab_size}
+               "padded_vocab_size": model.padded_vocab_size,
+               "virtual_pipeline_model_parallel_size": model.virtual_pipeline_model_parallel_size,
+               "num_layers_per_virtual_pipeline_stage": model.num_layers_per_virtual_pipeline_stage}
     if dp is not None:
         changed["data_parallel_size"] = dp
         if hasattr(args, "world_size"):
@@ -70,6 +77,21 @@ def retarget(saved: SavedConfig, tp: int, pp: int, dp: Optional[int] = None,
     return SavedConfig(args, model, parallel, saved.data)
 
 
+def _chunks(model, pp: int, v: Optional[int]) -> tuple[Optional[int], Optional[int]]:
+    """(virtual_pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage) of a target
+    with v model chunks per pipeline rank ((None, None) for v in (None, 1))."""
+    if v is None or v == 1:
+        return None, None
+    if v < 1 or pp == 1 or model.num_layers % (pp * v):
+        raise ConfigError(f"the target virtual-pipeline size {v} needs a pipeline-parallel size > 1 and "
+                          f"--num-layers {model.num_layers} divisible by pipeline-parallel size {pp} x {v}; pick "
+                          f"another --target-virtual-pipeline-parallel-size (1: no model chunks)")
+    if model.decoder_first_pipeline_num_layers is not None or model.decoder_last_pipeline_num_layers is not None:
+        raise ConfigError("model chunks (--target-virtual-pipeline-parallel-size) need an even pipeline split: "
+                          "drop --target-decoder-first/last-pipeline-num-layers or the virtual-pipeline target")
+    return v, model.num_layers // (pp * v)
+
+
 def load_model_state_for(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int,
                          iteration: Optional[int | str] = None) -> tuple[SavedConfig, dict[str, torch.Tensor]]:
     """Load a checkpoint of any layout as the model state of shard (tp_rank, pp_rank) of a
@@ -80,9 +102,9 @@ def load_model_state_for(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank:
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise ValueError(f"shard ({tp_rank}, {pp_rank}) outside target layout tp={tp}, pp={pp}")
     src = ShardedCheckpoint(load_dir, iteration)
-    target = retarget(src.saved, tp, pp)
+    target = retarget(src.saved, tp, pp, virtual=1)   # inference builds plain stages
     state = {}
-    for local, name in stage_keys(src.names, layer_counts(target.model, pp), pp_rank):  # one full tensor at a time
+    for local, name in stage_keys(src.names, chunk_layout(target.model, pp), pp_rank):  # one full tensor at a time
         state[local] = split(src.full(name), name, tp, tp_rank, target.model.padded_vocab_size)
     src.release()
     return target, state

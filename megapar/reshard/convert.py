@@ -19,12 +19,11 @@ import os
 from dataclasses import asdict
 from typing import Optional
 
-from ..topology import layer_counts
 from ..checkpointing import (CHECKPOINT_VERSION, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, atomic_write_text,
-                             iter_dir, nest_model_state, shard_dir_name)
+                             iter_dir, nest_model_states, shard_dir_name)
 from . import retarget
 from .output import CANONICAL, CHECKPOINT, staged_output
-from .layout import OPTIM_KINDS, split, stage_keys
+from .layout import OPTIM_KINDS, chunk_layout, split, stage_keys
 from .stream_save import LazyTensor, StreamingSaver
 
 
@@ -57,9 +56,9 @@ def _shard_objects(src, meta: dict, target: SavedConfig, keys, tp, tp_rank, pp, 
     """The (model file, distrib_optim file or None) structures of one target shard, with
     LazyTensor placeholders for every parameter tensor (`meta`: the source's metadata)."""
     padded = target.model.padded_vocab_size
-    model = nest_model_state({local: _lazy(src, name, "param", tp, padded) for local, name in keys})
+    model = nest_model_states({local: _lazy(src, name, "param", tp, padded) for local, name in keys})
     obj = {"args": target.args, "model_config": asdict(target.model), "checkpoint_version": CHECKPOINT_VERSION,
-           "iteration": src.iteration, "model": model}
+           "iteration": src.iteration, **model}
     dist_obj = None
     if with_optim:
         m = src.optim_meta()
@@ -91,20 +90,24 @@ def _feed(src, savers: list[StreamingSaver], tp: int, padded) -> None:
 
 def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None,
                   distributed: Optional[bool] = None, with_optim: bool = True, force: bool = False,
-                  log=print, split: Optional[tuple[Optional[int], Optional[int]]] = None) -> None:
+                  log=print, split: Optional[tuple[Optional[int], Optional[int]]] = None,
+                  virtual: Optional[int] = None) -> None:
     """Write `src` as a megapar checkpoint at (tp, pp) into `save_dir` (legacy layout + tracker).
     dp only updates args (ZeRO-1 state is stored full over dp); distributed=None keeps the
     source's optimizer storage, True/False forces distrib_optim.pt / model_optim_rng.pt;
-    split = (first, last) layers of the first / last pipeline stage (retarget)."""
+    split = (first, last) layers of the first / last pipeline stage, virtual = model chunks per
+    pipeline rank (interleaved 1F1B; 1 = none) (retarget)."""
     with_optim = with_optim and src.has_optim
     distributed = src.distributed if distributed is None else distributed
-    target = retarget(src.saved, tp, pp, dp, distributed if with_optim else None, split)
+    target = retarget(src.saved, tp, pp, dp, distributed if with_optim else None, split, virtual)
     with staged_output(src, save_dir, force, (CHECKPOINT, CANONICAL)) as staging:
         _write_stages(src, target, staging, tp, pp, with_optim, distributed, log)
         atomic_write_text(os.path.join(staging, TRACKER), str(src.iteration))
+    chunks = target.model.virtual_pipeline_model_parallel_size
     optimizer = ("distributed" if distributed else "in model file") if with_optim else "none"
-    log(f"wrote checkpoint at tensor-parallel {tp} x pipeline-parallel {pp} (iteration {src.iteration}, "
-        f"optimizer: {optimizer}) to {save_dir}")
+    log(f"wrote checkpoint at tensor-parallel {tp} x pipeline-parallel {pp}"
+        + (f" x {chunks} model chunks" if chunks else "") + f" (iteration {src.iteration}, optimizer: {optimizer}) "
+        f"to {save_dir}")
 
 
 def _write_stages(src, target: SavedConfig, staging: str, tp: int, pp: int, with_optim: bool, distributed: bool,
@@ -113,7 +116,7 @@ def _write_stages(src, target: SavedConfig, staging: str, tp: int, pp: int, with
     meta, padded = src.meta(), target.model.padded_vocab_size
     it_dir = iter_dir(staging, src.iteration)
     for pp_rank in range(pp):
-        keys = stage_keys(src.names, layer_counts(target.model, pp), pp_rank)
+        keys = stage_keys(src.names, chunk_layout(target.model, pp), pp_rank)
         model_savers, optim_savers = [], []
         try:
             for tp_rank in range(tp):

@@ -15,6 +15,7 @@ import torch
 
 from ..arguments import ModelConfig
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
+from ..topology import layer_counts
 
 WORD = "language_model.embedding.word_embeddings.weight"
 HEAD = "word_embeddings_for_head.weight"
@@ -33,28 +34,64 @@ def to_global(local_key: str, layer_start: int) -> str:
     return f"language_model.encoder.layers.{int(m.group(1)) + layer_start}.{m.group(2)}"
 
 
-def stage_of(name: str, counts: list[int]) -> tuple[int, str]:
-    """Canonical key -> (pp_rank holding it, stage-local key), for stages of counts[i] layers.
-    Non-layer keys: embeddings on stage 0, final LayerNorm on the last stage."""
+# A pipeline layout: per pipeline rank, its model chunks as (key prefix, first layer, end layer).
+# One chunk with prefix "" per rank, or under interleaved 1F1B v chunks "model{j}." (Megatron's
+# model0, model1, ... checkpoint entries) holding layer block j * pp + rank.
+Chunks = list[tuple[str, int, int]]
+_CHUNK = re.compile(r"^model(\d+)\.(.+)$")
+
+
+def chunk_layout(model: ModelConfig, pp: int) -> list[Chunks]:
+    """The pipeline layout of a ModelConfig split over pp ranks (uneven stages or model chunks)."""
+    v = model.virtual_pipeline_model_parallel_size
+    if v is None or v <= 1:
+        counts = layer_counts(model, pp)
+        return [[("", sum(counts[:r]), sum(counts[:r + 1]))] for r in range(pp)]
+    n = model.num_layers // (pp * v)
+    return [[(f"model{j}.", (j * pp + r) * n, (j * pp + r + 1) * n) for j in range(v)] for r in range(pp)]
+
+
+def layout_of_counts(counts: list[int]) -> list[Chunks]:
+    """The plain layout (one chunk per rank) of stages with counts[i] layers."""
+    return [[("", sum(counts[:r]), sum(counts[:r + 1]))] for r in range(len(counts))]
+
+
+def canonical_key(local_key: str, chunks: Chunks) -> str:
+    """A key of a rank's checkpoint shard (prefixed by its chunk under interleaving) -> canonical key."""
+    m = _CHUNK.match(local_key)
+    j, key = (int(m.group(1)), m.group(2)) if m and chunks[0][0] else (0, local_key)
+    return to_global(key, chunks[j][1])
+
+
+def stage_of(name: str, layout: list[Chunks]) -> tuple[int, str]:
+    """Canonical key -> (pp_rank holding it, its key in that rank's shard, chunk prefix included).
+    Non-layer keys: embeddings on the first chunk of rank 0, the final LayerNorm on the last
+    chunk of the last rank."""
     m = _LAYER.match(name)
     if m is not None:
         g = int(m.group(1))
-        for stage, n in enumerate(counts):
-            if g < n:
-                return stage, f"language_model.encoder.layers.{g}.{m.group(2)}"
-            g -= n
-        raise ValueError(f"{name}: layer index beyond the {sum(counts)} layers of the layout")
+        for rank, chunks in enumerate(layout):
+            for prefix, start, end in chunks:
+                if start <= g < end:
+                    return rank, f"{prefix}language_model.encoder.layers.{g - start}.{m.group(2)}"
+        raise ValueError(f"{name}: layer index beyond the {max(c[2] for r in layout for c in r)} layers of the layout")
     if name.startswith("language_model.encoder."):
-        return len(counts) - 1, name
-    return 0, name
+        return len(layout) - 1, layout[-1][-1][0] + name
+    return 0, layout[0][0][0] + name
 
 
-def stage_keys(names: list[str], counts: list[int], pp_rank: int) -> list[tuple[str, str]]:
-    """[(stage-local key, canonical key)] of stage `pp_rank`, in GPT2Model state-dict order."""
-    out = [(local, n) for n in names for s, local in [stage_of(n, counts)] if s == pp_rank]
-    if len(counts) > 1 and pp_rank == len(counts) - 1:
-        out.append((HEAD, WORD))
-    return out
+def stage_keys(names: list[str], layout: list[Chunks], pp_rank: int) -> list[tuple[str, str]]:
+    """[(shard key, canonical key)] of pipeline rank `pp_rank`, chunk by chunk in model order."""
+    out = [(local, n) for n in names for s, local in [stage_of(n, layout)] if s == pp_rank]
+    if len(layout) > 1 and pp_rank == len(layout) - 1:
+        out.append((layout[-1][-1][0] + HEAD, WORD))
+    order = {prefix: j for j, (prefix, _, _) in enumerate(layout[pp_rank])}
+    return sorted(out, key=lambda kn: order[_prefix(kn[0])])   # stable: model order within a chunk
+
+
+def _prefix(key: str) -> str:
+    m = _CHUNK.match(key)
+    return f"model{m.group(1)}." if m else ""
 
 
 def split(full: torch.Tensor, name: str, tp: int, tp_rank: int, padded_vocab: Optional[int]) -> torch.Tensor:

@@ -16,16 +16,16 @@ from typing import Optional
 import torch
 
 from ..topology import layer_counts
-from ..checkpointing import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_state, iter_dir,
-                             read_saved_config, read_tracker, shard_dir_name)
+from ..checkpointing import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_states,
+                             has_model_state, iter_dir, read_saved_config, read_tracker, shard_dir_name)
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
-from .layout import HEAD, OPTIM_KINDS, expected_full_shape, stage_of, to_global
+from .layout import HEAD, OPTIM_KINDS, canonical_key, chunk_layout, expected_full_shape, stage_of
 
 _SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 # ModelConfig fields that every shard of one checkpoint must agree on (and the layout)
 _SAME_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
                 "padded_vocab_size", "vocab_size", "decoder_first_pipeline_num_layers",
-                "decoder_last_pipeline_num_layers")
+                "decoder_last_pipeline_num_layers", "virtual_pipeline_model_parallel_size")
 
 
 def load_mmap(path: str) -> dict:
@@ -100,6 +100,7 @@ class ShardedCheckpoint:
         first = self.headers[(0, 0)]
         self.saved: SavedConfig = first["saved"]
         self.layer_counts = layer_counts(self.saved.model, self.pp)      # transformer layers per stage
+        self.layout = chunk_layout(self.saved.model, self.pp)            # per stage: its chunks' layer ranges
         self.has_optim = first["has_optim"]
         self.distributed = first["distributed"]
         self.optim_files = {k: _ShardFile(self._path(*k, DISTRIB_OPTIM_FILE), self.budget)
@@ -129,7 +130,7 @@ class ShardedCheckpoint:
         sf = self.shards[key]
         st = sf.state()
         for field in ("args", "iteration", "model"):
-            if field not in st:
+            if field not in st and not (field == "model" and has_model_state(st)):
                 raise CheckpointError(f"checkpoint file {sf.path} has no '{field}' entry; the file is not a "
                                       f"complete megapar checkpoint shard")
         optim = st.get("optimizer")
@@ -137,7 +138,7 @@ class ShardedCheckpoint:
         if distributed and not os.path.isfile(os.path.join(os.path.dirname(sf.path), DISTRIB_OPTIM_FILE)):
             raise CheckpointError(f"checkpoint file {os.path.join(os.path.dirname(sf.path), DISTRIB_OPTIM_FILE)} "
                                   f"is missing: {sf.path} says its optimizer state is distributed (ZeRO-1)")
-        keys = {k: tuple(v.shape) for k, v in flatten_model_state(st["model"]).items()}
+        keys = {k: tuple(v.shape) for k, v in flatten_model_states(st).items()}
         return {"saved": read_saved_config(st, sf.path), "iteration": st["iteration"], "keys": keys, "has_optim": optim is not None,
                 "distributed": distributed, "scheduler": st.get("opt_param_scheduler"),
                 "rng_state": st.get("rng_state"), "checkpoint_version": st.get("checkpoint_version"),
@@ -169,13 +170,13 @@ class ShardedCheckpoint:
                                       f"of its stage ({', '.join(diff[:3])})")
 
     def _canonical_names(self) -> list[str]:
-        counts = self.layer_counts
         names: list[str] = []
         for p in range(self.pp):
             for local in self.headers[(0, p)]["keys"]:
-                if local == HEAD:
+                if local == HEAD or local.endswith("." + HEAD):
                     continue
-                names.append(to_global(local, sum(counts[:p])))
+                names.append(canonical_key(local, self.layout[p]))
+        names.sort(key=_model_order)  # stable: interleaved stages hold non-adjacent layer blocks
         if len(set(names)) != len(names):
             raise CheckpointError(f"checkpoint {self.dir}: stages hold overlapping parameters; "
                                   f"is its num_layers ({self.saved.model.num_layers}) right?")
@@ -196,7 +197,7 @@ class ShardedCheckpoint:
     # ---- tensors -------------------------------------------------------------------------------
     def full(self, name: str, kind: str = "param") -> torch.Tensor:
         """The full canonical tensor `name` (kind: param | master_param | exp_avg | exp_avg_sq)."""
-        p, local = stage_of(name, self.layer_counts)
+        p, local = stage_of(name, self.layout)
         parts = [self._part(t, p, local, kind) for t in range(self.tp)]   # mmapped views
         shapes = {tuple(x.shape) for x in parts}
         if len(shapes) != 1 or len({x.dtype for x in parts}) != 1:
@@ -232,7 +233,7 @@ class ShardedCheckpoint:
 
     def spec(self, name: str, kind: str = "param") -> tuple[tuple[int, ...], torch.dtype]:
         """(full canonical shape, dtype) of a tensor, from file metadata (no data is read)."""
-        p, local = stage_of(name, self.layer_counts)
+        p, local = stage_of(name, self.layout)
         part = self._part(0, p, local, kind)
         shape = list(part.shape)
         dim = tp_partition_dim(name)
@@ -258,7 +259,7 @@ class ShardedCheckpoint:
         """Shard (t, p)'s tensor `local` of `kind`: a view into the memory-mapped file."""
         if kind == "param":
             sf = self.shards[(t, p)]
-            flat = flatten_model_state(sf.state()["model"])
+            flat = flatten_model_states(sf.state())
             if local not in flat:
                 raise CheckpointError(f"checkpoint file {sf.path} lacks model tensor {local}")
             return flat[local]
@@ -277,6 +278,14 @@ class ShardedCheckpoint:
     def release(self) -> None:
         for sf in list(self.shards.values()) + list(self.optim_files.values()):
             sf.release()
+
+
+def _model_order(name: str) -> tuple[int, int]:
+    """Embeddings, then the layers in order, then the final LayerNorm."""
+    m = re.match(r"^language_model\.encoder\.layers\.(\d+)\.", name)
+    if m:
+        return 1, int(m.group(1))
+    return (2, 0) if name.startswith("language_model.encoder.") else (0, 0)
 
 
 def _optim_meta(optim: dict) -> dict:
