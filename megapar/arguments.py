@@ -584,6 +584,9 @@ def _check_zero(ns: argparse.Namespace, gpus: bool) -> None:
         if on and not gpus:
             _fail(f"{flag} moves GPU state to CPU memory, but this run has no CUDA GPU (or uses gloo); "
                   f"drop {flag} on a CPU-only run")
+    if ns.optimizer_cpu_offload and ns.adam_impl == "fused":
+        _fail("--adam-impl fused is csrc's GPU kernel, but --optimizer-cpu-offload steps AdamW on the CPU (torch's "
+              "fused CPU kernel); drop --adam-impl fused or --optimizer-cpu-offload")
     if stage >= 2 and ns.enable_cuda_graph:
         _fail(f"--zero-stage {stage} allocates and frees each layer's {'parameters and ' if stage == 3 else ''}"
               f"gradients during the step, which a CUDA graph cannot replay; use --zero-stage 1 (or 0) with "

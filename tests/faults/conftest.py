@@ -15,6 +15,7 @@ QUICK = {
     "test_faults_checkpoints.py": {"test_save_dir_containing_the_source_is_refused"},        # data loss
     "test_faults_data.py": {"test_wrong_format_merge_file_in_preprocess",                   # tokenizer files,
                             "test_bad_evaluation_file[malformed JSON line]"},               # OpenWebText steps
+    "test_faults_zero.py": {"test_bad_zero_flags_through_the_launcher[param offload below stage 3]"},
     "test_faults_deepspeed.py": {"test_bad_deepspeed_config_through_the_launcher[nvme offload]",  # ds_config.json
                                  "test_bad_estimator_option[--gpu-memory 80XB]"},                 # estimator sizes
     "test_faults_launch.py": {"test_every_range_check_in_process",                          # flags, and
