@@ -3,6 +3,8 @@ export encodes text as megapar's tokenizer does."""
 import json
 import os
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -49,12 +51,12 @@ def test_hf_export_refuses_non_empty_dir(tmp_path, capsys):
 
 
 # ---- the tokenizer beside the model ---------------------------------------------------------------
-from conftest import SHARED_DATA  # noqa: E402
 from ckpt_fixtures import write_hf_gpt2  # noqa: E402
 from megapar.cli import convert_from_hf  # noqa: E402
 from megapar.data.tokenizer import build_tokenizer  # noqa: E402
 from test_golden_checkpoint import _byte_gpt2_files  # noqa: E402
 
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # as tests/conftest.py
 GPT2_DIR, CORPORA = SHARED_DATA / "gpt2", SHARED_DATA / "corpora"
 needs_data = pytest.mark.skipif(not (GPT2_DIR / "encoder.json").is_file() or not CORPORA.is_dir(),
                                 reason=f"needs the GPT-2 BPE files and corpora in {SHARED_DATA}")

@@ -140,7 +140,7 @@ def check_training(args: list[str], world_size: int, cwd: Path | None = None) ->
         os.chdir(cwd or old_cwd)
         with contextlib.redirect_stderr(err):
             parse(args, world_size)
-    except SystemExit as e:
+    except SystemExit:
         raise AssertionError(f"training flags rejected: {err.getvalue().strip()[-2000:]}") from None
     except ConfigError as e:  # flags parsed; a GPU-only combination is refused on a CPU machine, and so is a
         # logger whose optional package (tensorboard, wandb) this machine lacks

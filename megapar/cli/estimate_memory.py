@@ -20,7 +20,7 @@ import sys
 from typing import Optional
 
 from megapar.arguments import ConfigError, _Parser, apply_config_files, build_parser, config_from_namespace
-from megapar.memory_estimate import (GiB, compare_zero, estimate, format_table, host_bytes_per_node, offload_name,
+from megapar.memory_estimate import (compare_zero, estimate, format_table, host_bytes_per_node, offload_name,
                                      parse_size, verdict, zero_stage)
 from megapar.model import set_vocab
 from megapar.recipes import expand_recipes
