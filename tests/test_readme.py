@@ -360,7 +360,8 @@ def test_readme_has_commands():
 @pytest.mark.parametrize("where,commands", BLOCKS, ids=[w for w, _ in BLOCKS])
 def test_commands_work(where, commands, tmp_path):
     """The commands of one block, in order, in one scratch directory (a later command may read
-    what an earlier one wrote)."""
+    what an earlier one wrote). The repository's example configs are there too, as in a checkout."""
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
     for line in commands:
         try:
             check_command(line, tmp_path)
