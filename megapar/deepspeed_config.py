@@ -51,7 +51,8 @@ NOT_ACTED_ON: dict[str, str] = {
     "memory_breakdown": "megapar logs memory after its first iterations anyway",
     "optimizer.params.torch_adam": "--adam-impl chooses the AdamW implementation",
     "zero_optimization.overlap_comm": _OWN_COMMS,
-    "zero_optimization.contiguous_gradients": "megapar's gradients always live in contiguous fp32 buffers (one flat buffer; per-layer buckets and one shard at stages 2-3)",
+    "zero_optimization.contiguous_gradients": "megapar's gradients always live in contiguous fp32 buffers "
+                                              "(one flat buffer; per-layer buckets and one shard at stages 2-3)",
     "zero_optimization.reduce_scatter": "megapar reduce-scatters gradients at --zero-stage >= 1, all-reduces at 0",
     "zero_optimization.reduce_bucket_size": _OWN_COMMS,
     "zero_optimization.allgather_partitions": "megapar all-gathers updated parameters at --zero-stage 1-2",
@@ -70,7 +71,8 @@ NOT_ACTED_ON: dict[str, str] = {
     "zero_optimization.ignore_unused_parameters": "every GPT-2 parameter gets a gradient",
 }
 _OFFLOAD_NOT_ACTED_ON = {
-    "pin_memory": "offloaded masters and gradients are always in pinned CPU memory (the Adam moments, never copied, are not pinned)",
+    "pin_memory": "offloaded masters and gradients are always in pinned CPU memory (the Adam moments, never "
+                  "copied, are not pinned)",
     "buffer_count": "an NVMe setting; megapar offloads to CPU memory only",
     "buffer_size": "an NVMe setting; megapar offloads to CPU memory only",
     "max_in_cpu": "an NVMe setting; megapar offloads to CPU memory only",
