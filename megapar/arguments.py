@@ -584,10 +584,6 @@ def _check_zero(ns: argparse.Namespace, gpus: bool) -> None:
         if on and not gpus:
             _fail(f"{flag} moves GPU state to CPU memory, but this run has no CUDA GPU (or uses gloo); "
                   f"drop {flag} on a CPU-only run")
-    if stage >= 2 and ns.pipeline_model_parallel_size > 1:
-        _fail(f"--zero-stage {stage} with --pipeline-model-parallel-size {ns.pipeline_model_parallel_size} is not "
-              f"supported yet (its per-layer reductions crash beside pipeline transfers on gloo); use --zero-stage 1 "
-              f"with pipeline parallelism, or --pipeline-model-parallel-size 1")
     if ns.optimizer_cpu_offload and ns.adam_impl == "fused":
         _fail("--adam-impl fused is csrc's GPU kernel, but --optimizer-cpu-offload steps AdamW on the CPU (torch's "
               "fused CPU kernel); drop --adam-impl fused or --optimizer-cpu-offload")

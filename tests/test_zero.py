@@ -22,12 +22,16 @@ def serial(embedded_data):
     (2, 2, []), (3, 2, []), (3, 1, []),
     pytest.param(2, 4, [], marks=pytest.mark.slow), pytest.param(3, 4, [], marks=pytest.mark.slow),
     pytest.param(3, 4, ["--tensor-parallel", "2", "--sequence-parallel"], marks=pytest.mark.slow),
+    pytest.param(2, 4, ["--pipeline-parallel", "2"], marks=pytest.mark.slow),
+    pytest.param(3, 4, ["--pipeline-parallel", "2"], marks=pytest.mark.slow),
+    pytest.param(3, 4, ["--pipeline-parallel", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+                 marks=pytest.mark.slow),
     (3, 2, RECOMPUTE), pytest.param(2, 2, RECOMPUTE, marks=pytest.mark.slow),
     pytest.param(3, 4, ["--tensor-parallel", "2"] + RECOMPUTE, marks=pytest.mark.slow),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
 def test_zero_stage_matches_serial(serial, stage, world, extra):
-    """8 iterations of stage 2 / 3 at dp 1, 2 and 4, with tp 2 (and sequence parallelism) and
-    recompute == the (1, 1, 1) plain data-parallel run. (Stages 2-3 with pp > 1 are refused.)"""
+    """8 iterations of stage 2 / 3 at dp 1, 2 and 4, with tp 2 (and sequence parallelism), pp 2 (and
+    the interleaved schedule's chunks) and recompute == the (1, 1, 1) plain data-parallel run."""
     base, reference = serial
     got = losses(run_training(base + ["--zero-stage", str(stage)] + extra, world))
     assert got == pytest.approx(reference, rel=2e-5), (reference, got)

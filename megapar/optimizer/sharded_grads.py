@@ -74,7 +74,7 @@ class ShardedGradBuffer:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._hook(i, b, add_grad=not fuses(p)))
             if b is not self.edge:
-                self._free(b)
+                self._free(b)                  # sets b.live
         for i, layer in enumerate(layers):
             layer.register_forward_hook(self._arm_on_output(i))
         self.tp_summed = [g for p in tp_summed for g in self._owned_views(p)]
@@ -122,11 +122,11 @@ class ShardedGradBuffer:
     def _allocate(self, i: int) -> None:
         """Layer i's backward is about to run: give its bucket memory, zeroed."""
         b = self.buckets[i]
-        if getattr(b, "live", False):
-            return
         for item in [x for x in self.in_flight if x[2] == i]:  # its previous microbatch still travelling
             self.in_flight.remove(item)
-            self._complete(item)
+            self._complete(item)                              # (frees the bucket)
+        if b.live:                                            # already being filled in this backward
+            return
         b.data.untyped_storage().resize_(b.data.numel() * b.data.element_size())
         b.data.zero_()
         b.live, b.pending = True, {id(p) for p in b.params}

@@ -21,8 +21,6 @@ CASES = [  # (id, flags, expected fragments)
     ("stage 0 with the distributed optimizer", ["--zero-stage", "0", "--use-distributed-optimizer"],
      ["--use-distributed-optimizer (= --zero-stage 1) and --zero-stage 0"]),
     ("stage 4", ["--zero-stage", "4"], ["--zero-stage", "invalid choice"]),
-    ("stage 2 with pipeline parallelism", ["--zero-stage", "2", "--pipeline-parallel", "2"],
-     ["--zero-stage 2 with --pipeline-model-parallel-size 2 is not supported yet"]),
 ]
 
 
