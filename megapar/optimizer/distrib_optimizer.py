@@ -93,6 +93,7 @@ class DistributedOptimizer(BaseOptimizer):
                          self._owned_param(pt) if low else None) for pt in self.parts])
         if offload:
             self.step_grads = [self.cpu_grads[pt.lo:pt.hi] for pt in self.parts]
+            self._stream_layer_grads()
         self._reset_moments(step=0)
 
     # ---- layout --------------------------------------------------------------------------
@@ -184,13 +185,42 @@ class DistributedOptimizer(BaseOptimizer):
                 f"on this rank's {where} ({mine / max(full, 1):.3f} of the non-sharded {full / 2**20:.2f} MiB)")
 
     # ---- offload: gradients to the CPU, weights back -------------------------------------------
+    def _stream_layer_grads(self) -> None:
+        """Stages 2-3: copy each layer's gradient shard to the host as soon as the last microbatch's
+        reduction completes it, on a side stream, while backward goes on through the earlier layers.
+        Not with fp16 (the copies would still carry the loss scale) nor with sequence parallelism
+        (`finish()` sums some shard ranges over tp after the layers are done)."""
+        self.streamed: set[int] = set()
+        self.d2h: Optional[torch.cuda.Stream] = None
+        if not hasattr(self.buffer, "on_shard_final") or self.cfg.fp16 or self.buffer.tp_summed:
+            return
+        self.d2h = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.buffer.on_shard_final = self._copy_out
+
+    def _copy_out(self, i: int) -> None:
+        lo, hi, off = self.shards[i]
+        src, dst = self.buffer.owned_grad(lo, hi), self.cpu_grads[off:off + hi - lo]
+        if self.d2h is None:
+            dst.copy_(src)
+        else:
+            self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.d2h):
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(self.d2h)
+        self.streamed.add(i)
+
     def _stage_grads(self) -> None:
-        """Offload: the reduced (unscaled) gradient shard to the CPU for the step."""
+        """Offload: the reduced (unscaled) gradient shard to the CPU for the step (the buckets not
+        already streamed out during backward)."""
         if self.offload:
             for i, (lo, hi, off) in enumerate(self.shards):
-                self.cpu_grads[off:off + hi - lo].copy_(self.buffer.owned_grad(lo, hi), non_blocking=True)
+                if i not in self.streamed:
+                    self.cpu_grads[off:off + hi - lo].copy_(self.buffer.owned_grad(lo, hi), non_blocking=True)
+            self.streamed.clear()
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
+                if self.d2h is not None:
+                    self.d2h.synchronize()
 
     # ---- publish ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -79,6 +79,8 @@ class ShardedGradBuffer:
             layer.register_forward_hook(self._arm_on_output(i))
         self.tp_summed = [g for p in tp_summed for g in self._owned_views(p)]
         self.in_flight: list[tuple] = []
+        self.sync_enabled = True
+        self.on_shard_final: Optional[Callable[[int], None]] = None
 
     # ---- layout ----------------------------------------------------------------------------------
     def _lay_out(self, units: list[list[nn.Parameter]]) -> tuple[list[Bucket], dict[int, tuple[int, int]]]:
@@ -161,6 +163,7 @@ class ShardedGradBuffer:
         if self.dp == 1:
             self._shard_slot(i).add_(b.data)
             self._free(b)
+            self._shard_done(i)
         else:
             b.data.div_(self.dp)
             out = torch.empty_like(self._shard_slot(i))
@@ -174,11 +177,23 @@ class ShardedGradBuffer:
         work.wait()
         self._shard_slot(i).add_(out)
         self._free(self.buckets[i])
+        self._shard_done(i)
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Layers are reduced every microbatch whatever is asked (there is no full buffer to keep)."""
-        yield
+        """Layers are reduced every microbatch whatever is asked (there is no full buffer to keep);
+        outside this block runs the last microbatch, whose reductions complete the shards."""
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = True
+
+    def _shard_done(self, i: int) -> None:
+        """Layer i's shard holds its final gradient when the last microbatch's reduction lands;
+        `on_shard_final(i)` may take it from there (the offloaded optimizer streams it to the host)."""
+        if self.sync_enabled and self.on_shard_final is not None:
+            self.on_shard_final(i)
 
     def start_step(self) -> None:
         self.shard_data.zero_()
