@@ -103,7 +103,7 @@ def _describe(req: search.Request, cal: calibration_.Calibration, calibrated: bo
 
 def _rejected(plan: search.Plan, n: int) -> str:
     """Grouped reasons and the first `n` rejected layouts (those that nearly fit first)."""
-    lines = ["| rejected layouts | reason |", "|---|---|"]
+    lines = ["| rejected layouts | reason (of the one nearest to fitting) |", "|---|---|"]
     lines += [f"| {count} | {reason} |" for reason, count in plan.reasons()]
     near = sorted(plan.rejected, key=lambda c: (c.gpu_bytes is None, c.gpu_bytes or 0.0))[:n]
     if near:
@@ -148,7 +148,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         cal = calibration_.load_calibration(own.gpu, own.calibration)
         plan = search.plan(req, cal)
         if plan.best is None:
-            groups = "; ".join(f"{reason} ({count} layouts)" for reason, count in plan.reasons()[:4])
+            groups = "; ".join(f"{reason} ({count} layout{'s' if count > 1 else ''} like it)"
+                               for reason, count in plan.reasons() if not reason.startswith(search.REDUNDANT))
             raise ConfigError(f"no valid layout: {groups}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -26,6 +25,7 @@ from . import cost
 from .calibration import Calibration
 
 RECOMPUTE = ("none", "selective", "full")
+REDUNDANT = "selective recompute = none with flash attention (no score matrix to recompute)"
 RECOMPUTE_FLAGS = {"none": {}, "selective": {"recompute_granularity": "selective"},
                    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
 
@@ -82,8 +82,13 @@ class Plan:
         return self.accepted[0] if self.accepted else None
 
     def reasons(self) -> list[tuple[str, int]]:
-        """Rejection reasons grouped (numbers replaced by N), most frequent first."""
-        return Counter(re.sub(r"\d+(\.\d+)?", "N", c.reason) for c in self.rejected).most_common()
+        """Rejection reasons grouped (the same text up to its numbers), most frequent first; each group is
+        named by one of its reasons: the layout nearest to fitting, or the first enumerated."""
+        groups: dict[str, list[Candidate]] = {}
+        for c in self.rejected:
+            groups.setdefault(re.sub(r"\d+(\.\d+)?", "N", c.reason), []).append(c)
+        named = [(min(g, key=lambda c: c.gpu_bytes or 0.0).reason, len(g)) for g in groups.values()]
+        return sorted(named, key=lambda rc: -rc[1])
 
 
 def divisors(n: int) -> list[int]:
@@ -119,7 +124,7 @@ def shape_reason(req: Request, lay: cost.Layout) -> Optional[str]:
     if req.global_batch_size % lay.dp:
         return f"global batch not divisible by dp: --global-batch-size {req.global_batch_size}, dp {lay.dp}"
     if lay.recompute == "selective" and req.extra.get("attention_backend", "auto") in ("auto", "flash", "cudnn"):
-        return "selective recompute = none with flash attention (no score matrix to recompute)"
+        return REDUNDANT
     return None
 
 
