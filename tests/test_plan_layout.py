@@ -251,3 +251,17 @@ def test_bad_input_is_one_error_line(argv, match):
         base[flag] = value
     rc, out, err = run_tool([w for kv in base.items() for w in kv])
     assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and match in err, err
+
+
+def test_cpu_adam_rate_is_measured_on_the_cpu():
+    from megapar.planner.measure import cpu_adam
+    assert cpu_adam(numel=100_000) > 0
+
+
+def test_calibrate_refuses_without_a_gpu():
+    import torch
+    from megapar.planner.measure import calibrate
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="--calibrate needs a CUDA GPU; planning works without one"):
+        calibrate("h100")

@@ -21,7 +21,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict
-from typing import Callable
+from typing import Callable, Optional
 
 from ..topology import ConfigError
 from .calibration import DEFAULTS, Calibration, Link
@@ -30,20 +30,25 @@ GEMM_SHAPES = [(2048, 1024, 512), (4096, 1024, 1024), (8192, 1024, 1024), (8192,
                (8192, 6144, 2048), (16384, 8192, 4096), (16384, 16384, 2048)]
 ATTENTION = [(8, 16, 1024, 64), (4, 16, 2048, 128), (2, 32, 2048, 128), (4, 8, 4096, 128)]  # (b, heads, s, d)
 NCCL_SIZES = [64 * 2**10, 2**20, 16 * 2**20, 256 * 2**20]
+NCCL_REPS = {64 * 2**10: 50, 2**20: 50, 16 * 2**20: 20, 256 * 2**20: 5}   # the same on every rank
 
 
-def cuda_seconds(fn: Callable[[], None], min_time: float = 0.05, warmup: int = 3) -> float:
-    """Median seconds of one call of `fn`, timed with CUDA events over at least `min_time` per sample."""
+def cuda_seconds(fn: Callable[[], None], min_time: float = 0.05, warmup: int = 3, reps: Optional[int] = None
+                 ) -> float:
+    """Median of 3 samples of the seconds of one call of `fn`, timed with CUDA events; each sample runs
+    `reps` calls (default: as many as take `min_time`). Collectives must pass `reps`: every rank has to
+    make the same number of calls."""
     import torch
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    reps = max(1, int(min_time / max(start.elapsed_time(end) / 1e3, 1e-6)))
+    if reps is None:
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        reps = max(1, int(min_time / max(start.elapsed_time(end) / 1e3, 1e-6)))
     samples = []
     for _ in range(3):
         start.record()
@@ -138,7 +143,7 @@ def _nccl_worker(rank: int, world: int, port: int, out_path: str) -> None:
                "reduce_scatter": (lambda: dist.reduce_scatter_tensor(shard, full[: shard.numel() * world]), 1.0)}
         for op, (fn, factor) in ops.items():
             dist.barrier()
-            seconds = cuda_seconds(fn, min_time=0.02)
+            seconds = cuda_seconds(fn, reps=NCCL_REPS[size])
             bus = factor * (world - 1) / world * size / seconds / 1e9
             results.append({"op": op, "bytes": size, "group": world, "seconds": seconds, "bus_gbps": bus})
     if world == 2:   # point to point between the two
@@ -150,7 +155,7 @@ def _nccl_worker(rank: int, world: int, port: int, out_path: str) -> None:
             else:
                 dist.recv(x, 0)
         dist.barrier()
-        seconds = cuda_seconds(exchange, min_time=0.05)
+        seconds = cuda_seconds(exchange, reps=10)
         results.append({"op": "p2p", "bytes": x.numel() * 2, "group": 2, "seconds": seconds,
                         "bus_gbps": x.numel() * 2 / seconds / 1e9})
     if rank == 0:
@@ -187,7 +192,7 @@ def calibrate(gpu: str, log: Callable[[str], None] = print) -> Calibration:
         raise ConfigError("--calibrate needs a CUDA GPU; planning works without one")
     from ..throughput import PEAK_BF16_TFLOPS
     name = torch.cuda.get_device_name(0)
-    base = DEFAULTS[gpu]
+    base = DEFAULTS["h200" if "H200" in name else "h100" if "H100" in name else gpu]
     peak = next((p for key, p in PEAK_BF16_TFLOPS.items() if key in name), base.peak_tflops)
     started = time.perf_counter()
     notes = [f"measured on {name} by --calibrate, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
