@@ -30,8 +30,8 @@ a microbatch. Every time is in seconds, for the slowest pipeline stage (the last
                                   every microbatch
                      at intra-node bus bandwidth when the dp group fits in a node (tp d <= GPUs per node),
                      else inter-node; the gradient reduction is hidden behind the backward by dp_overlap
-                     (never more than the backward it runs beside), the parameter all-gather after the step
-                     is not hidden
+                     (never more than the backward it runs beside; with v chunks only the last chunk's 1/v),
+                     the parameter all-gather after the step is not hidden
     optimizer        on the GPU: (30 B x owned + 8 B x local parameters) / HBM bandwidth; CPU offload:
                      owned x 4 B to the host (gradients) + owned x 4 B back (fp32 masters) over PCIe
                      + owned / (CPU AdamW rate / ranks per node), not overlapped (the offloaded step waits)
@@ -250,20 +250,21 @@ def p2p_time(cal: Calibration, model: Model, lay: Layout, cluster: Cluster) -> f
 
 
 def dp_step_comm(cal: Calibration, model: Model, lay: Layout, cluster: Cluster, last_backward: float) -> float:
-    """Exposed data-parallel traffic once per step: ZeRO 0 all-reduce, ZeRO 1 reduce-scatter (both hidden
-    behind the last microbatch's backward by dp_overlap) and the bf16 parameter all-gather after the step
-    (ZeRO 1-2, not hidden; ZeRO-3 gathers in the next forward instead)."""
+    """Exposed data-parallel traffic once per step: ZeRO 0 all-reduce, ZeRO 1 reduce-scatter (hidden
+    behind the last microbatch's backward by dp_overlap; with v model chunks only the last chunk's 1/v of
+    the buckets completes there, the rest is reduced after the schedule), ZeRO 2-3 the edge bucket
+    (embeddings, reduced after the schedule), and the bf16 parameter all-gather after the step (ZeRO 1-2,
+    not hidden; ZeRO-3 gathers in the next forward instead)."""
     if lay.dp == 1:
         return 0.0
     link, n = dp_link(cal, lay, cluster), stage_params(model, lay, last=False)
-    if lay.zero == 0:
-        return exposed(collective(link, "all_reduce", 4 * n, lay.dp), last_backward, cal.dp_overlap)
-    out = 0.0
-    if lay.zero == 1:
-        out += exposed(collective(link, "reduce_scatter", 4 * n, lay.dp), last_backward, cal.dp_overlap)
-    else:  # ZeRO-2/3: the edge bucket (embeddings) is reduced once, after the schedule
+    if lay.zero <= 1:
+        reduce = collective(link, "all_reduce" if lay.zero == 0 else "reduce_scatter", 4 * n, lay.dp)
+        late = reduce * (lay.v - 1) / lay.v
+        out = late + exposed(reduce - late, last_backward, cal.dp_overlap)
+    else:
         edge = n - layer_params(model, lay.tp) * model.num_layers / lay.pp
-        out += collective(link, "reduce_scatter", 4 * edge, lay.dp)
+        out = collective(link, "reduce_scatter", 4 * edge, lay.dp)
     if lay.zero in (1, 2):
         out += collective(link, "all_gather", BF16 * n, lay.dp)
     return out
