@@ -2,7 +2,8 @@
 
 Each command line is checked by what it runs:
   * cheap ones run for real: `--help`, tools/estimate_memory.py, tools/plan_layout.py (and the training command
-    it prints is checked as below; `--calibrate` needs a GPU: parsed only), tools/preprocess_data.py on a small JSON-lines
+    it prints is checked as below; `--calibrate` needs a GPU: parsed, and the default calibration written to its
+    --out for the next command), tools/preprocess_data.py on a small JSON-lines
     file (with the GPT-2 BPE files from ../shared/data), `python -m megapar.data.validate`, modules that take no
     argparse flags, tools/convert_from_hf.py (on a small random GPT-2 folder when --load-dir does not exist);
   * training (`bash scripts/pretrain_gpt2.sh`, `python -m megapar.pretrain_gpt2`) is parsed and validated by
@@ -284,6 +285,9 @@ def check_python(tokens: list[str], cwd: Path) -> None:
     out = run_python(script, args, module=False, parse_only=not real, cwd=cwd)
     if script == "tools/estimate_memory.py":
         assert "tp " in out and "pp " in out, out
+    if script == "tools/plan_layout.py" and "--calibrate" in args:   # stands in for the GPU: the defaults
+        from megapar.planner.calibration import H100
+        (cwd / flag_value(args, "--out")).write_text(H100.to_json())
     if script == "tools/plan_layout.py" and real and "--help" not in args:   # its pick must train
         assert "| tp | pp |" in out, out
         best = next(line for line in out.splitlines() if line.startswith("bash scripts/pretrain_gpt2.sh"))
