@@ -124,7 +124,8 @@ def _build(data: dict, base: Calibration, source: str) -> Calibration:
     known = {f.name for f in fields(Calibration)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"{source}: unknown calibration key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"{source}: unknown calibration key(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
     merged = asdict(base)
     for key, value in data.items():
         if key in ("intra_node", "inter_node"):
@@ -175,5 +176,6 @@ def load_calibration(gpu: str, path: Optional[str]) -> Calibration:
     except UnicodeDecodeError:
         raise ConfigError(f"--calibration {path}: not a text file; give the JSON that --calibrate wrote") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"--calibration {path}: expected a JSON object of calibration keys, got {type(data).__name__}")
+        raise ConfigError(f"--calibration {path}: expected a JSON object of calibration keys, "
+                          f"got {type(data).__name__}")
     return _build(data, base, f"--calibration {path}")

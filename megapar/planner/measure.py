@@ -219,8 +219,9 @@ def calibrate(gpu: str, log: Callable[[str], None] = print) -> Calibration:
     adam = cpu_adam()
     notes.append(f"CPU fused AdamW {adam:.2f} G params/s on {os.cpu_count()} cores")
     notes.append(f"calibration took {time.perf_counter() - started:.0f} s")
-    values = {**asdict(base), "name": name, "peak_tflops": peak, "gemm_tflops": gemms, "attn_fwd_tflops": round(attn_fwd, 1),
-              "attn_bwd_tflops": round(attn_bwd, 1), "hbm_gbps": round(hbm, 1), "pcie_h2d_gbps": round(h2d, 2),
-              "pcie_d2h_gbps": round(d2h, 2), "cpu_adam_gparams_s": round(adam, 3), "notes": notes}
+    values = {**asdict(base), "name": name, "peak_tflops": peak, "gemm_tflops": gemms,
+              "attn_fwd_tflops": round(attn_fwd, 1), "attn_bwd_tflops": round(attn_bwd, 1), "hbm_gbps": round(hbm, 1),
+              "pcie_h2d_gbps": round(h2d, 2), "pcie_d2h_gbps": round(d2h, 2), "cpu_adam_gparams_s": round(adam, 3),
+              "notes": notes}
     values["intra_node"], values["inter_node"] = intra, base.inter_node
     return Calibration(**values)

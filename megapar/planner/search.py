@@ -182,7 +182,8 @@ def evaluate(req: Request, cal: Calibration, lay: cost.Layout) -> Candidate:
         cand.reason = (f"does not fit: needs {gpu / GiB:.1f} GiB, usable {limit / GiB:.1f} GiB of the GPU "
                        f"({100 * req.memory_fraction:.0f}%)")
     elif req.host_memory is not None and host > req.host_memory:
-        cand.reason = f"does not fit: needs {host / GiB:.1f} GiB of host memory per node, has {req.host_memory / GiB:.1f}"
+        cand.reason = (f"does not fit: needs {host / GiB:.1f} GiB of host memory per node, "
+                       f"has {req.host_memory / GiB:.1f}")
     else:
         cand.step = cost.step_time(cal, model_of(req, lay.tp), lay, req.cluster)
     return cand

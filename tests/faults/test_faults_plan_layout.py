@@ -20,8 +20,9 @@ CASES = [  # (id, flags, expected fragments)
     ("heads and layers that no tp or pp divides", ["--gpus", "4", "--num-attention-heads", "3", "--num-layers", "3",
                                                    "--global-batch-size", "2"],
      ["no valid layout", "heads not divisible by tp", "global batch not divisible by dp"]),
-    ("a model that fits nowhere", ["--gpus", "1", "--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads",
-                                   "32", "--seq-length", "2048", "--gpu-memory", "16GB", "--host-memory", "1GB"],
+    ("a model that fits nowhere", ["--gpus", "1", "--num-layers", "32", "--hidden-size", "4096",
+                                   "--num-attention-heads", "32", "--seq-length", "2048", "--gpu-memory", "16GB",
+                                   "--host-memory", "1GB"],
      ["no valid layout", "does not fit"]),
 ]
 
