@@ -1,4 +1,4 @@
-"""Pick a parallel layout: every (tp, pp, v, dp, ZeRO stage, offload, micro-batch, recompute, sequence
+r"""Pick a parallel layout: every (tp, pp, v, dp, ZeRO stage, offload, micro-batch, recompute, sequence
 parallel) for a model on N GPUs, ranked by predicted step time, with the memory estimator's GPU and host
 memory for each and the reason each rejected one was rejected.
 

@@ -139,8 +139,7 @@ def flags(req: Request, lay: cost.Layout) -> dict[str, Any]:
         out.setdefault("bf16", True)
     if req.ffn_hidden_size is not None:
         out["ffn_hidden_size"] = req.ffn_hidden_size
-    if (out.get("max_position_embeddings") or 0) < req.seq_length:
-        out["max_position_embeddings"] = req.seq_length
+    out.setdefault("max_position_embeddings", req.seq_length)
     if lay.v > 1:
         out["virtual_pipeline_model_parallel_size"] = lay.v
     for name, on in (("optimizer_cpu_offload", lay.optimizer_offload), ("param_cpu_offload", lay.param_offload),
