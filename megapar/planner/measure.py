@@ -136,8 +136,8 @@ def _nccl_worker(rank: int, world: int, port: int, out_path: str) -> None:
     results = []
     for size in NCCL_SIZES:
         n = size // 2
-        full = torch.ones(n, device="cuda", dtype=torch.bfloat16)
-        shard = torch.ones(n // world, device="cuda", dtype=torch.bfloat16)
+        full = torch.zeros(n, device="cuda", dtype=torch.bfloat16)   # zeros: repeated sums stay finite
+        shard = torch.zeros(n // world, device="cuda", dtype=torch.bfloat16)
         ops = {"all_reduce": (lambda: dist.all_reduce(full), 2.0),
                "all_gather": (lambda: dist.all_gather_into_tensor(full[: shard.numel() * world], shard), 1.0),
                "reduce_scatter": (lambda: dist.reduce_scatter_tensor(shard, full[: shard.numel() * world]), 1.0)}
@@ -147,7 +147,7 @@ def _nccl_worker(rank: int, world: int, port: int, out_path: str) -> None:
             bus = factor * (world - 1) / world * size / seconds / 1e9
             results.append({"op": op, "bytes": size, "group": world, "seconds": seconds, "bus_gbps": bus})
     if world == 2:   # point to point between the two
-        x = torch.ones(128 * 2**20, device="cuda", dtype=torch.bfloat16)   # 256 MiB
+        x = torch.zeros(128 * 2**20, device="cuda", dtype=torch.bfloat16)   # 256 MiB
 
         def exchange():
             if rank == 0:
