@@ -265,3 +265,12 @@ def test_calibrate_refuses_without_a_gpu():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match="--calibrate needs a CUDA GPU; planning works without one"):
         calibrate("h100")
+
+
+def test_the_collective_measurement_runs_on_gloo():
+    """--calibrate's spawned collective workers, on 2 CPU processes with gloo and small sizes: the same
+    calls on every rank (no hang), results for every op and size, a positive Link."""
+    from megapar.planner.measure import nccl
+    link, notes = nccl(2, backend="gloo", sizes=[4096, 65536], reps={4096: 2, 65536: 2}, p2p_bytes=65536)
+    assert link.bus_gbps > 0 and link.latency_us > 0 and link.p2p_gbps > 0
+    assert len(notes) == 2 * 3 + 1 and all(n.startswith("GLOO ") for n in notes)

@@ -128,26 +128,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _nccl_worker(rank: int, world: int, port: int, out_path: str) -> None:
+def cpu_seconds(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
+    """Median of 3 samples of the wall seconds of one call of `fn` (gloo collectives on CPU)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        samples.append((time.perf_counter() - start) / reps)
+    return statistics.median(samples)
+
+
+def _nccl_worker(rank: int, world: int, port: int, out_path: str, backend: str, sizes: list[int],
+                 reps: dict[int, int], p2p_bytes: int) -> None:
+    """One rank: every collective at every size (the same calls on every rank), then send/recv when
+    world is 2; rank 0 writes the results. backend gloo runs on CPU tensors (tests)."""
     import torch
     import torch.distributed as dist
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    def seconds_of(fn, n):
+        return cuda_seconds(fn, reps=n) if device.type == "cuda" else cpu_seconds(fn, reps=n)
     results = []
-    for size in NCCL_SIZES:
-        n = size // 2
-        full = torch.zeros(n, device="cuda", dtype=torch.bfloat16)   # zeros: repeated sums stay finite
-        shard = torch.zeros(n // world, device="cuda", dtype=torch.bfloat16)
+    for size in sizes:
+        n = size // 2 // world * world
+        full = torch.zeros(n, device=device, dtype=torch.bfloat16)   # zeros: repeated sums stay finite
+        shard = torch.zeros(n // world, device=device, dtype=torch.bfloat16)
         ops = {"all_reduce": (lambda: dist.all_reduce(full), 2.0),
-               "all_gather": (lambda: dist.all_gather_into_tensor(full[: shard.numel() * world], shard), 1.0),
-               "reduce_scatter": (lambda: dist.reduce_scatter_tensor(shard, full[: shard.numel() * world]), 1.0)}
+               "all_gather": (lambda: dist.all_gather_into_tensor(full, shard), 1.0),
+               "reduce_scatter": (lambda: dist.reduce_scatter_tensor(shard, full), 1.0)}
         for op, (fn, factor) in ops.items():
             dist.barrier()
-            seconds = cuda_seconds(fn, reps=NCCL_REPS[size])
+            seconds = seconds_of(fn, reps[size])
             bus = factor * (world - 1) / world * size / seconds / 1e9
             results.append({"op": op, "bytes": size, "group": world, "seconds": seconds, "bus_gbps": bus})
     if world == 2:   # point to point between the two
-        x = torch.zeros(128 * 2**20, device="cuda", dtype=torch.bfloat16)   # 256 MiB
+        x = torch.zeros(p2p_bytes // 2, device=device, dtype=torch.bfloat16)
 
         def exchange():
             if rank == 0:
@@ -155,9 +176,9 @@ def _nccl_worker(rank: int, world: int, port: int, out_path: str) -> None:
             else:
                 dist.recv(x, 0)
         dist.barrier()
-        seconds = cuda_seconds(exchange, reps=10)
-        results.append({"op": "p2p", "bytes": x.numel() * 2, "group": 2, "seconds": seconds,
-                        "bus_gbps": x.numel() * 2 / seconds / 1e9})
+        seconds = seconds_of(exchange, 10)
+        results.append({"op": "p2p", "bytes": p2p_bytes, "group": 2, "seconds": seconds,
+                        "bus_gbps": p2p_bytes / seconds / 1e9})
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -165,24 +186,29 @@ def _nccl_worker(rank: int, world: int, port: int, out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def nccl(gpus: int) -> tuple[Link, list[str]]:
-    """The intra-node Link from spawned NCCL workers over 2 and `gpus` GPUs."""
+def nccl(gpus: int, backend: str = "nccl", sizes: Optional[list[int]] = None, reps: Optional[dict[int, int]] = None,
+         p2p_bytes: int = 256 * 2**20) -> tuple[Link, list[str]]:
+    """The intra-node Link from spawned workers over 2 and `gpus` GPUs: bus bandwidth = the slowest
+    collective at the largest size over the most GPUs, latency = the slowest smallest all-reduce,
+    p2p = the send/recv rate between two."""
     import torch.multiprocessing as mp
+    sizes, reps = sizes or NCCL_SIZES, reps or NCCL_REPS
     results = []
     for world in sorted({2, gpus}):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "nccl.json")
-            mp.spawn(_nccl_worker, args=(world, _free_port(), path), nprocs=world, join=True)
+            mp.spawn(_nccl_worker, args=(world, _free_port(), path, backend, sizes, reps, p2p_bytes), nprocs=world,
+                     join=True)
             with open(path) as f:
                 results += json.load(f)
-    largest = [r for r in results if r["bytes"] == NCCL_SIZES[-1] and r["op"] != "p2p"]
+    largest = [r for r in results if r["bytes"] == sizes[-1] and r["op"] != "p2p"]
     bus = min(r["bus_gbps"] for r in largest if r["group"] == max(x["group"] for x in largest))
-    small = [r for r in results if r["bytes"] == NCCL_SIZES[0] and r["op"] == "all_reduce"]
+    small = [r for r in results if r["bytes"] == sizes[0] and r["op"] == "all_reduce"]
     latency = max(r["seconds"] for r in small) * 1e6
     p2p = [r["bus_gbps"] for r in results if r["op"] == "p2p"]
-    notes = [f"NCCL {r['op']} {r['bytes'] / 2**20:g} MiB over {r['group']}: {r['seconds'] * 1e6:.0f} us, "
-             f"{r['bus_gbps']:.0f} GB/s" for r in results]
-    return Link(bus_gbps=round(bus, 1), latency_us=round(latency, 1), p2p_gbps=round(p2p[0] if p2p else bus, 1)), notes
+    notes = [f"{backend.upper()} {r['op']} {r['bytes'] / 2**20:g} MiB over {r['group']}: {r['seconds'] * 1e6:.0f} us, "
+             f"{r['bus_gbps']:.1f} GB/s" for r in results]
+    return Link(bus_gbps=round(bus, 3), latency_us=round(latency, 1), p2p_gbps=round(p2p[0] if p2p else bus, 3)), notes
 
 
 def calibrate(gpu: str, log: Callable[[str], None] = print) -> Calibration:
