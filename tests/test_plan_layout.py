@@ -274,3 +274,28 @@ def test_the_collective_measurement_runs_on_gloo():
     link, notes = nccl(2, backend="gloo", sizes=[4096, 65536], reps={4096: 2, 65536: 2}, p2p_bytes=65536)
     assert link.bus_gbps > 0 and link.latency_us > 0 and link.p2p_gbps > 0
     assert len(notes) == 2 * 3 + 1 and all(n.startswith("GLOO ") for n in notes)
+
+
+def test_calibrate_writes_a_calibration_that_plans(tmp_path, monkeypatch):
+    """--calibrate's assembly and file, with the GPU measurements stubbed (this machine may have no GPU)."""
+    import torch
+    from megapar.planner import measure
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(measure, "gemm_table", lambda: ([[2.0, 400.0], [200.0, 700.0]], ["GEMM ..."]))
+    monkeypatch.setattr(measure, "attention", lambda: (300.0, 250.0, ["attention ..."]))
+    monkeypatch.setattr(measure, "hbm_gbps", lambda: 4000.0)
+    monkeypatch.setattr(measure, "pcie", lambda: (50.0, 48.0))
+    monkeypatch.setattr(measure, "nccl", lambda gpus: (calibration.Link(350.0, 12.0, 300.0), [f"NCCL over {gpus}"]))
+    monkeypatch.setattr(measure, "cpu_adam", lambda: 5.0)
+    out = tmp_path / "calib.json"
+    rc, stdout, _ = run_tool(["--calibrate", "--out", str(out)])
+    assert rc == 0 and f"wrote {out}" in stdout and "NCCL over 8" in stdout
+    cal = calibration.load_calibration("h100", str(out))
+    assert (cal.name, cal.hbm_gbps, cal.intra_node.bus_gbps, cal.cpu_adam_gparams_s) == ("NVIDIA H200", 4000.0, 350.0,
+                                                                                         5.0)
+    assert cal.inter_node == calibration.H200.inter_node and cal.dp_overlap == calibration.H200.dp_overlap
+    rc, stdout, _ = run_tool(["--num-layers", "4", "--hidden-size", "96", "--num-attention-heads", "4", "--seq-length",
+                              "64", "--global-batch-size", "8", "--gpus", "2", "--calibration", str(out)])
+    assert rc == 0 and "cost model: NVIDIA H200" in stdout and "uncalibrated" not in stdout
