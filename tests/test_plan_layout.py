@@ -243,6 +243,7 @@ def test_the_tool_prints_the_table_and_a_command_training_accepts():
     (["--gpus", "4", "--num-attention-heads", "3", "--num-layers", "3", "--global-batch-size", "2"],
      "no valid layout: "),
     (["--gpus", "2", "--calibration", "/nonexistent/calib.json"], "cannot read it"),
+    (["--gpus", "12", "--gpus-per-node", "8"], "--gpus 12 is not a multiple of --gpus-per-node 8"),
 ])
 def test_bad_input_is_one_error_line(argv, match):
     base = dict(zip(["--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--global-batch-size"],

@@ -75,6 +75,11 @@ def _request(own: argparse.Namespace, extra: dict) -> search.Request:
         value = getattr(own, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {value} must be >= 1")
+    per_node = own.gpus_per_node or min(own.gpus, 8)
+    if own.gpus > per_node and own.gpus % per_node:
+        raise ConfigError(f"--gpus {own.gpus} is not a multiple of --gpus-per-node {per_node}: the launcher starts "
+                          f"the same number of processes on every node; use {own.gpus // per_node * per_node} or "
+                          f"{-(-own.gpus // per_node) * per_node} GPUs")
     if own.show_rejected < 0:
         raise ConfigError(f"--show-rejected {own.show_rejected} must be >= 0")
     if not 0 < own.memory_fraction <= 1:
@@ -86,7 +91,7 @@ def _request(own: argparse.Namespace, extra: dict) -> search.Request:
     gpu_memory = parse_size(own.gpu_memory or GPU_MEMORY[own.gpu], "--gpu-memory")
     host_memory = parse_size(own.host_memory, "--host-memory") if own.host_memory is not None else None
     return search.Request(own.num_layers, own.hidden_size, own.num_attention_heads, own.seq_length,
-                          own.global_batch_size, own.gpus, own.gpus_per_node or min(own.gpus, 8), gpu_memory,
+                          own.global_batch_size, own.gpus, per_node, gpu_memory,
                           host_memory, own.ffn_hidden_size, own.vocab_size, own.max_micro_batch,
                           own.memory_fraction, extra)
 
