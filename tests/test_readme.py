@@ -1,7 +1,9 @@
 """Every command in the README's (and docs/guide.md's) ```bash blocks works as written.
 
 Each command line is checked by what it runs:
-  * cheap ones run for real: `--help`, tools/estimate_memory.py, tools/preprocess_data.py on a small JSON-lines
+  * cheap ones run for real: `--help`, tools/estimate_memory.py, tools/plan_layout.py (and the training command
+    it prints is checked as below; `--calibrate` needs a GPU: parsed, and the default calibration written to its
+    --out for the next command), tools/preprocess_data.py on a small JSON-lines
     file (with the GPT-2 BPE files from ../shared/data), `python -m megapar.data.validate`, modules that take no
     argparse flags, tools/convert_from_hf.py (on a small random GPT-2 folder when --load-dir does not exist);
   * training (`bash scripts/pretrain_gpt2.sh`, `python -m megapar.pretrain_gpt2`) is parsed and validated by
@@ -261,7 +263,7 @@ def check_convert_from_hf(args: list[str], cwd: Path) -> None:
     run_python("tools/convert_from_hf.py", args, module=False, parse_only=False, cwd=cwd)
 
 
-REAL_TOOLS = {"tools/estimate_memory.py"}   # cheap: run for real
+REAL_TOOLS = {"tools/estimate_memory.py", "tools/plan_layout.py"}   # cheap: run for real (not --calibrate: GPU)
 
 
 def check_python(tokens: list[str], cwd: Path) -> None:
@@ -279,10 +281,17 @@ def check_python(tokens: list[str], cwd: Path) -> None:
         return check_preprocess(args, cwd)
     if script == "tools/convert_from_hf.py":
         return check_convert_from_hf(args, cwd)
-    real = script in REAL_TOOLS or "--help" in args
+    real = (script in REAL_TOOLS and "--calibrate" not in args) or "--help" in args
     out = run_python(script, args, module=False, parse_only=not real, cwd=cwd)
     if script == "tools/estimate_memory.py":
         assert "tp " in out and "pp " in out, out
+    if script == "tools/plan_layout.py" and "--calibrate" in args:   # stands in for the GPU: the defaults
+        from megapar.planner.calibration import H100
+        (cwd / flag_value(args, "--out")).write_text(H100.to_json())
+    if script == "tools/plan_layout.py" and real and "--help" not in args:   # its pick must train
+        assert "| tp | pp |" in out, out
+        best = next(line for line in out.splitlines() if line.startswith("bash scripts/pretrain_gpt2.sh"))
+        check_pretrain_script(shlex.split(best)[2:], (ROOT / "scripts/pretrain_gpt2.sh").read_text(), cwd)
 
 
 def check_bash(tokens: list[str], env: dict, cwd: Path) -> None:
@@ -383,6 +392,9 @@ def test_commands_work(where, commands, tmp_path):
     "sbatch --nodes 2 --gpus-per-node 3 scripts/slurm_pretrain_gpt2.sbatch --tensor-parallel 4",
     "python tools/preprocess_data.py --input docs.jsonl --output-prefix x --vocab-file v --merge-file m",
     "python tools/estimate_memory.py --world-size 4 --tensor-parallel 2 --micro-batch 8 --global-batch-size 6",
+    "python tools/plan_layout.py --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+    "--global-batch-size 8 --gpus 2 --gpu-memmory 80GB",
+    "python tools/plan_layout.py --calibrate --out calib.json --gpu h300",
     "megapar-checkpoint-util --load-dir a --save-dir b --to-fulll",
     "megapar-no-such-tool --help",
     "curl http://localhost:5000/api",

@@ -1,0 +1,181 @@
+"""The machine constants of the layout planner's cost model, and their defaults for H100 and H200.
+
+The defaults are PLACEHOLDERS until `python tools/plan_layout.py --calibrate --out calib.json` has been
+run on the machine that will train (then pass `--calibration calib.json`). Each number was taken from a
+measurement in docs/performance.md where one exists, otherwise from a datasheet:
+
+    peak_tflops           989: dense bf16 tensor-core peak of H100 / H200 SXM (megapar/throughput.py)
+    gemm_tflops           GEMM throughput by GEMM size (GFLOP of one GEMM -> TFLOP/s): ~680 TFLOP/s at the
+                          GPT-2 345M shapes (17-69 GFLOP GEMMs, profile of the graphed 345M step on one H100:
+                          GEMMs 25.6 ms for 17.4 TFLOP); 664 at the tp 2 shapes (2x H200 profile: 13.1 ms for
+                          8.7 TFLOP); smaller and larger sizes extrapolated (small GEMMs lose efficiency,
+                          the 1.3B shape reached 53% MFU on one H200)
+    attn_fwd_tflops       270 / 210 (backward): cuDNN SDPA, head dim 64, causal FLOPs counted (345M profile)
+    hbm_gbps              2970: measured copy bandwidth of an H100 (read + write, gpu_kernel_checks);
+                          H200: scaled by the datasheet ratio 4.8 / 3.35 TB/s
+    intra_node            NVLink: NCCL 16 MB all-reduce at tp 2 on 2x H200 in 77 us, ~260 GB/s each way
+                          ("NCCL is already at this link's speed"); latency fitted as the rest (~15 us)
+    inter_node            not measured (only single-node machines were lent): 400 Gb/s InfiniBand NDR per
+                          GPU, ~45 GB/s bus bandwidth, 30 us latency
+    pcie_*_gbps           not measured: PCIe Gen5 x16 pinned copies, ~25 GB/s each way (a conservative half of
+                          the link)
+    cpu_adam_gparams_s    4.31 G parameters/s: torch's fused CPU AdamW on the H100 machine's 16 cores
+                          (benchmarks/bench_cpu_adam.py); shared by the GPUs of a node
+    elementwise bytes     LayerNorm/residual/dropout (14 B per s·b·h element, replicated over TP unless
+                          sequence parallel) + GELU and the rest (16 B, split over TP), forward; backward 2x;
+                          chosen so that the 345M step's compiled elementwise kernels come out at the
+                          profiled 6.9 ms (with the loss: 8 B per logit)
+    optimizer bytes       30 B per owned parameter (the fused AdamW: masters, moments, bf16 params) + 8 B per
+                          local parameter (grad zeroing, norm): 4.6 ms for 355M parameters as profiled
+    tp_bwd_overlap        0.4: the backward all-reduces behind the weight-gradient GEMMs took 1.4 of ~3.7 ms
+    dp_overlap            0.5: 345M dp 4 ZeRO-1 on 4x H200 (52.9 ms against 50.4 ms on one GPU, with the
+                          optimizer step 4x smaller): about half the gradient reduce-scatter is hidden
+    layer_overhead_ms     0.2 per layer and microbatch: launch gaps, 345M compiled without a CUDA graph
+                          (52.1 ms) against graphed (47.2 ms), 24 layers
+    zero2/3 overheads     per layer and microbatch: 345M at dp 1 on one H100, ZeRO-2 +15.4 ms and ZeRO-3
+                          +27.3 ms against ZeRO-1 (103.3 ms), 24 layers, 1 microbatch
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Optional
+
+from ..topology import ConfigError
+
+
+@dataclass
+class Link:
+    """One kind of interconnect: NCCL bus bandwidth (GB/s, as nccl-tests define it: an all-reduce of S
+    bytes over g ranks takes latency + 2 (g - 1) / g · S / bus, an all-gather or reduce-scatter
+    latency + (g - 1) / g · S / bus) and point-to-point bandwidth (GB/s, S / p2p)."""
+    bus_gbps: float
+    latency_us: float
+    p2p_gbps: float
+
+
+@dataclass
+class Calibration:
+    """Every constant the cost model uses (see the module docstring for where the defaults come from)."""
+    name: str
+    peak_tflops: float
+    gemm_tflops: list[list[float]]           # [[GFLOP of one GEMM, TFLOP/s], ...], ascending
+    attn_fwd_tflops: float                    # causal flash attention, causal FLOPs counted
+    attn_bwd_tflops: float
+    hbm_gbps: float                           # bytes moved (read + write) per second, GB/s
+    intra_node: Link
+    inter_node: Link
+    pcie_h2d_gbps: float
+    pcie_d2h_gbps: float
+    cpu_adam_gparams_s: float                 # one node's CPU, all cores
+    elementwise_replicated_bytes: float = 14.0   # per s·b·h element and layer, forward
+    elementwise_split_bytes: float = 16.0        # per s·b·h element and layer, forward (÷ tp)
+    loss_bytes_per_logit: float = 8.0            # forward + backward of the fused cross entropy
+    optimizer_bytes_owned: float = 30.0
+    optimizer_bytes_local: float = 8.0
+    tp_bwd_overlap: float = 0.4
+    dp_overlap: float = 0.5
+    offload_overlap: float = 0.5                 # stage-3 parameter fetches from the host behind compute
+    layer_overhead_ms: float = 0.2
+    microbatch_overhead_ms: float = 0.5
+    step_overhead_ms: float = 1.0
+    zero2_layer_overhead_ms: float = 0.64
+    zero3_layer_overhead_ms: float = 1.14
+    notes: list[str] = field(default_factory=list)
+
+    def gemm_efficiency(self, gflop: float) -> float:
+        """TFLOP/s of a GEMM of `gflop` GFLOP: log-linear interpolation in the table, clamped at its ends."""
+        table = self.gemm_tflops
+        if gflop <= table[0][0]:
+            return table[0][1] * max(gflop / table[0][0], 0.05)   # very small GEMMs: latency-bound
+        for (x0, y0), (x1, y1) in zip(table, table[1:]):
+            if gflop <= x1:
+                w = (math.log(gflop) - math.log(x0)) / (math.log(x1) - math.log(x0))
+                return y0 + w * (y1 - y0)
+        return table[-1][1]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+H100 = Calibration(
+    name="H100 SXM 80GB (placeholder defaults: run --calibrate)",
+    peak_tflops=989.0,
+    gemm_tflops=[[1.0, 300.0], [4.0, 500.0], [16.0, 640.0], [64.0, 690.0], [256.0, 730.0], [1024.0, 750.0]],
+    attn_fwd_tflops=270.0, attn_bwd_tflops=210.0,
+    hbm_gbps=2970.0,
+    intra_node=Link(bus_gbps=260.0, latency_us=15.0, p2p_gbps=200.0),
+    inter_node=Link(bus_gbps=45.0, latency_us=30.0, p2p_gbps=45.0),
+    pcie_h2d_gbps=25.0, pcie_d2h_gbps=25.0,
+    cpu_adam_gparams_s=4.31,
+)
+
+H200 = Calibration(**{**asdict(H100), "name": "H200 SXM 141GB (placeholder defaults: run --calibrate)",
+                      "hbm_gbps": 2970.0 * 4.8 / 3.35,
+                      "intra_node": H100.intra_node, "inter_node": H100.inter_node})
+
+DEFAULTS = {"h100": H100, "h200": H200}
+
+
+def _build(data: dict, base: Calibration, source: str) -> Calibration:
+    """`base` with the keys of `data` replaced (links merged key by key); ConfigError on unknown keys or
+    values that are not positive numbers."""
+    known = {f.name for f in fields(Calibration)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{source}: unknown calibration key(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
+    merged = asdict(base)
+    for key, value in data.items():
+        if key in ("intra_node", "inter_node"):
+            if not isinstance(value, dict) or set(value) - {"bus_gbps", "latency_us", "p2p_gbps"}:
+                raise ConfigError(f"{source}: {key} must be an object with bus_gbps, latency_us, p2p_gbps")
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    try:
+        cal = Calibration(**{**merged, "intra_node": Link(**merged["intra_node"]),
+                             "inter_node": Link(**merged["inter_node"])})
+        _check(cal)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return cal
+
+
+def _check(cal: Calibration) -> None:
+    """Every number positive and finite, the GEMM table ascending pairs."""
+    numbers = {f.name: getattr(cal, f.name) for f in fields(cal) if f.name not in ("name", "notes", "gemm_tflops",
+                                                                                   "intra_node", "inter_node")}
+    for link in ("intra_node", "inter_node"):
+        numbers.update({f"{link}.{k}": v for k, v in asdict(getattr(cal, link)).items()})
+    for key, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{key} must be a non-negative number, got {value!r}")
+    table = cal.gemm_tflops
+    if (not isinstance(table, list) or not table or any(not isinstance(r, list) or len(r) != 2 for r in table)
+            or any(not all(isinstance(x, (int, float)) and x > 0 for x in r) for r in table)
+            or any(a[0] >= b[0] for a, b in zip(table, table[1:]))):
+        raise ValueError("gemm_tflops must be a list of [GFLOP, TFLOP/s] pairs of positive numbers, GFLOP ascending")
+
+
+def load_calibration(gpu: str, path: Optional[str]) -> Calibration:
+    """The defaults of `gpu` (h100, h200), overridden by the JSON file at `path` when given (a file written
+    by --calibrate, or a hand-written subset of keys). ConfigError (one line) for a file that cannot be
+    read or is not a calibration."""
+    base = DEFAULTS[gpu]
+    if path is None:
+        return base
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"--calibration {path}: cannot read it ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--calibration {path}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--calibration {path}: not a text file; give the JSON that --calibrate wrote") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--calibration {path}: expected a JSON object of calibration keys, "
+                          f"got {type(data).__name__}")
+    return _build(data, base, f"--calibration {path}")

@@ -1,0 +1,6 @@
+"""Rank parallel layouts by predicted step time (same as `megapar-plan-layout`); the code is megapar/cli/plan_layout.py."""
+import sys
+from megapar.cli.plan_layout import main
+
+if __name__ == "__main__":
+    sys.exit(main())
