@@ -1,0 +1,245 @@
+"""--fp8-format (megapar/fp8.py): refusals before any process group; on CPU, the fp8 layers through
+torchao's emulated GEMMs (fp8 casts, high-precision matmuls): gradients close to bf16, the weight's
+gradient on the unfused path, per-TP-shard scales, bf16 state dicts. GPU: fp8 runs train like bf16."""
+from __future__ import annotations
+
+import importlib.util
+import io
+
+import pytest
+import torch
+
+from gpt_helpers import batch, tiny_model_config
+from gpu_runs import SAVE_AT, TRAIN_ITERS, Run, after, assert_close, uses
+from megapar.arguments import ConfigError, config_from_namespace, parse_flags
+
+TORCHAO = importlib.util.find_spec("torchao") is not None
+needs_torchao = pytest.mark.skipif(not TORCHAO, reason="torchao not installed (pip install -e .[fp8])")
+FP8 = ["--fp8-format", "hybrid", "--bf16", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+       "4", "--seq-length", "64", "--micro-batch-size", "2"]
+
+
+def _parse(argv, world_size=1, gpus=True):
+    return config_from_namespace(parse_flags(argv), world_size, assume_gpus=gpus)
+
+
+def _refused(argv, *fragments, world_size=1, gpus=True):
+    with pytest.raises(ConfigError) as e:
+        _parse(argv, world_size, gpus)
+    msg = str(e.value)
+    assert "\n" not in msg and all(f in msg for f in fragments), msg
+    return msg
+
+
+# ---- validation -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, fragments", [
+    (["--fp16"], ["--fp16 and --bf16 were both given"]),
+    (["--hidden-size", "72", "--num-attention-heads", "4"], ["multiples of 16", "--hidden-size 72"]),
+    (["--ffn-hidden-size", "200"], ["multiples of 16", "--ffn-hidden-size 200"]),
+    (["--seq-length", "63", "--micro-batch-size", "1"], ["multiples of 16", "tokens per GEMM"]),
+    (["--tensor-model-parallel-size", "8", "--num-attention-heads", "8"],
+     ["--hidden-size 64 / --tensor-model-parallel-size 8 = 8"]),
+    (["--fp8-recipe", "rowwise"], ["--fp8-recipe rowwise", "use --fp8-format e4m3"]),
+    (["--distributed-backend", "gloo"], ["no CUDA GPU (or uses gloo)"]),
+])
+def test_bad_fp8_settings_are_refused_in_one_line(extra, fragments, monkeypatch):
+    monkeypatch.setattr("megapar.arguments._gpu_capability", lambda: (9, 0))
+    monkeypatch.setattr("megapar.fp8.torchao_installed", lambda: True)
+    world = 8 if "--tensor-model-parallel-size" in extra else 1
+    _refused(FP8 + extra, *fragments, world_size=world)
+
+
+def test_fp8_without_bf16_is_refused():
+    argv = [a for a in FP8 if a != "--bf16"]
+    _refused(argv, "--fp8-format hybrid needs --bf16")
+    _refused(argv + ["--fp16"], "not --fp16", "use --bf16 instead of --fp16")
+
+
+def test_fp8_on_a_cpu_run_is_refused():
+    _refused(FP8, "no CUDA GPU", "drop --fp8-format", gpus=torch.cuda.is_available())
+
+
+def test_fp8_on_a_gpu_without_fp8_is_refused(monkeypatch):
+    monkeypatch.setattr("megapar.fp8.torchao_installed", lambda: True)
+    monkeypatch.setattr("megapar.arguments._gpu_capability", lambda: (8, 0))   # A100
+    _refused(FP8, "compute capability >= 8.9", "this one is 8.0")
+    monkeypatch.setattr("megapar.arguments._gpu_capability", lambda: (8, 9))   # L4 / RTX 4090
+    assert _parse(FP8).model.fp8_format == "hybrid"
+
+
+def test_fp8_without_torchao_is_refused(monkeypatch):
+    monkeypatch.setattr("megapar.arguments._gpu_capability", lambda: (9, 0))
+    monkeypatch.setattr("megapar.fp8.torchao_installed", lambda: False)
+    _refused(FP8, "needs the torchao package", "pip install torchao")
+
+
+def test_fp8_recipe_needs_a_format_and_defaults_to_tensorwise(monkeypatch):
+    _refused(["--fp8-recipe", "rowwise"], "--fp8-recipe rowwise is a setting of the fp8 GEMMs")
+    monkeypatch.setattr("megapar.arguments._gpu_capability", lambda: (9, 0))
+    monkeypatch.setattr("megapar.fp8.torchao_installed", lambda: True)
+    cfg = _parse(FP8)
+    assert (cfg.model.fp8_format, cfg.model.fp8_recipe) == ("hybrid", "tensorwise")
+    cfg = _parse(FP8[:1] + ["e4m3"] + FP8[2:] + ["--fp8-recipe", "rowwise"])
+    assert (cfg.model.fp8_format, cfg.model.fp8_recipe) == ("e4m3", "rowwise")
+
+
+def test_generation_turns_fp8_off():
+    from megapar.generation import inference_config
+    cfg = tiny_model_config(["--bf16"]).model
+    cfg.fp8_format = "hybrid"
+    assert inference_config(cfg, torch.device("cpu")).fp8_format is None
+
+
+# ---- the fp8 layers on CPU (torchao's emulation) -------------------------------------------------------
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@needs_torchao
+@pytest.mark.parametrize("fmt, recipe", [("hybrid", "tensorwise"), ("e4m3", "tensorwise"), ("e4m3", "rowwise")])
+def test_fp8_formats_map_to_torchao_dtypes(fmt, recipe):
+    from megapar.fp8 import fp8_gemm
+    c = fp8_gemm(fmt, recipe).config
+    assert c.cast_config_input.target_dtype == c.cast_config_weight.target_dtype == torch.float8_e4m3fn
+    grad = torch.float8_e5m2 if fmt == "hybrid" else torch.float8_e4m3fn
+    assert c.cast_config_grad_output.target_dtype == c.cast_config_grad_output_for_grad_weight.target_dtype == grad
+    assert c.cast_config_weight.scaling_granularity.value == ("tensorwise" if recipe == "tensorwise" else "axiswise")
+
+
+@needs_torchao
+@pytest.mark.parametrize("layer", ["column", "row"])
+def test_fp8_linear_matches_bf16_and_takes_the_unfused_weight_gradient(layer):
+    from megapar.fp8 import fp8_gemm
+    from megapar.tensor_parallel.layers import ColumnParallelLinear, Init, RowParallelLinear
+    cls = ColumnParallelLinear if layer == "column" else RowParallelLinear
+    kw = dict(dtype=torch.bfloat16, fused_grad_accumulation=True)
+    ref, fp8 = (cls(64, 128, Init(1, "w"), **kw, fp8=f) for f in (None, fp8_gemm("hybrid", emulate=True)))
+    assert ref.weight.fused_grad_accumulation and not fp8.weight.fused_grad_accumulation
+    assert fp8.bias.fused_grad_accumulation        # the bias keeps the fused path (add_bias)
+    with torch.no_grad():
+        ref.bias.normal_()
+        fp8.bias.copy_(ref.bias)
+    x = torch.randn(32, 2, 64, dtype=torch.bfloat16)
+    outs, grads = [], []
+    for m in (ref, fp8):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        y.float().square().sum().backward()
+        outs.append(y)
+        grads.append((xi.grad, m.weight.grad, m.bias.grad))
+    assert outs[1].dtype == torch.bfloat16
+    assert _rel(outs[1], outs[0]) < 0.08
+    for g_fp8, g_ref in zip(grads[1], grads[0]):
+        assert g_fp8.dtype == torch.bfloat16 and _rel(g_fp8, g_ref) < 0.15
+
+
+@needs_torchao
+def test_each_tp_shard_is_scaled_by_its_own_amax():
+    """Column-parallel tp 2: rank r's GEMM uses the scale of its own weight shard (local by design):
+    its output is exactly what one fp8 GEMM of that shard alone gives, and the shards' scales differ."""
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    from megapar.fp8 import fp8_gemm, weight_scale
+    from megapar.tensor_parallel.layers import ColumnParallelLinear, Init
+    fp8 = fp8_gemm("hybrid", emulate=True)
+    full = ColumnParallelLinear(64, 128, Init(1, "w"), dtype=torch.bfloat16, fp8=fp8, bias=False)
+    with torch.no_grad():
+        full.weight[64:] *= 8          # rank 1's shard has 8x the amax of rank 0's
+    shards = full.weight.detach().chunk(2, dim=0)
+    scales = [weight_scale(w, fp8) for w in shards]
+    assert scales[0].item() == pytest.approx(8 * scales[1].item(), rel=0.02)
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    e4m3 = torch.float8_e4m3fn
+
+    def dequant(t, scale):
+        return (t.float() * scale).clamp(-448, 448).to(e4m3).float() / scale
+
+    sx = tensor_to_scale(x, e4m3)
+    for w, s in zip(shards, scales):
+        shard = ColumnParallelLinear(64, 64, Init(1, "w"), dtype=torch.bfloat16, fp8=fp8, bias=False)
+        with torch.no_grad():
+            shard.weight.copy_(w)
+        expected = (dequant(x, sx) @ dequant(w, s).t()).to(torch.bfloat16)
+        torch.testing.assert_close(shard(x), expected, rtol=1e-2, atol=1e-2)
+    # rank 0 with the full weight's (rank 1's) scale would round its small weights more coarsely
+    coarse = (dequant(x, sx) @ dequant(shards[0], scales[1]).t())
+    exact = x.float() @ shards[0].float().t()
+    local = (dequant(x, sx) @ dequant(shards[0], scales[0]).t())
+    assert _rel(local, exact) < _rel(coarse, exact)
+
+
+@needs_torchao
+def test_fp8_model_trains_close_to_bf16_and_saves_bf16_weights():
+    from megapar.model.gpt2 import GPT2Model, Stage
+    cfgs = []
+    for fmt in (None, "hybrid"):
+        cfg = tiny_model_config(["--bf16", "--hidden-size", "64", "--hidden-dropout", "0",
+                                 "--attention-dropout", "0"]).model
+        cfg.fp8_format = fmt
+        cfgs.append(cfg)
+    models = [GPT2Model(c, Stage.of(c.num_layers, 1, 0), seed=3, dtype=torch.bfloat16) for c in cfgs]
+    tokens, labels = batch(b=2, s=16)
+    pos = torch.arange(16).expand(2, 16)
+    losses = []
+    for m in models:
+        loss = m(tokens, pos, labels).float().mean()
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=0.01)
+    ref, fp8 = (dict(m.named_parameters()) for m in models)
+    for name, p in fp8.items():
+        assert p.grad is not None and _rel(p.grad, ref[name].grad) < 0.25, name
+    # the state dict is the bf16 model's: same keys, dtypes and tensors, nothing fp8 in it
+    state = models[1].state_dict()
+    assert state.keys() == models[0].state_dict().keys()
+    assert all(t.dtype == torch.bfloat16 for t in state.values())
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    fresh = GPT2Model(cfgs[1], Stage.of(cfgs[1].num_layers, 1, 0), seed=4, dtype=torch.bfloat16)
+    fresh.load_state_dict(loaded)
+    for k, t in fresh.state_dict().items():
+        assert t.dtype == state[k].dtype and torch.equal(t, state[k]), k
+
+
+# ---- GPU: fp8 training runs (tests/gpu_runs.py) --------------------------------------------------------
+BF16 = ("--bf16",)
+FP8_RUNS = {"hybrid": ("--bf16", "--fp8-format", "hybrid"), "e4m3": ("--bf16", "--fp8-format", "e4m3"),
+            "hybrid-compiled": ("--bf16", "--fp8-format", "hybrid", "--torch-compile")}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [pytest.param(n, marks=uses(Run(BF16), Run(f)), id=n) for n, f in FP8_RUNS.items()])
+def test_fp8_run_trains_close_to_bf16(gpu_runs, name):
+    bf16, fp8 = gpu_runs.get(Run(BF16)), gpu_runs.get(Run(FP8_RUNS[name]))
+    assert len(fp8["loss"]) == TRAIN_ITERS
+    assert fp8["loss"][TRAIN_ITERS] < fp8["loss"][1]          # it learns
+    assert_close(fp8["loss"], bf16["loss"], 0.02)               # 8 iterations of a 4-layer model
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [pytest.param(f, marks=uses(Run(("--bf16", *f), gpus=2),
+                                                                Run(("--bf16", "--fp8-format", "hybrid", *f), gpus=2)),
+                                                 id=" ".join(f))
+                                    for f in (("--tensor-parallel", "2"), ("--tensor-parallel", "2",
+                                                                           "--sequence-parallel"))])
+def test_fp8_tensor_parallel_run_trains_close_to_bf16(gpu_runs, layout):
+    bf16 = gpu_runs.get(Run(("--bf16", *layout), gpus=2))           # skips with fewer than 2 GPUs
+    fp8 = gpu_runs.get(Run(("--bf16", "--fp8-format", "hybrid", *layout), gpus=2))
+    assert_close(fp8["loss"], bf16["loss"], 0.02)
+
+
+SAVING = Run(FP8_RUNS["hybrid"], save=True)
+
+
+@pytest.mark.gpu
+@uses(SAVING, SAVING.resumed())
+def test_fp8_checkpoint_resumes_the_run(gpu_runs):
+    """The checkpoint holds bf16 weights (no fp8 state): a resume repeats the run's losses."""
+    saved, resumed = gpu_runs.get(SAVING), gpu_runs.get(SAVING.resumed())
+    ckpt = torch.load(f"{saved['save']}/iter_{SAVE_AT:07d}/mp_rank_00/model_optim_rng.pt", weights_only=False,
+                      map_location="cpu")
+    enc = ckpt["model"]["language_model"]["encoder"]
+    assert all(t.dtype in (torch.bfloat16, torch.float32) for t in enc.values() if torch.is_tensor(t))
+    assert_close(resumed["loss"], after(saved["loss"]), 1e-4)
