@@ -161,7 +161,7 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] =
     tp = tp_world(grad_x_group)
     if fp8 is not None:
         from ..fp8 import fp8_matmul
-        y = fp8_matmul(to_tp_region(x, grad_x_group, sequence_parallel), weight, fp8)
+        y = fp8_matmul(to_tp_region(x, grad_x_group, sequence_parallel) if tp > 1 else x, weight, fp8)
         return y if bias is None else add_bias(y, bias)
     if _active(weight) and (bias is None or _active(bias)):
         accumulate = _linear_accumulate_eager if tp > 1 else _linear_accumulate
