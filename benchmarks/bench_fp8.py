@@ -200,8 +200,8 @@ def main() -> int:
     args.extra = []
     args.vocab_file, args.merge_file = os.path.abspath(args.vocab_file), os.path.abspath(args.merge_file)
     os.makedirs(args.log_dir, exist_ok=True)
-    import torchao
-    print(f"torch {torch.__version__}, torchao {torchao.__version__}, {torch.cuda.get_device_name(0)} "
+    from importlib.metadata import version
+    print(f"torch {torch.__version__}, torchao {version('torchao')}, {torch.cuda.get_device_name(0)} "
           f"(capability {torch.cuda.get_device_capability(0)})", flush=True)
     tables, ok, t0 = [], True, time.time()
     if "layer" not in args.skip:

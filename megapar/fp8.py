@@ -44,6 +44,14 @@ def torchao_installed() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
+def _import_torchao() -> None:
+    """Import torchao without its C++ extensions: float8 training is Python over torch._scaled_mm,
+    and a wheel's extensions built for another CUDA than torch's only fail to load (or worse)."""
+    import os
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    import torchao  # noqa: F401
+
+
 @dataclass(frozen=True)
 class Fp8Gemm:
     """How one fp8 GEMM casts and multiplies: torchao's Float8LinearConfig and LinearMMConfig."""
@@ -59,6 +67,7 @@ def fp8_gemm(fmt: str, recipe: str = "tensorwise", emulate: bool = False) -> Fp8
     import dataclasses
 
     import torch
+    _import_torchao()
     from torchao.float8.config import CastConfig, Float8LinearConfig
     from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
