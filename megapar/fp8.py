@@ -16,8 +16,9 @@ counterpart here.
 Tensor parallelism: each rank scales its own operands: the scale of a column- or row-parallel
 weight is that of the rank's shard, and that of the input that of what the rank multiplies (under
 sequence parallelism, the all-gathered sequence). The scales differ across TP ranks by design:
-each rank's GEMM is independent, and a shared scale would only cost an all-reduce of the amax per
-cast without making any rank's result more exact.
+each rank's GEMM is independent, and a shared scale would cost an all-reduce of the amax per cast
+without making any rank's result more exact (it would move the small values of the shard with the
+smaller amax toward e4m3's subnormal range).
 
 Weight gradients: torchao's autograd function returns the weight gradient in bf16, so an fp8
 layer's weight takes the unfused path (the GradBuffer hook adds the bf16 gradient into the fp32

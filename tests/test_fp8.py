@@ -161,11 +161,54 @@ def test_each_tp_shard_is_scaled_by_its_own_amax():
             shard.weight.copy_(w)
         expected = (dequant(x, sx) @ dequant(w, s).t()).to(torch.bfloat16)
         torch.testing.assert_close(shard(x), expected, rtol=1e-2, atol=1e-2)
-    # rank 0 with the full weight's (rank 1's) scale would round its small weights more coarsely
-    coarse = (dequant(x, sx) @ dequant(shards[0], scales[1]).t())
-    exact = x.float() @ shards[0].float().t()
-    local = (dequant(x, sx) @ dequant(shards[0], scales[0]).t())
-    assert _rel(local, exact) < _rel(coarse, exact)
+
+
+def _tp2_fp8_body(rank, tp, sp):
+    """Column- then row-parallel fp8 layers (emulated, fp32) at tp 2 under gloo (sp: with sequence
+    parallelism): this rank's weight scales, the output and the input gradient (gathered under sp)."""
+    import torch.distributed as dist
+
+    from megapar.fp8 import fp8_gemm, weight_scale
+    from megapar.tensor_parallel.layers import ColumnParallelLinear, Init, RowParallelLinear
+    group, fp8 = dist.group.WORLD, fp8_gemm("hybrid", emulate=True)
+    col = ColumnParallelLinear(64, 128, Init(1, "col"), group, fp8=fp8, sequence_parallel=sp)
+    row = RowParallelLinear(128, 64, Init(1, "row"), group, fp8=fp8, sequence_parallel=sp)
+    with torch.no_grad():
+        col.weight.mul_(1 + 7 * rank)        # rank 1's shards have 8x the amax of rank 0's
+        row.weight.mul_(1 + 7 * rank)
+    x_full = torch.randn(32, 2, 64, generator=torch.Generator().manual_seed(0))
+    x = (x_full.chunk(tp)[rank] if sp else x_full).clone().requires_grad_()
+    y = row(col(x))
+    y.square().sum().backward()
+    y, dx = y.detach(), x.grad
+    if sp:  # this rank's part of the sequence: gather both
+        parts = [[torch.empty_like(t) for _ in range(tp)] for t in (y, dx)]
+        dist.all_gather(parts[0], y.contiguous())
+        dist.all_gather(parts[1], dx.contiguous())
+        y, dx = torch.cat(parts[0]), torch.cat(parts[1])
+    return {"scales": [weight_scale(col.weight, fp8).item(), weight_scale(row.weight, fp8).item()],
+            "amax": [col.weight.abs().max().item(), row.weight.abs().max().item()], "y": y, "dx": dx}
+
+
+@needs_torchao
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_tp2_ranks_scale_their_own_shards_and_match_bf16(sp):
+    from distributed import run_distributed
+
+    from megapar.tensor_parallel.layers import Init, full_normal
+    results = run_distributed(_tp2_fp8_body, world_size=2, args=(sp,))
+    for r in results:   # each rank's scale is e4m3's max over its own shard's amax
+        assert r["scales"] == pytest.approx([448.0 / a for a in r["amax"]], rel=1e-5)
+    assert all(a > 4 * b for a, b in zip(results[0]["scales"], results[1]["scales"]))
+    # both ranks end with the same (all-reduced) output and input gradient, close to the unsharded fp32 layers'
+    assert torch.equal(results[0]["y"], results[1]["y"]) and torch.equal(results[0]["dx"], results[1]["dx"])
+    scale = torch.tensor([1.0] * 64 + [8.0] * 64)
+    w_col = full_normal((128, 64), Init(1, "col")) * scale[:, None]
+    w_row = full_normal((64, 128), Init(1, "row")) * scale[None, :]
+    x = torch.randn(32, 2, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    y = torch.nn.functional.linear(torch.nn.functional.linear(x, w_col), w_row)
+    y.square().sum().backward()
+    assert _rel(results[0]["y"], y) < 0.1 and _rel(results[0]["dx"], x.grad) < 0.2
 
 
 @needs_torchao

@@ -120,7 +120,10 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = reduce_scatter_to_sp(linear(x, self.weight, fp8=self.fp8), self.tp_group)  # [s/tp, b, out]
         else:
-            y = reduce_from_tp(linear(x, self.weight, fp8=self.fp8), self.tp_group)  # [*, out]
+            y = linear(x, self.weight, fp8=self.fp8)
+            if self.fp8 is not None and self.tp_group is not None:
+                y = y.clone()  # torchao returns a view of its GEMM's output; the all-reduce works in place
+            y = reduce_from_tp(y, self.tp_group)  # [*, out]
         return y if self.bias is None else add_bias(y, self.bias)
 
 
