@@ -246,6 +246,47 @@ def test_fp8_model_trains_close_to_bf16_and_saves_bf16_weights():
         assert t.dtype == state[k].dtype and torch.equal(t, state[k]), k
 
 
+# ---- the training loop on CPU with emulated fp8 -------------------------------------------------------
+def _emulated_fp8_train_body(rank, world_size, argv):
+    """megapar.pretrain_gpt2 with --fp8-format on CPU: the GPU checks are skipped and the fp8
+    layers emulate (torchao casts to fp8, multiplies in high precision)."""
+    import megapar.arguments
+    from train_helpers import _pretrain_body
+    megapar.arguments._check_fp8 = lambda ns, gpus: None
+    return _pretrain_body(rank, world_size, argv)
+
+
+def _train(argv, world_size):
+    from distributed import run_distributed
+    return run_distributed(_emulated_fp8_train_body, world_size, args=(list(argv),))[0]
+
+
+@needs_torchao
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_emulated_fp8_training_follows_bf16_and_resumes_exactly(embedded_data, tmp_path, tp):
+    """The whole loop (gradient buffer with the fp8 weights' unfused gradients, optimizer,
+    checkpoint) with fp8 layers: losses close to bf16's; stopped at iteration 3, saved and resumed,
+    iterations 4-6 repeat the uninterrupted fp8 run's (the checkpoint holds bf16 weights only)."""
+    from train_helpers import TINY_TRAIN
+    base = TINY_TRAIN + embedded_data + ["--bf16", "--train-iters", "6", "--tensor-parallel", str(tp)]
+    fp8 = base + ["--fp8-format", "hybrid"]
+    bf16, full = _train(base, tp), _train(fp8, tp)
+    losses = {name: [l for _, l in r["losses"]] for name, r in (("bf16", bf16), ("fp8", full))}
+    assert len(losses["fp8"]) == 6 and losses["fp8"] == pytest.approx(losses["bf16"], rel=0.02), losses
+    assert losses["fp8"] != losses["bf16"]          # the fp8 casts ran
+    ck = tmp_path / "ck"
+    assert _train(fp8 + ["--exit-interval", "3", "--save", str(ck)], tp)["iteration"] == 3
+    files = list(ck.rglob("model_optim_rng.pt"))
+    assert files
+    for f in files:
+        state = torch.load(f, weights_only=False, map_location="cpu")
+        tensors = [t for t in state["model"]["language_model"]["encoder"].values() if torch.is_tensor(t)]
+        assert tensors and all(t.dtype == torch.bfloat16 for t in tensors)
+    resumed = _train(fp8 + ["--load", str(ck)], tp)
+    assert [l for _, l in resumed["losses"]] == pytest.approx(losses["fp8"][3:], rel=1e-5)
+
+
 # ---- GPU: fp8 training runs (tests/gpu_runs.py) --------------------------------------------------------
 BF16 = ("--bf16",)
 FP8_RUNS = {"hybrid": ("--bf16", "--fp8-format", "hybrid"), "e4m3": ("--bf16", "--fp8-format", "e4m3"),
