@@ -294,6 +294,7 @@ FP8_RUNS = {"hybrid": ("--bf16", "--fp8-format", "hybrid"), "e4m3": ("--bf16", "
 
 
 @pytest.mark.gpu
+@needs_torchao
 @pytest.mark.parametrize("name", [pytest.param(n, marks=uses(Run(BF16), Run(f)), id=n) for n, f in FP8_RUNS.items()])
 def test_fp8_run_trains_close_to_bf16(gpu_runs, name):
     bf16, fp8 = gpu_runs.get(Run(BF16)), gpu_runs.get(Run(FP8_RUNS[name]))
@@ -303,6 +304,7 @@ def test_fp8_run_trains_close_to_bf16(gpu_runs, name):
 
 
 @pytest.mark.gpu
+@needs_torchao
 @pytest.mark.parametrize("layout", [pytest.param(f, marks=uses(Run(("--bf16", *f), gpus=2),
                                                                 Run(("--bf16", "--fp8-format", "hybrid", *f), gpus=2)),
                                                  id=" ".join(f))
@@ -318,6 +320,7 @@ SAVING = Run(FP8_RUNS["hybrid"], save=True)
 
 
 @pytest.mark.gpu
+@needs_torchao
 @uses(SAVING, SAVING.resumed())
 def test_fp8_checkpoint_resumes_the_run(gpu_runs):
     """The checkpoint holds bf16 weights (no fp8 state): a resume repeats the run's losses."""
