@@ -151,7 +151,8 @@ def throughput(args) -> list[dict]:
 
 def throughput_table(rows: list[dict]) -> str:
     lines = ["1.3B (24 layers, hidden 2048, 16 heads, seq 2048, micro-batch 8, --torch-compile), 1 GPU",
-             "| recipe | ms/step | tokens/s | TFLOP/s | MFU | max alloc GiB | vs bf16 |", "|---|---|---|---|---|---|---|"]
+             "| recipe | ms/step | tokens/s | TFLOP/s | MFU | max alloc GiB | vs bf16 |",
+             "|---|---|---|---|---|---|---|"]
     base = rows[0].get("tokens_s")
     for r in rows:
         if "error" in r:

@@ -50,7 +50,7 @@ def _import_torchao() -> None:
     and a wheel's extensions built for another CUDA than torch's only fail to load (or worse)."""
     import os
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-    import torchao  # noqa: F401
+    importlib.import_module("torchao")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 ENV = {"PYTHONPATH": str(ROOT)}
 
 CASES = [  # (id, flags, expected fragments)
-    ("on a CPU-only run", ["--fp8-format", "hybrid", "--bf16"], ["--fp8-format hybrid", "no CUDA GPU", "drop --fp8-format"]),
+    ("on a CPU-only run", ["--fp8-format", "hybrid", "--bf16"],
+     ["--fp8-format hybrid", "no CUDA GPU", "drop --fp8-format"]),
     ("without --bf16", ["--fp8-format", "e4m3"], ["--fp8-format e4m3 needs --bf16", "add --bf16"]),
     ("with --fp16", ["--fp8-format", "hybrid", "--fp16"], ["not --fp16", "use --bf16 instead of --fp16"]),
     ("hidden size not a multiple of 16", ["--fp8-format", "hybrid", "--bf16", "--hidden-size", "72"],
