@@ -28,6 +28,7 @@ torchao is optional (`pip install megapar[fp8]`); it is imported only when --fp8
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -62,8 +63,10 @@ class Fp8Gemm:
     mm_config: Any
 
 
+@functools.cache
 def fp8_gemm(fmt: str, recipe: str = "tensorwise", emulate: bool = False) -> Fp8Gemm:
-    """The torchao configuration of --fp8-format `fmt` with --fp8-recipe `recipe`.
+    """The torchao configuration of --fp8-format `fmt` with --fp8-recipe `recipe`, one object per
+    setting (every layer shares it: torch.compile sees one constant).
     emulate: fp8 casts with high-precision GEMMs (any device; for tests on CPU)."""
     import dataclasses
 
