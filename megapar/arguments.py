@@ -15,6 +15,7 @@ import typing
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
 
+from .fp8 import FP8_FORMATS, FP8_RECIPES
 from .recipes import expand_recipes
 from .topology import ConfigError, _fail, check_parallel_shape, pipeline_layer_counts
 
@@ -74,6 +75,13 @@ class ModelConfig:
               "the number of microbatches must be a multiple of the pipeline size", group="parallelism")
     num_layers_per_virtual_pipeline_stage: Optional[int] = arg(
         None, "layers per model chunk (the other way to ask for interleaved 1F1B)", group="parallelism")
+    fp8_format: Optional[str] = arg(
+        None, "fp8 GEMMs in the transformer layers (torchao float8 training; Hopper/Ada GPUs, --bf16, "
+              "pip install torchao): e4m3 = every operand e4m3, hybrid = e4m3 forward, e5m2 output gradients",
+        choices=FP8_FORMATS, group="mixed precision")
+    fp8_recipe: str = arg("tensorwise", "with --fp8-format: tensorwise = one dynamic scale per tensor, rowwise = "
+                                        "one per row (torchao's, --fp8-format e4m3 only)",
+                          choices=FP8_RECIPES, group="mixed precision")
 
     def __post_init__(self) -> None:  # the defaults that depend on other fields, resolved once here
         self.ffn_hidden_size = self.ffn_hidden_size or 4 * self.hidden_size
@@ -501,6 +509,7 @@ def validate(ns: argparse.Namespace, world_size: int, assume_gpus: bool = False)
               f"smallest pipeline stage ({per_stage})")
     gpus = assume_gpus or _has_gpus()
     _check_zero(ns, gpus)
+    _check_fp8(ns, gpus)
     _check_loggers(ns)
     if ns.enable_cuda_graph:
         _check_cuda_graph(ns, gpus)
@@ -591,6 +600,52 @@ def _check_zero(ns: argparse.Namespace, gpus: bool) -> None:
         _fail(f"--zero-stage {stage} allocates and frees each layer's {'parameters and ' if stage == 3 else ''}"
               f"gradients during the step, which a CUDA graph cannot replay; use --zero-stage 1 (or 0) with "
               f"--enable-cuda-graph, or drop --enable-cuda-graph")
+
+
+def _check_fp8(ns: argparse.Namespace, gpus: bool) -> None:
+    """--fp8-format: bf16 training on a GPU with FP8 (compute capability >= 8.9), torchao installed,
+    every transformer GEMM's sizes multiples of 16 (torch._scaled_mm)."""
+    from .fp8 import GEMM_MULTIPLE, MIN_CAPABILITY, torchao_installed
+
+    fmt = ns.fp8_format
+    if fmt is None:
+        if ns.fp8_recipe != default_of("fp8_recipe"):
+            _fail(f"--fp8-recipe {ns.fp8_recipe} is a setting of the fp8 GEMMs: add --fp8-format e4m3 or drop it")
+        return
+    if ns.fp16:
+        _fail(f"--fp8-format {fmt} runs beside bf16 (bf16 weights and activations, no loss scaling), not --fp16; "
+              f"use --bf16 instead of --fp16")
+    if not ns.bf16:
+        _fail(f"--fp8-format {fmt} needs --bf16 (the weights, activations and the GEMMs' outputs stay bf16); "
+              f"add --bf16")
+    if ns.fp8_recipe == "rowwise" and fmt != "e4m3":
+        _fail(f"--fp8-recipe rowwise (torchao's) casts every operand, gradients too, to e4m3: use --fp8-format e4m3 "
+              f"with it, or --fp8-recipe tensorwise with --fp8-format {fmt}")
+    tp = ns.tensor_model_parallel_size
+    sizes = [(f"--hidden-size {ns.hidden_size} / --tensor-model-parallel-size {tp}", ns.hidden_size // tp),
+             (f"--ffn-hidden-size {ns.ffn_hidden_size} / --tensor-model-parallel-size {tp}", ns.ffn_hidden_size // tp),
+             (f"--micro-batch-size {ns.micro_batch_size} x --seq-length {ns.seq_length} (tokens per GEMM)",
+              ns.micro_batch_size * ns.seq_length)]
+    for what, n in sizes:
+        if n % GEMM_MULTIPLE:
+            _fail(f"--fp8-format: torch._scaled_mm needs GEMM sizes that are multiples of {GEMM_MULTIPLE}, but "
+                  f"{what} = {n}; pick sizes that make it a multiple of {GEMM_MULTIPLE} or drop --fp8-format")
+    if not gpus or ns.distributed_backend == "gloo":
+        _fail(f"--fp8-format {fmt} runs fp8 GEMMs on NVIDIA GPUs with FP8 (compute capability >= 8.9: H100, H200, "
+              f"L4, L40, RTX 4090), but this run has no CUDA GPU (or uses gloo); drop --fp8-format")
+    capability = _gpu_capability()
+    if capability is not None and capability < MIN_CAPABILITY:
+        _fail(f"--fp8-format {fmt} needs a GPU with FP8 (compute capability >= 8.9: Hopper, Ada), but this one "
+              f"is {capability[0]}.{capability[1]}; drop --fp8-format on this GPU")
+    if not torchao_installed():
+        _fail(f"--fp8-format {fmt} needs the torchao package (float8 training), which is not installed: "
+              f"pip install torchao (or pip install -e .[fp8]), or drop --fp8-format")
+
+
+def _gpu_capability() -> Optional[tuple[int, int]]:
+    """This machine's first GPU's compute capability; None without a GPU."""
+    import torch
+    return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
 
 
 def _check_loggers(ns: argparse.Namespace) -> None:

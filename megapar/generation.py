@@ -357,9 +357,10 @@ def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int
 
 def inference_config(saved: ModelConfig, device: torch.device) -> ModelConfig:
     """The checkpoint's model config for inference: no dropout, no recompute, no sequence
-    parallelism (a decoded token cannot be split), reference kernels where the fused ones cannot run."""
+    parallelism (a decoded token cannot be split), no fp8 GEMMs (a training setting; one decoded
+    token is no multiple of 16 rows), reference kernels where the fused ones cannot run."""
     cfg = dataclasses.replace(saved, hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity=None,
-                              recompute_method=None, sequence_parallel=False)
+                              recompute_method=None, sequence_parallel=False, fp8_format=None)
     if cfg.attention_backend == "fused" and device.type != "cuda":
         cfg.attention_backend = "flash"
     if device.type != "cuda":

@@ -32,6 +32,7 @@ SEQ_1024_BF16 = ("--seq-length", "1024", "--max-position-embeddings", "1024", "-
 GPT3_6_7B = ("--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32")
 GPT3_13B = ("--num-layers", "40", "--hidden-size", "5120", "--num-attention-heads", "40")
 SEQ_2048_BF16 = ("--seq-length", "2048", "--max-position-embeddings", "2048", "--bf16")
+GPT_1_3B = ("--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16")
 COMPILE = ("--torch-compile",)
 # a CUDA graph captures the whole step: it needs dropout 0 (no RNG state swaps) and is fastest compiled
 GRAPH = (*COMPILE, "--enable-cuda-graph", "--adam-impl", "fused", "--hidden-dropout", "0", "--attention-dropout", "0")
@@ -92,6 +93,12 @@ RECIPES: dict[str, Recipe] = {
        for z in (1, 2, 3)},
     **{f"345m-dp2-zero{z}": _recipe(2, GPT2_345M, 8, 16, *COMPILE, *_zero(z),
                                     about=f"345M compiled, data parallel 2, ZeRO-{z}") for z in (1, 2, 3)},
+    # GPT-3's 1.3B shape at seq 2048 on one GPU (estimate_memory: 50.6 GiB at micro-batch 8): bf16 vs fp8 GEMMs
+    "1.3b-compile": Recipe(1, (*GPT_1_3B, *SEQ_2048_BF16, "--micro-batch-size", "8", "--global-batch-size", "8",
+                               *COMPILE), "1.3B (24 layers, hidden 2048, seq 2048), compiled"),
+    "1.3b-fp8": Recipe(1, (*GPT_1_3B, *SEQ_2048_BF16, "--micro-batch-size", "8", "--global-batch-size", "8",
+                           *COMPILE, "--fp8-format", "hybrid"),
+                       "1.3B compiled, the transformer GEMMs in fp8 (hybrid, tensorwise; Hopper/Ada, torchao)"),
     # models larger than one GPU holds: seq 2048 as GPT-3
     "6.7b-offload": Recipe(1, (*GPT3_6_7B, *SEQ_2048_BF16, "--micro-batch-size", "2", "--global-batch-size", "128",
                                *_zero(2), "--optimizer-cpu-offload"),

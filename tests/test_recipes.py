@@ -18,8 +18,10 @@ def test_every_recipe_parses_on_its_gpu_count(name, monkeypatch):
     r = RECIPES[name]
     ns = build_parser().parse_args(list(r.flags))
     assert ns.seq_length in (1024, 2048) and ns.bf16
-    if name in GRAPHED or "--optimizer-cpu-offload" in r.flags:  # refused without CUDA: check everything else
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if name in GRAPHED or "--optimizer-cpu-offload" in r.flags or "--fp8-format" in r.flags:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused without CUDA: check everything else
+        monkeypatch.setattr("megapar.arguments._gpu_capability", lambda: (9, 0))     # an H100
+        monkeypatch.setattr("megapar.fp8.torchao_installed", lambda: True)
     cfg = parse_config(list(r.flags), world_size=r.gpus)
     p = cfg.parallel
     assert p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size == r.gpus

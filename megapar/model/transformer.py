@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..arguments import ModelConfig
+from ..fp8 import layer_fp8
 from ..kernels.softmax import scaled_masked_softmax
 from ..tensor_parallel.layers import ColumnParallelLinear, Init, RowParallelLinear, tp_rank_size
 from ..tensor_parallel.random import checkpoint, get_rng_tracker
@@ -74,14 +75,16 @@ class ParallelAttention(nn.Module):
         h, out_std = cfg.hidden_size, cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         _, tp = tp_rank_size(tp_group)
         fused, sp = cfg.gradient_accumulation_fusion, cfg.sequence_parallel
+        fp8 = layer_fp8(cfg.fp8_format, cfg.fp8_recipe, device)
         self.heads_local, self.hn = cfg.num_attention_heads // tp, cfg.kv_channels
         self.backend, self.dropout = cfg.attention_backend, cfg.attention_dropout
         self.selective_recompute = cfg.recompute_granularity == "selective" and self.backend not in SDPA_BACKENDS
         self.query_key_value = ColumnParallelLinear(
             h, 3 * h, Init(seed, f"{prefix}.query_key_value.weight", cfg.init_method_std), tp_group,
-            device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp)
+            device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp, fp8=fp8)
         self.dense = RowParallelLinear(h, h, Init(seed, f"{prefix}.dense.weight", out_std), tp_group,
-                                       device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp)
+                                       device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp,
+                                       fp8=fp8)
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
         qkv = self.query_key_value(x)                                                  # [s, b, 3h/tp]
@@ -110,12 +113,13 @@ class ParallelMLP(nn.Module):
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         fused, sp = cfg.gradient_accumulation_fusion, cfg.sequence_parallel
+        fp8 = layer_fp8(cfg.fp8_format, cfg.fp8_recipe, device)
         self.dense_h_to_4h = ColumnParallelLinear(
             h, f, Init(seed, f"{prefix}.dense_h_to_4h.weight", cfg.init_method_std), tp_group,
-            device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp)
+            device=device, dtype=dtype, fused_grad_accumulation=fused, sequence_parallel=sp, fp8=fp8)
         self.dense_4h_to_h = RowParallelLinear(f, h, Init(seed, f"{prefix}.dense_4h_to_h.weight", out_std),
                                                tp_group, device=device, dtype=dtype,
-                                               fused_grad_accumulation=fused, sequence_parallel=sp)
+                                               fused_grad_accumulation=fused, sequence_parallel=sp, fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))  # GPT-2 tanh GELU

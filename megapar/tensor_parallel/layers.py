@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,9 @@ import torch.nn.functional as F
 
 from .linear import add_bias, linear
 from .mappings import Group, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp, to_tp_region
+
+if TYPE_CHECKING:
+    from ..fp8 import Fp8Gemm
 
 
 @dataclass(frozen=True)
@@ -59,23 +63,27 @@ class ColumnParallelLinear(nn.Module):
 
     Input [*, in] (replicated) -> output [*, out/tp], or [*, out] with gather_output=True.
     sequence_parallel: input [s/tp, b, in], this rank's part of the sequence, all-gathered first.
+    fp8: the GEMM's operands are cast to fp8 (megapar/fp8.py); the weight's gradient then takes
+    the unfused path.
     """
 
     def __init__(self, in_features: int, out_features: int, init: Init, tp_group: Group = None,
                  bias: bool = True, gather_output: bool = False, device=None, dtype=torch.float32,
-                 fused_grad_accumulation: bool = False, sequence_parallel: bool = False):
+                 fused_grad_accumulation: bool = False, sequence_parallel: bool = False,
+                 fp8: Optional["Fp8Gemm"] = None):
         super().__init__()
+        self.fp8 = fp8
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel cannot be combined")
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
         rank, size = tp_rank_size(tp_group)
         self.out_per_rank = _divide(out_features, size, "output features")
         w = full_normal((out_features, in_features), init).chunk(size, dim=0)[rank]
-        self.weight = _param(w, device, dtype, fused_grad_accumulation)
+        self.weight = _param(w, device, dtype, fused_grad_accumulation and fp8 is None)
         self.bias = _param(torch.zeros(self.out_per_rank), device, dtype, fused_grad_accumulation) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)  # [*, out/tp]
+        y = linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel, self.fp8)  # [*, out/tp]
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 
@@ -86,20 +94,22 @@ class RowParallelLinear(nn.Module):
     all-reduced over the TP group; the bias is replicated and added after the reduction.
     sequence_parallel: the output is reduce-scattered along the sequence instead, [s/tp, b, out],
     and the bias is marked `sequence_parallel` (its gradient is summed over TP after
-    backward: GradBuffer tp_summed).
+    backward: GradBuffer tp_summed). fp8: as ColumnParallelLinear's.
     """
 
     def __init__(self, in_features: int, out_features: int, init: Init, tp_group: Group = None,
                  bias: bool = True, input_is_parallel: bool = True, device=None, dtype=torch.float32,
-                 fused_grad_accumulation: bool = False, sequence_parallel: bool = False):
+                 fused_grad_accumulation: bool = False, sequence_parallel: bool = False,
+                 fp8: Optional["Fp8Gemm"] = None):
         super().__init__()
+        self.fp8 = fp8
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel")
         self.tp_group, self.input_is_parallel, self.sequence_parallel = tp_group, input_is_parallel, sequence_parallel
         rank, size = tp_rank_size(tp_group)
         _divide(in_features, size, "input features")
         w = full_normal((out_features, in_features), init).chunk(size, dim=1)[rank]
-        self.weight = _param(w, device, dtype, fused_grad_accumulation)
+        self.weight = _param(w, device, dtype, fused_grad_accumulation and fp8 is None)
         self.bias = _param(torch.zeros(out_features), device, dtype, fused_grad_accumulation) if bias else None
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True
@@ -108,9 +118,12 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
         if self.sequence_parallel:
-            y = reduce_scatter_to_sp(linear(x, self.weight), self.tp_group)  # [s/tp, b, out]
+            y = reduce_scatter_to_sp(linear(x, self.weight, fp8=self.fp8), self.tp_group)  # [s/tp, b, out]
         else:
-            y = reduce_from_tp(linear(x, self.weight), self.tp_group)  # [*, out]
+            y = linear(x, self.weight, fp8=self.fp8)
+            if self.fp8 is not None and self.tp_group is not None:
+                y = y.clone()  # torchao returns a view of its GEMM's output; the all-reduce works in place
+            y = reduce_from_tp(y, self.tp_group)  # [*, out]
         return y if self.bias is None else add_bias(y, self.bias)
 
 

@@ -22,10 +22,14 @@ tensor-parallel all-reduce), instead of a separate all-reduce after the whole ba
 (compiled, CUDA graph) went from 35.8 to 34.4 ms per step. With sequence parallelism forward
 all-gathers the input's sequence first and backward reduce-scatters the input gradient instead
 (both Megatron's; the gathered input is kept for the weight gradient, not gathered again).
+
+An fp8 layer (--fp8-format, megapar/fp8.py) computes its GEMM through torchao's float8 autograd
+function instead; its weight is not marked `fused_grad_accumulation` (torchao returns a bf16 weight
+gradient, which the GradBuffer hook adds to `main_grad`) and its bias is added by `add_bias`.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +37,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .mappings import Group, all_gather_dim0, reduce_scatter_dim0, to_tp_region, tp_world
+
+if TYPE_CHECKING:
+    from ..fp8 import Fp8Gemm
 
 
 @torch.library.custom_op("megapar::accumulate_wgrad_", mutates_args=("main_grad",))
@@ -143,13 +150,19 @@ def _active(p: nn.Parameter) -> bool:
 
 
 def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] = None,
-           grad_x_group: Group = None, sequence_parallel: bool = False) -> torch.Tensor:
+           grad_x_group: Group = None, sequence_parallel: bool = False,
+           fp8: Optional["Fp8Gemm"] = None) -> torch.Tensor:
     """F.linear, with the gradients accumulated into `main_grad` when the parameters allow it.
 
     grad_x_group: x is replicated over this TP group, so its gradient is all-reduced over it
     (copy_to_tp's backward, overlapped with the weight gradient on the fused path); with
-    sequence_parallel x is this rank's part of the sequence, all-gathered first (gather_from_sp)."""
+    sequence_parallel x is this rank's part of the sequence, all-gathered first (gather_from_sp).
+    fp8: the GEMM runs with fp8 operands (megapar/fp8.py), scaled by this rank's own tensors."""
     tp = tp_world(grad_x_group)
+    if fp8 is not None:
+        from ..fp8 import fp8_matmul
+        y = fp8_matmul(to_tp_region(x, grad_x_group, sequence_parallel) if tp > 1 else x, weight, fp8)
+        return y if bias is None else add_bias(y, bias)
     if _active(weight) and (bias is None or _active(bias)):
         accumulate = _linear_accumulate_eager if tp > 1 else _linear_accumulate
         return accumulate(x, weight, bias, grad_x_group, sequence_parallel and tp > 1)
