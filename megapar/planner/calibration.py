@@ -5,22 +5,24 @@ run on the machine that will train (then pass `--calibration calib.json`). Each 
 measurement in docs/performance.md where one exists, otherwise from a datasheet:
 
     peak_tflops           989: dense bf16 tensor-core peak of H100 / H200 SXM (megapar/throughput.py)
-    gemm_tflops           GEMM throughput by GEMM size (GFLOP of one GEMM -> TFLOP/s): ~680 TFLOP/s at the
+    gemm_tflops           GEMM throughput by GEMM size (GFLOP of one GEMM -> TFLOP/s), H100: measured by
+                          --calibrate (configs/calibration_h100.json: 118 TFLOP/s at 2 GFLOP, 613 at 17, 671 at
+                          137, 692 at 1100). The earlier estimate, still the H200's: ~680 TFLOP/s at the
                           GPT-2 345M shapes (17-69 GFLOP GEMMs, profile of the graphed 345M step on one H100:
                           GEMMs 25.6 ms for 17.4 TFLOP); 664 at the tp 2 shapes (2x H200 profile: 13.1 ms for
                           8.7 TFLOP); smaller and larger sizes extrapolated (small GEMMs lose efficiency,
                           the 1.3B shape reached 53% MFU on one H200)
     attn_fwd_tflops       270 / 210 (backward): cuDNN SDPA, head dim 64, causal FLOPs counted (345M profile)
-    hbm_gbps              2970: measured copy bandwidth of an H100 (read + write, gpu_kernel_checks);
+    hbm_gbps              3009: copy bandwidth of an H100 (read + write) measured by --calibrate;
                           H200: scaled by the datasheet ratio 4.8 / 3.35 TB/s
     intra_node            NVLink: NCCL 16 MB all-reduce at tp 2 on 2x H200 in 77 us, ~260 GB/s each way
                           ("NCCL is already at this link's speed"); latency fitted as the rest (~15 us)
     inter_node            not measured (only single-node machines were lent): 400 Gb/s InfiniBand NDR per
                           GPU, ~45 GB/s bus bandwidth, 30 us latency
-    pcie_*_gbps           not measured: PCIe Gen5 x16 pinned copies, ~25 GB/s each way (a conservative half of
-                          the link)
-    cpu_adam_gparams_s    4.31 G parameters/s: torch's fused CPU AdamW on the H100 machine's 16 cores
-                          (benchmarks/bench_cpu_adam.py); shared by the GPUs of a node
+    pcie_*_gbps           53.8 / 55.0 GB/s: pinned H2D / D2H copies measured by --calibrate on an H100 machine
+                          (configs/calibration_h100.json)
+    cpu_adam_gparams_s    4.83 G parameters/s: torch's fused CPU AdamW on the H100 machine's 16 cores
+                          (--calibrate; benchmarks/bench_cpu_adam.py measured 4.31); shared by the GPUs of a node
     elementwise bytes     LayerNorm/residual/dropout (14 B per s·b·h element, replicated over TP unless
                           sequence parallel) + GELU and the rest (16 B, split over TP), forward; backward 2x;
                           chosen so that the 345M step's compiled elementwise kernels come out at the
@@ -32,8 +34,9 @@ measurement in docs/performance.md where one exists, otherwise from a datasheet:
                           optimizer step 4x smaller): about half the gradient reduce-scatter is hidden
     layer_overhead_ms     0.2 per layer and microbatch: launch gaps, 345M compiled without a CUDA graph
                           (52.1 ms) against graphed (47.2 ms), 24 layers
-    zero2/3 overheads     per layer and microbatch: 345M at dp 1 on one H100, ZeRO-2 +15.4 ms and ZeRO-3
-                          +27.3 ms against ZeRO-1 (103.3 ms), 24 layers, 1 microbatch
+    zero2/3 overheads     per layer and microbatch: 345M at dp 1 on one H100, GPU busy time of ZeRO-2 +2.0 ms
+                          and ZeRO-3 +3.1 ms against ZeRO-1 (48.1 ms), 24 layers, 1 microbatch (profiled: the
+                          wall times of those runs were host-bound)
 """
 from __future__ import annotations
 
@@ -80,8 +83,8 @@ class Calibration:
     layer_overhead_ms: float = 0.2
     microbatch_overhead_ms: float = 0.5
     step_overhead_ms: float = 1.0
-    zero2_layer_overhead_ms: float = 0.64
-    zero3_layer_overhead_ms: float = 1.14
+    zero2_layer_overhead_ms: float = 0.08
+    zero3_layer_overhead_ms: float = 0.13
     notes: list[str] = field(default_factory=list)
 
     def gemm_efficiency(self, gflop: float) -> float:
@@ -100,18 +103,21 @@ class Calibration:
 
 
 H100 = Calibration(
-    name="H100 SXM 80GB (placeholder defaults: run --calibrate)",
+    name="H100 SXM 80GB (one H100 calibrated 2026-11-24; NCCL and inter-node rates are placeholders)",
     peak_tflops=989.0,
-    gemm_tflops=[[1.0, 300.0], [4.0, 500.0], [16.0, 640.0], [64.0, 690.0], [256.0, 730.0], [1024.0, 750.0]],
+    gemm_tflops=[[2.147, 117.9], [8.59, 453.6], [17.18, 613.4], [51.54, 625.5], [137.4, 670.7], [206.2, 667.7],
+                 [1099.5, 691.8]],
     attn_fwd_tflops=270.0, attn_bwd_tflops=210.0,
-    hbm_gbps=2970.0,
+    hbm_gbps=3009.0,
     intra_node=Link(bus_gbps=260.0, latency_us=15.0, p2p_gbps=200.0),
     inter_node=Link(bus_gbps=45.0, latency_us=30.0, p2p_gbps=45.0),
-    pcie_h2d_gbps=25.0, pcie_d2h_gbps=25.0,
-    cpu_adam_gparams_s=4.31,
+    pcie_h2d_gbps=53.8, pcie_d2h_gbps=55.0,
+    cpu_adam_gparams_s=4.83,
 )
 
 H200 = Calibration(**{**asdict(H100), "name": "H200 SXM 141GB (placeholder defaults: run --calibrate)",
+                      "gemm_tflops": [[1.0, 300.0], [4.0, 500.0], [16.0, 640.0], [64.0, 690.0], [256.0, 730.0],
+                                      [1024.0, 750.0]],
                       "hbm_gbps": 2970.0 * 4.8 / 3.35,
                       "intra_node": H100.intra_node, "inter_node": H100.inter_node})
 
