@@ -27,11 +27,9 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train import ITER_RE, bench_flags, run_config  # a sibling: `python benchmarks/bench_fp8.py` finds it
 
-from bench_train import ITER_RE, bench_flags, run_config  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ .*? lm loss: ([-\d.E+]+)")
 BPE_DIRS = [os.path.join(ROOT, ".gpu"), os.path.join(ROOT, "shared", "data", "gpt2"),
