@@ -11,10 +11,11 @@ gradients, and one step path (`BaseOptimizer.step`):
     6. publish         the model parameters take the new masters' values on every rank
 
 Subclasses differ only in what a rank owns and how it comes back together: the non-sharded
-MixedPrecisionOptimizer (optimizer.py) owns every parameter; ZeRO-1's DistributedOptimizer
-(distrib_optimizer.py) owns 1/dp of the flat buffer and all-gathers the parameters. Further
-variants plug in at the same points: ZeRO-2 changes the reduction (`grad_buffer_mode`), ZeRO-3
-the publishing, CPU offload where the masters and moments live.
+MixedPrecisionOptimizer (optimizer.py) owns every parameter; the DistributedOptimizer of ZeRO
+stages 1-3 (distrib_optimizer.py) owns 1/dp of every bucket, reads the reduced gradients from
+whichever gradient buffer the stage uses and publishes into whole buckets or ZeRO-3 shards; with
+CPU offload its masters and moments live on the host (`step_grads` are host copies, made by
+`_stage_grads` between the norm and the clipping).
 
 No weight decay on biases and LayerNorm parameters (every 1-D parameter). Checkpoints hold the
 full optimizer state keyed by parameter name, so they load at any layout and into either optimizer.

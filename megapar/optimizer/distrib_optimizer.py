@@ -1,16 +1,19 @@
-"""ZeRO-1 (`--use-distributed-optimizer`): AdamW whose fp32 master weights and moments are
-sharded over the data-parallel group (the shared step path, AdamW and the checkpoint format:
-base.py).
+"""ZeRO stages 1-3 (`--zero-stage`, `--use-distributed-optimizer` = 1): AdamW whose fp32 master
+weights and moments are sharded over the data-parallel group (the shared step path, AdamW and the
+checkpoint format: base.py). Stage 1 reads its gradients from the flat GradBuffer, stages 2-3 from
+the ShardedGradBuffer's owned shard (sharded_grads.py); at stage 3 the layers' weights are the
+ShardedParams' shards (sharded_params.py); `offload` keeps masters and moments on the CPU.
 
 Layout. The GradBuffer (mode="reduce_scatter") lays every gradient out in one flat fp32 buffer,
 cut into buckets each padded to a multiple of dp; dp rank d owns shard d of every bucket. This
 optimizer mirrors that layout three times:
-  * param buffer (model dtype, full size): every model parameter becomes a view of it
-    (`p.data = param_buf[range]`), so the all-gather after the step writes straight into the
-    model, bucket by bucket;
+  * per bucket, a model-dtype tensor of the whole bucket: every model parameter becomes a view
+    of it (`p.data = bucket[range]`), so the all-gather after the step writes straight into the
+    model, bucket by bucket (a ZeRO-3 unit has none: its owned shard is the unit's, gathered by
+    its next forward);
   * master shard (fp32): the concatenation of this rank's owned shards, one per bucket. For an
-    fp32 model the owned shards of the param buffer *are* the masters (no copy, like the
-    non-sharded optimizer, whose fp32 masters are the parameters);
+    fp32 model without offload the owned shards of the parameters *are* the masters (no copy,
+    like the non-sharded optimizer, whose fp32 masters are the parameters);
   * exp_avg / exp_avg_sq shards (fp32), laid out like the master shard.
 Each parameter contributes to AdamW the part of it that falls in an owned shard ("part": a view
 of the master shard), with the matching view of the reduce-scattered grad buffer as its gradient
@@ -21,7 +24,8 @@ Where the shared step differs from the non-sharded optimizer's:
   reduce   reduce-scatter: each rank's owned shards hold the dp-averaged gradient
   norm     each rank's owned parts of the parameters that `counts_for_norm`, summed over
            `norm_group` (every rank: tp x pp x dp)
-  publish  masters -> param buffer (cast), all-gather each bucket over the DP group
+  publish  masters -> owned model-dtype shards (cast), all-gather each whole bucket over the DP
+           group (offload: the host masters are copied in first)
 
 Checkpoints: `state_for_save()` (collective over the DP group) all-gathers the shards bucket by
 bucket and returns, on dp rank 0, the same name-keyed full state as MixedPrecisionOptimizer
