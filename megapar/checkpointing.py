@@ -245,16 +245,17 @@ def model_state_for_save(model, writer: bool) -> Optional[dict[str, torch.Tensor
     storage) on the `writer`, None elsewhere. With ZeRO-3 (`model.sharded_params`) it is
     collective over the data-parallel group: one layer at a time is gathered on the device."""
     sharded = getattr(model, "sharded_params", None)
-    keys = list(model.state_dict().keys())
     if sharded is None:
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if writer else None
     names = {id(p): n for n, p in model.named_parameters()}
     in_units = {names[id(p)] for u in sharded.units for p in u.params}
-    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items() if k not in in_units}
-    for _, params in sharded.full_tensors():
+    full = {}
+    for params in sharded.full_tensors():
         if writer:
-            state.update({names[id(p)]: p.detach().to("cpu", copy=True) for p in params})
-    return {k: state[k] for k in keys} if writer else None
+            full.update({names[id(p)]: p.detach().to("cpu", copy=True) for p in params})
+    if not writer:
+        return None
+    return {k: full[k] if k in in_units else v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 def load_model_state(model, flat: dict[str, torch.Tensor], path: str) -> None:

@@ -361,14 +361,20 @@ def _scheduler(s: DeepSpeedSettings, raw: dict, cli: dict[str, Any]) -> None:
         _warmup_lr_range(s, params, source, decays=kind == "WarmupDecayLR")
 
 
+def _warmup_starts_at_zero(s: DeepSpeedSettings, params: dict, name: str) -> None:
+    """warmup_min_lr / warmup_min_ratio other than 0 cannot be honoured: megapar warms up from LR 0."""
+    key = "scheduler.params."
+    low = _value(s.path, params, name, key, float)
+    if low:
+        _refuse(s.path, key + name, low, "is not supported: megapar's warmup starts at LR 0",
+                "use 0 (the nearest supported value)")
+
+
 def _warmup_lr_range(s: DeepSpeedSettings, params: dict, source: dict[str, str], decays: bool) -> None:
     """WarmupLR / WarmupDecayLR: from warmup_min_lr (must be 0) up to warmup_max_lr (= --lr); the
     decay goes back to warmup_min_lr, i.e. --min-lr 0."""
     key = "scheduler.params."
-    low = _value(s.path, params, "warmup_min_lr", key, float)
-    if low:
-        _refuse(s.path, key + "warmup_min_lr", low, "is not supported: megapar's warmup starts at LR 0",
-                "use 0 (the nearest supported value)")
+    _warmup_starts_at_zero(s, params, "warmup_min_lr")
     high = _value(s.path, params, "warmup_max_lr", key, float)
     if high is not None:
         s.set(source["warmup_max_lr"], "lr", high)
@@ -381,10 +387,7 @@ def _cosine(s: DeepSpeedSettings, params: dict, source: dict[str, str], cli: dic
     from .arguments import default_of
 
     key = "scheduler.params."
-    low = _value(s.path, params, "warmup_min_ratio", key, float)
-    if low:
-        _refuse(s.path, key + "warmup_min_ratio", low, "is not supported: megapar's warmup starts at LR 0",
-                "use 0 (the nearest supported value)")
+    _warmup_starts_at_zero(s, params, "warmup_min_ratio")
     ratio = _value(s.path, params, "cos_min_ratio", key, float)
     if ratio is not None:
         if not 0 <= ratio <= 1:

@@ -3,6 +3,7 @@ serial run (within float32 rounding), and a ZeRO-3 checkpoint resumes at any sta
 import pytest
 
 from distributed import run_distributed
+from gpu_runs import Run, uses
 from train_helpers import TINY_TRAIN, run_training
 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
@@ -115,7 +116,6 @@ def test_zero3_checkpoint_resumes_at_any_stage_and_layout(serial, tmp_path):
 
 
 # ---- GPU: the same equalities with NCCL, bf16, the fused kernels, torch.compile and real offload ----
-from gpu_runs import Run, uses  # noqa: E402
 
 GPU_ZERO = {
     "stage1": ("--zero-stage", "1"),

@@ -203,9 +203,11 @@ class BaseOptimizer(ABC):
     grad_buffer_mode = "all_reduce"
 
     def __init__(self, model: nn.Module, grad_buffer: GradBuffer, cfg, scaler, tp_rank: int,
-                 norm_group: Optional[dist.ProcessGroup], inf_group: Optional[dist.ProcessGroup]):
+                 norm_group: Optional[dist.ProcessGroup], inf_group: Optional[dist.ProcessGroup],
+                 offload: bool = False):
         """norm_group: the ranks whose norm_grads together hold each distinct gradient once;
-        inf_group: every rank (an overflow anywhere skips the step everywhere)."""
+        inf_group: every rank (an overflow anywhere skips the step everywhere); offload: AdamW
+        runs on the CPU (torch's fused CPU kernel) over host masters and `step_grads`."""
         if grad_buffer.dp > 1 and grad_buffer.mode != self.grad_buffer_mode:
             raise ValueError(f"{type(self).__name__} needs a GradBuffer built with mode={self.grad_buffer_mode!r}")
         self.cfg, self.buffer, self.scaler, self.tp_rank = cfg, grad_buffer, scaler, tp_rank
@@ -214,8 +216,7 @@ class BaseOptimizer(ABC):
         missing = [n for n, p in self.named if id(p) not in grad_buffer.param_range]
         if missing:
             raise ValueError(f"parameters {missing[:3]} are not in the gradient buffer")
-        self.device = grad_buffer.device
-        self.offload = getattr(self, "offload", False)
+        self.device, self.offload = grad_buffer.device, offload
 
     def _own(self, owned: list[Owned]) -> None:
         """Take `owned` as the tensors this rank updates; build AdamW over them (two param groups:

@@ -82,8 +82,8 @@ class DistributedOptimizer(BaseOptimizer):
         buffer per bucket (their values are kept)."""
         if norm_group is None and dist.is_initialized():
             norm_group = dist.group.WORLD
-        self.offload, self.stage = offload, stage
-        super().__init__(model, grad_buffer, cfg, scaler, tp_rank, norm_group, inf_group)
+        self.stage = stage
+        super().__init__(model, grad_buffer, cfg, scaler, tp_rank, norm_group, inf_group, offload)
         self.dp_group, self.dp, self.dp_rank = dp_group, grad_buffer.dp, grad_buffer.dp_rank
         self.dtype = self.named[0][1].dtype
         if any(p.dtype != self.dtype for _, p in self.named):

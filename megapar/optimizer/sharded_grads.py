@@ -56,6 +56,7 @@ class ShardedGradBuffer:
         edge = [p for p in edge_params if p.requires_grad]
         self.device = (units[0] if units else edge)[0].device
         self.buckets, self.param_range = self._lay_out(units + ([edge] if edge else []))
+        self.bucket_starts = [b.start for b in self.buckets]
         self.edge = self.buckets[-1] if edge else None
         self.shard_off = []                  # per bucket: its shard's offset in shard_data
         pos = 0
@@ -94,7 +95,7 @@ class ShardedGradBuffer:
         return buckets, ranges
 
     def _bucket_at(self, buf_pos: int) -> int:
-        return bisect.bisect_right([b.start for b in self.buckets], buf_pos) - 1
+        return bisect.bisect_right(self.bucket_starts, buf_pos) - 1
 
     def owned_grad(self, buf_lo: int, buf_hi: int) -> torch.Tensor:
         """The reduced gradient of buffer range [buf_lo, buf_hi), which lies in this rank's shard."""

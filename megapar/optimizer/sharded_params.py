@@ -72,7 +72,7 @@ class Unit:
             self.shard = self.shard.pin_memory() if self.device.type == "cuda" else self.shard
         else:
             self.shard = shard.clone()                                                # [numel / dp]
-        self.gathered, self.handle, self.pending_release = True, None, False
+        self.gathered, self.handle = True, None
         self.release()
 
     @property
@@ -116,7 +116,6 @@ class ShardedParams:
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
         self.units: list[Unit] = []
-        self.prefetch = True
 
     # ---- building -----------------------------------------------------------------------------
     def shard_layer(self, layer: nn.Module) -> None:
@@ -134,7 +133,7 @@ class ShardedParams:
     # ---- hooks --------------------------------------------------------------------------------
     def _before_forward(self, i: int) -> None:
         self.units[i].gather()
-        if self.prefetch and i + 1 < len(self.units) and not in_backward():
+        if i + 1 < len(self.units) and not in_backward():
             self.units[i + 1].start_gather()
 
     def _after_forward(self, i: int, out) -> None:
@@ -147,18 +146,18 @@ class ShardedParams:
     def _before_backward_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             self.units[i].gather()
-            if self.prefetch and i > 0:
+            if i > 0:
                 self.units[i - 1].start_gather()
         return hook
 
     # ---- whole-model views (checkpoints) -------------------------------------------------------
-    def full_tensors(self) -> Iterator[tuple[Unit, list[torch.Tensor]]]:
+    def full_tensors(self) -> Iterator[list[torch.Tensor]]:
         """Collective over the DP group: each unit gathered in turn (one at a time on the device),
-        yielding (unit, its full parameters); released again after the caller is done with it."""
+        yielding its full parameters; released again after the caller is done with them."""
         for u in self.units:
             was = u.gathered
             u.gather()
-            yield u, u.params
+            yield u.params
             if not was:
                 u.release()
 
