@@ -4,28 +4,16 @@
 
 Times one AdamW step over `numel` fp32 parameters split into `tensors` tensors (the parts an
 offloaded ZeRO shard hands to AdamW) with every core, and prints parameters per second for each
-implementation; the offloaded step uses the faster (distrib_optimizer.py).
+implementation (megapar/planner/measure.py's `cpu_adam`, which --calibrate uses too); the offloaded
+step uses the faster (distrib_optimizer.py).
 """
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-
-def time_step(numel: int, tensors: int, steps: int, **kw) -> float:
-    sizes = [numel // tensors] * tensors
-    params = [torch.zeros(n) for n in sizes]
-    grads = [torch.randn(n) * 1e-3 for n in sizes]
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **kw)
-    for p, g in zip(params, grads):
-        p.grad = g
-    opt.step()  # state allocation
-    start = time.perf_counter()
-    for _ in range(steps):
-        opt.step()
-    return (time.perf_counter() - start) / steps
+from megapar.planner.measure import cpu_adam
 
 
 def main() -> None:
@@ -37,8 +25,8 @@ def main() -> None:
     print(f"| CPU AdamW ({torch.get_num_threads()} threads, {a.numel / 1e6:.0f}M params) | s/step | Mparams/s |")
     print("|---|---|---|")
     for name, kw in (("fused", {"fused": True}), ("foreach", {"foreach": True})):
-        s = time_step(a.numel, a.tensors, a.steps, **kw)
-        print(f"| {name} | {s:.3f} | {a.numel / s / 1e6:.0f} |", flush=True)
+        rate = cpu_adam(a.numel, a.tensors, a.steps, **kw) * 1e9
+        print(f"| {name} | {a.numel / rate:.3f} | {rate / 1e6:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -34,16 +34,20 @@ def print_rank0(msg: str) -> None:
         print(msg, flush=True)
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous on 127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed(backend: Optional[str], timeout_minutes: float) -> tuple[int, int, torch.device]:
     """Initialise torch.distributed from torchrun's env (or as a 1-process world) ->
     (rank, world_size, device). NCCL on GPUs, gloo on CPU, unless --distributed-backend says."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m megapar.pretrain_gpt2`: a world of one
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(port))
+                              MASTER_PORT=str(free_port()))
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl" and not torch.cuda.is_available():
             raise RuntimeError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")

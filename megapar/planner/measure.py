@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -108,26 +107,22 @@ def pcie() -> tuple[float, float]:
     return 2**30 / h2d / 1e9, 2**30 / d2h / 1e9
 
 
-def cpu_adam(numel: int = 200_000_000) -> float:
-    """G parameters per second of torch's fused CPU AdamW (all cores)."""
+def cpu_adam(numel: int = 200_000_000, tensors: int = 1, steps: int = 2, **impl) -> float:
+    """G parameters per second of torch's CPU AdamW (all cores) over `numel` parameters split into
+    `tensors` tensors; impl: the AdamW implementation flag (default fused=True, as offload uses)."""
     import torch
-    p = torch.nn.Parameter(torch.zeros(numel))
-    p.grad = torch.full_like(p, 1e-3)
-    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    opt.step()
+    params = [torch.nn.Parameter(torch.zeros(numel // tensors)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **(impl or {"fused": True}))
+    opt.step()  # state allocation
     start = time.perf_counter()
-    for _ in range(2):
+    for _ in range(steps):
         opt.step()
-    return 2 * numel / (time.perf_counter() - start) / 1e9
+    return steps * numel / (time.perf_counter() - start) / 1e9
 
 
 # ---- NCCL, in spawned workers -----------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_seconds(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
     """Median of 3 samples of the wall seconds of one call of `fn` (gloo collectives on CPU)."""
     for _ in range(warmup):
@@ -191,13 +186,14 @@ def nccl(gpus: int, backend: str = "nccl", sizes: Optional[list[int]] = None, re
     """The intra-node Link from spawned workers over 2 and `gpus` GPUs: bus bandwidth = the slowest
     collective at the largest size over the most GPUs, latency = the slowest smallest all-reduce,
     p2p = the send/recv rate between two."""
+    from ..initialize import free_port
     import torch.multiprocessing as mp
     sizes, reps = sizes or NCCL_SIZES, reps or NCCL_REPS
     results = []
     for world in sorted({2, gpus}):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "nccl.json")
-            mp.spawn(_nccl_worker, args=(world, _free_port(), path, backend, sizes, reps, p2p_bytes), nprocs=world,
+            mp.spawn(_nccl_worker, args=(world, free_port(), path, backend, sizes, reps, p2p_bytes), nprocs=world,
                      join=True)
             with open(path) as f:
                 results += json.load(f)
