@@ -93,6 +93,8 @@ RECIPES: dict[str, Recipe] = {
        for z in (1, 2, 3)},
     **{f"345m-dp2-zero{z}": _recipe(2, GPT2_345M, 8, 16, *COMPILE, *_zero(z),
                                     about=f"345M compiled, data parallel 2, ZeRO-{z}") for z in (1, 2, 3)},
+    # GPT-3's 1.3B shape (24 layers, hidden 2048, 16 heads) at seq 1024, as measured against nanoGPT's bench.py
+    "1.3b-graph": _recipe(1, GPT_1_3B, 8, 8, *GRAPH, about="1.3B shape, compiled, whole step one CUDA graph"),
     # GPT-3's 1.3B shape at seq 2048 on one GPU (estimate_memory: 50.6 GiB at micro-batch 8): bf16 vs fp8 GEMMs
     "1.3b-compile": Recipe(1, (*GPT_1_3B, *SEQ_2048_BF16, "--micro-batch-size", "8", "--global-batch-size", "8",
                                *COMPILE), "1.3B (24 layers, hidden 2048, seq 2048), compiled"),

@@ -329,6 +329,9 @@ class StepLog:
         self.peak, self.peak_desc = device_peak_tflops(run.device)
         self.excluded_s = 0.0
         self.window_start, self.window_iters, self.window_loss = self.clock(), 0, 0.0
+        # the completion event of the step that closed the last window, and excluded_s then
+        self.window_event: Optional[torch.cuda.Event] = None
+        self.window_excluded = 0.0
         self.first = state.iteration + 1  # this run's first iteration: it gets a line of its own
 
     def clock(self) -> float:
@@ -356,13 +359,25 @@ class StepLog:
             self.writer.add_scalar("lm loss", loss, step.iteration)
             self.writer.add_scalar("learning rate", step.lr, step.iteration)
         if step.iteration % log.log_interval == 0 or step.iteration == self.total:
-            elapsed = (done - self.window_start) / self.window_iters
+            elapsed = self._window_seconds(step, done) / self.window_iters
             print_rank0(self._line(step, elapsed, self.window_loss / self.window_iters, grad_norm))
             if step.iteration == min(self.total, log.log_interval):
                 _print_memory(self.run)
             self.window_start, self.window_iters, self.window_loss = done, 0, 0.0
+            self.window_event, self.window_excluded = step.ready, self.excluded_s
         elif step.iteration == self.first:  # a first sign of life (the window goes on: Megatron's lines stay)
             print_rank0(self._first_line(step, done - self.window_start, loss))
+
+    def _window_seconds(self, step: LaunchedStep, done: float) -> float:
+        """Seconds from the completion of the step that closed the last window to this step's, less the
+        excluded work between. On the GPU the two completion events' own timestamps: a host clock read
+        when a step is recorded would also count the launch of the step queued behind it, which the
+        last window of a run lacks (it read a host-bound run's last window a step too short). The first
+        window (and CPU runs) use the host clock."""
+        if self.window_event is None or step.ready is None:
+            return done - self.window_start
+        gpu = self.window_event.elapsed_time(step.ready) / 1e3
+        return max(gpu - (self.excluded_s - self.window_excluded), 1e-6)
 
     def _first_line(self, step: LaunchedStep, elapsed: float, loss: float) -> str:
         interval = self.run.cfg.log.log_interval

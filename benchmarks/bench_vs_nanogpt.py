@@ -1,0 +1,125 @@
+"""megapar against nanoGPT's bench.py on the same GPU, alternating, one shape at a time.
+
+    python benchmarks/bench_vs_nanogpt.py --nanogpt-dir .gpu/nanogpt --vocab-file .gpu/encoder.json \
+        --merge-file .gpu/vocab.bpe [--shapes 124m 345m 1.3b] [--rounds 2] [--log-dir DIR]
+
+nanoGPT is not part of megapar and is never committed: put its `bench.py`, `model.py` and
+`configurator.py` (github.com/karpathy/nanoGPT) into a git-ignored folder and name it with
+--nanogpt-dir. bench.py builds a 124M model; for the other shapes this script writes a copy of it
+(`bench_<shape>.py`, same folder) whose only change is the model-size line, then runs it with
+bench.py's own configurator flags: batch size as megapar's recipe, seq 1024, random data
+(`real_data=False`), compiled, bf16, and `bias=True` (GPT-2's layers have biases, as megapar's do;
+`--nanogpt-no-bias` measures bench.py's bias-free default instead).
+
+Each round runs megapar's recipe (benchmarks/bench_train.py: the mean of the last 10 of 50 iterations)
+and then bench.py (its mean over 20 iterations after 10 of burn-in), so drifting clocks hit both. Both
+models have the same shape and padded vocabulary (50304), so the ratio of step times is the ratio of
+tokens/s; MFU is megapar's formula (docs/performance.md) for both.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from bench_train import run_config
+
+NANO_SIZE_LINE = "n_layer = 12, n_head = 12, n_embd = 768, # size of the model"
+NANO_TIME_RE = re.compile(r"time per iteration: ([\d.]+)ms")
+VOCAB, SEQ, PEAK_TFLOPS = 50304, 1024, 989.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    recipe: str
+    layers: int
+    hidden: int
+    heads: int
+    micro: int
+
+    def flops_per_step(self) -> float:
+        """72 L h² + 12 L h s + 6 h V per token (the MFU formula of docs/performance.md), times the tokens."""
+        L, h = self.layers, self.hidden
+        return (72 * L * h * h + 12 * L * h * SEQ + 6 * h * VOCAB) * SEQ * self.micro
+
+
+SHAPES = {"124m": Shape("124m-graph", 12, 768, 12, 16), "345m": Shape("345m-graph", 24, 1024, 16, 8),
+          "1.3b": Shape("1.3b-graph", 24, 2048, 16, 8)}
+
+
+def nanogpt_script(nano_dir: str, name: str, shape: Shape) -> str:
+    """bench.py with the model-size line set to `shape` (bench.py itself when it is 124M)."""
+    src = open(os.path.join(nano_dir, "bench.py")).read()
+    if NANO_SIZE_LINE not in src:
+        sys.exit(f"error: {nano_dir}/bench.py has no line {NANO_SIZE_LINE!r}; use nanoGPT's bench.py as published")
+    size = f"n_layer = {shape.layers}, n_head = {shape.heads}, n_embd = {shape.hidden}, # size of the model"
+    if size == NANO_SIZE_LINE:
+        return "bench.py"
+    path = os.path.join(nano_dir, f"bench_{name}.py")
+    with open(path, "w") as f:
+        f.write(src.replace(NANO_SIZE_LINE, size))
+    return os.path.basename(path)
+
+
+def run_nanogpt(nano_dir: str, name: str, shape: Shape, bias: bool, log_path: str) -> dict:
+    script = nanogpt_script(nano_dir, name, shape)
+    cmd = [sys.executable, script, f"--batch_size={shape.micro}", f"--block_size={SEQ}", "--real_data=False",
+           f"--bias={bias}", "--compile=True", "--dtype=bfloat16"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=nano_dir)
+    out = proc.stdout + proc.stderr
+    with open(log_path, "w") as f:
+        f.write(" ".join(cmd) + "\n" + out)
+    times = NANO_TIME_RE.findall(out)
+    if proc.returncode != 0 or not times:
+        return {"error": f"rc={proc.returncode}: {out.strip().splitlines()[-1:]}"}
+    return {"ms": float(times[-1])}
+
+
+def mfu(shape: Shape, ms: float) -> str:
+    return f"{shape.flops_per_step() / (ms * 1e-3) / (PEAK_TFLOPS * 1e12):.1%}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nanogpt-dir", required=True, help="folder with nanoGPT's bench.py, model.py, configurator.py")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--rounds", type=int, default=1, help="megapar / nanoGPT pairs per shape")
+    p.add_argument("--nanogpt-no-bias", action="store_true", help="bench.py's default bias=False")
+    p.add_argument("--vocab-file", required=True)
+    p.add_argument("--merge-file", required=True)
+    p.add_argument("--log-dir", default=".")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more pretrain flags for megapar's runs")
+    args = p.parse_args()
+    for name in ("bench.py", "model.py", "configurator.py"):
+        if not os.path.isfile(os.path.join(args.nanogpt_dir, name)):
+            sys.exit(f"error: {args.nanogpt_dir} has no {name}; copy nanoGPT's bench.py, model.py and "
+                     f"configurator.py there (a git-ignored folder)")
+    nano_dir = os.path.abspath(args.nanogpt_dir)
+    args.vocab_file, args.merge_file = os.path.abspath(args.vocab_file), os.path.abspath(args.merge_file)
+    args.iters, args.log_window, args.workdir = 50, 10, "."
+    os.makedirs(args.log_dir, exist_ok=True)
+    rows = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        for r in range(args.rounds):
+            ours = run_config(shape.recipe, args)
+            theirs = run_nanogpt(nano_dir, name, shape, not args.nanogpt_no_bias,
+                                 os.path.join(args.log_dir, f"nanogpt_{name}_{r}.log"))
+            rows.append((name, r, ours, theirs))
+            print(name, r, ours, theirs, flush=True)
+    print(f"\n| shape | round | megapar recipe | megapar ms | MFU | nanoGPT bench.py ms (bias={not args.nanogpt_no_bias}) "
+          f"| MFU | megapar speed-up |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r, ours, theirs in rows:
+        shape = SHAPES[name]
+        a = f"{ours['ms']:.1f} | {mfu(shape, ours['ms'])}" if "ms" in ours else f"failed: {ours['error']} |"
+        b = f"{theirs['ms']:.1f} | {mfu(shape, theirs['ms'])}" if "ms" in theirs else f"failed: {theirs['error']} |"
+        ratio = f"{theirs['ms'] / ours['ms']:.3f}x" if "ms" in ours and "ms" in theirs else ""
+        print(f"| {name} | {r} | {shape.recipe} | {a} | {b} | {ratio} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
