@@ -25,29 +25,39 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import torch
+
 from bench_train import run_config
+from megapar.recipes import RECIPES
+from megapar.throughput import device_peak_tflops, flops_per_token
 
 NANO_SIZE_LINE = "n_layer = 12, n_head = 12, n_embd = 768, # size of the model"
 NANO_TIME_RE = re.compile(r"time per iteration: ([\d.]+)ms")
-VOCAB, SEQ, PEAK_TFLOPS = 50304, 1024, 989.0
+VOCAB, SEQ = 50304, 1024   # nanoGPT's padded vocabulary = megapar's for GPT-2 BPE; both recipes' seq
+SHAPES = {"124m": "124m-graph", "345m": "345m-graph", "1.3b": "1.3b-graph"}
 
 
 @dataclass(frozen=True)
 class Shape:
+    """The model and batch of a megapar recipe, which bench.py is given too."""
     recipe: str
     layers: int
     hidden: int
     heads: int
     micro: int
 
+    @classmethod
+    def of(cls, recipe: str) -> "Shape":
+        flags = RECIPES[recipe].flags
+
+        def value(flag: str) -> int:
+            return int(flags[flags.index(flag) + 1])
+        assert value("--seq-length") == SEQ, f"{recipe}: bench.py is run at seq {SEQ}"
+        return cls(recipe, value("--num-layers"), value("--hidden-size"), value("--num-attention-heads"),
+                   value("--micro-batch-size"))
+
     def flops_per_step(self) -> float:
-        """72 L h² + 12 L h s + 6 h V per token (the MFU formula of docs/performance.md), times the tokens."""
-        L, h = self.layers, self.hidden
-        return (72 * L * h * h + 12 * L * h * SEQ + 6 * h * VOCAB) * SEQ * self.micro
-
-
-SHAPES = {"124m": Shape("124m-graph", 12, 768, 12, 16), "345m": Shape("345m-graph", 24, 1024, 16, 8),
-          "1.3b": Shape("1.3b-graph", 24, 2048, 16, 8)}
+        return flops_per_token(self.layers, self.hidden, SEQ, VOCAB) * SEQ * self.micro
 
 
 def nanogpt_script(nano_dir: str, name: str, shape: Shape) -> str:
@@ -78,8 +88,8 @@ def run_nanogpt(nano_dir: str, name: str, shape: Shape, bias: bool, log_path: st
     return {"ms": float(times[-1])}
 
 
-def mfu(shape: Shape, ms: float) -> str:
-    return f"{shape.flops_per_step() / (ms * 1e-3) / (PEAK_TFLOPS * 1e12):.1%}"
+def mfu(shape: Shape, ms: float, peak_tflops: float) -> str:
+    return f"{shape.flops_per_step() / (ms * 1e-3) / (peak_tflops * 1e12):.1%}"
 
 
 def main() -> None:
@@ -101,9 +111,10 @@ def main() -> None:
     args.vocab_file, args.merge_file = os.path.abspath(args.vocab_file), os.path.abspath(args.merge_file)
     args.iters, args.log_window, args.workdir = 50, 10, "."
     os.makedirs(args.log_dir, exist_ok=True)
+    peak = device_peak_tflops(torch.device("cuda"))[0] or float("nan")
     rows = []
     for name in args.shapes:
-        shape = SHAPES[name]
+        shape = Shape.of(SHAPES[name])
         for r in range(args.rounds):
             ours = run_config(shape.recipe, args)
             theirs = run_nanogpt(nano_dir, name, shape, not args.nanogpt_no_bias,
@@ -114,9 +125,10 @@ def main() -> None:
           f"| MFU | megapar speed-up |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r, ours, theirs in rows:
-        shape = SHAPES[name]
-        a = f"{ours['ms']:.1f} | {mfu(shape, ours['ms'])}" if "ms" in ours else f"failed: {ours['error']} |"
-        b = f"{theirs['ms']:.1f} | {mfu(shape, theirs['ms'])}" if "ms" in theirs else f"failed: {theirs['error']} |"
+        shape = Shape.of(SHAPES[name])
+        a = f"{ours['ms']:.1f} | {mfu(shape, ours['ms'], peak)}" if "ms" in ours else f"failed: {ours['error']} |"
+        b = (f"{theirs['ms']:.1f} | {mfu(shape, theirs['ms'], peak)}" if "ms" in theirs
+             else f"failed: {theirs['error']} |")
         ratio = f"{theirs['ms'] / ours['ms']:.3f}x" if "ms" in ours and "ms" in theirs else ""
         print(f"| {name} | {r} | {shape.recipe} | {a} | {b} | {ratio} |")
 

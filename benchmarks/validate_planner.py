@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 from typing import Optional
@@ -59,10 +60,8 @@ def describe(lay: cost.Layout) -> str:
 
 def measure(req: search.Request, lay: cost.Layout, args, log_name: str) -> tuple[Optional[float], Optional[float], str]:
     """(ms per step, max allocated GiB, error) of the planner's command for this layout."""
-    words = [w for name, value in search.flags(req, lay).items() for w in search._flag_words(name, value)]
-    cmd = ["bash", os.path.join(ROOT, "scripts", "pretrain_gpt2.sh"), "--nproc-per-node", str(req.gpus), *words,
-           *bench_flags(args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [*shlex.split(search.command(req, lay)), *bench_flags(args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     out = proc.stdout + proc.stderr
     with open(os.path.join(args.log_dir, log_name), "w") as f:
         f.write(" ".join(cmd) + "\n" + out)
@@ -88,7 +87,7 @@ def main() -> None:
     if gpus not in LAYOUTS:
         sys.exit(f"error: no layout set for {gpus} GPUs (sets for {sorted(LAYOUTS)})")
     name = torch.cuda.get_device_name()
-    gpu = args.gpu or ("h200" if "H200" in name else "h100")
+    gpu = args.gpu or calibration.gpu_kind(name, "h100")
     cal = calibration.load_calibration(gpu, args.calibration)
     memory = torch.cuda.get_device_properties(0).total_memory
     args.vocab_file, args.merge_file = os.path.abspath(args.vocab_file), os.path.abspath(args.merge_file)

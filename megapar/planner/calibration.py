@@ -124,6 +124,11 @@ H200 = Calibration(**{**asdict(H100), "name": "H200 SXM 141GB (placeholder defau
 DEFAULTS = {"h100": H100, "h200": H200}
 
 
+def gpu_kind(device_name: str, fallback: str) -> str:
+    """The DEFAULTS key of a CUDA device name ("NVIDIA H200" -> h200), `fallback` for other GPUs."""
+    return "h200" if "H200" in device_name else "h100" if "H100" in device_name else fallback
+
+
 def _build(data: dict, base: Calibration, source: str) -> Calibration:
     """`base` with the keys of `data` replaced (links merged key by key); ConfigError on unknown keys or
     values that are not positive numbers."""

@@ -23,7 +23,7 @@ from dataclasses import asdict
 from typing import Callable, Optional
 
 from ..topology import ConfigError
-from .calibration import DEFAULTS, Calibration, Link
+from .calibration import DEFAULTS, Calibration, Link, gpu_kind
 
 GEMM_SHAPES = [(2048, 1024, 512), (4096, 1024, 1024), (8192, 1024, 1024), (8192, 3072, 1024), (8192, 4096, 2048),
                (8192, 6144, 2048), (16384, 8192, 4096), (16384, 16384, 2048)]
@@ -214,7 +214,7 @@ def calibrate(gpu: str, log: Callable[[str], None] = print) -> Calibration:
         raise ConfigError("--calibrate needs a CUDA GPU; planning works without one")
     from ..throughput import PEAK_BF16_TFLOPS
     name = torch.cuda.get_device_name(0)
-    base = DEFAULTS["h200" if "H200" in name else "h100" if "H100" in name else gpu]
+    base = DEFAULTS[gpu_kind(name, gpu)]
     peak = next((p for key, p in PEAK_BF16_TFLOPS.items() if key in name), base.peak_tflops)
     started = time.perf_counter()
     notes = [f"measured on {name} by --calibrate, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
