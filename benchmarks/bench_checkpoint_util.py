@@ -23,7 +23,7 @@ from dataclasses import asdict
 import torch
 
 from megapar.arguments import parse_config
-from megapar.checkpointing import read_saved_config
+from megapar.checkpoint import read_saved_config
 from megapar.model import set_vocab
 from megapar.reshard import bounded_heap
 from megapar.reshard.convert import write_sharded

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .arguments import ModelConfig
-from .checkpointing import SavedConfig
+from .checkpoint import SavedConfig
 from .model.gpt2 import GPT2Model, Stage
 from .model.kv_cache import KVCache
 from .readback import to_host, wait_host
@@ -336,7 +336,7 @@ def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int
                      iteration=None) -> tuple[SavedConfig, dict[str, torch.Tensor]]:
     """(the checkpoint's SavedConfig, flat model state dict) of shard (tp_rank, pp_rank) for an inference layout tp x pp,
     from a checkpoint saved at any layout (via megapar.reshard when the layouts differ)."""
-    from . import checkpointing as ck
+    from . import checkpoint as ck
     if not os.path.isdir(load_dir):
         raise GenerationError(f"--load {load_dir}: no such directory; pass the --save directory of a training run")
     it = iteration if iteration is not None else ck.read_tracker(load_dir)

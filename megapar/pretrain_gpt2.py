@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .arguments import DEEPSPEED_CONFIG, Config, ConfigError, config_from_namespace, default_of, parse_flags
 from .errors import USER_ERROR_EXIT, MegaparError
-from .checkpointing import check_load_dir
+from .checkpoint import check_load_dir
 from .initialize import build_run, init_distributed, print_rank0, train_iters
 from .topology import Topology
 from .scalar_writer import build_writer

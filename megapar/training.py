@@ -13,7 +13,7 @@ from typing import Callable, ContextManager, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .checkpointing import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .cuda_graph import GraphedStep
 from .errors import MegaparError
 from .initialize import Run, checkpoint_args, print_rank0, train_iters

@@ -3,7 +3,7 @@
 `save_tiny_checkpoint(root, tp, pp, dp, zero)` spawns tp*pp*dp gloo processes; each builds its
 GPT2Model stage, an optimizer (ZeRO-1 with zero=True) that takes `steps` AdamW steps on
 deterministic layout-independent gradients (a full-shape tensor per global parameter name,
-sliced like the parameter), an LR scheduler, and calls megapar.checkpointing.save_checkpoint --
+sliced like the parameter), an LR scheduler, and calls megapar.checkpoint.save_checkpoint --
 so the files are exactly what training writes.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from distributed import run_distributed
 from gpt_helpers import tiny_model_config
-from megapar.checkpointing import save_checkpoint
+from megapar.checkpoint import save_checkpoint
 from megapar.model import GPT2Model, Stage
 from megapar.model.sharding import tp_partition_dim
 from megapar.optimizer.distrib_optimizer import DistributedOptimizer

@@ -100,7 +100,7 @@ def test_saved_config_from_a_megatron_args_namespace():
     """Megatron's checkpoints have `args` and no `model_config`: the loader fills megapar's defaults."""
     import argparse
 
-    from megapar.checkpointing import CheckpointError, read_saved_config
+    from megapar.checkpoint import CheckpointError, read_saved_config
     args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128,
                               max_position_embeddings=None, padded_vocab_size=50304, tensor_model_parallel_size=2,
                               pipeline_model_parallel_size=1, tokenizer_type="GPT2BPETokenizer")

@@ -10,7 +10,7 @@ import torch
 from ckpt_fixtures import VOCAB, save_tiny_checkpoint
 from distributed import run_distributed
 from gpt_helpers import batch, tiny_model_config
-from megapar.checkpointing import flatten_model_state
+from megapar.checkpoint import flatten_model_state
 from megapar.model import GPT2Model, Stage
 from megapar.model.sharding import is_vocab_parallel
 from megapar.reshard import load_model_state_for
@@ -155,7 +155,7 @@ def test_zero1_dp4_to_dp2_carries_distrib_optim(ckpts, tmp_path):
 
 
 def _zero_reload_body(rank, world, root):
-    from megapar.checkpointing import load_checkpoint
+    from megapar.checkpoint import load_checkpoint
     from megapar.optimizer.distrib_optimizer import DistributedOptimizer
     from megapar.optimizer.grad_buffer import GradBuffer
     from megapar.optimizer.grad_scaler import DynamicGradScaler
@@ -370,7 +370,7 @@ def test_target_pipeline_split(tmp_path, capsys):
 
 def test_resuming_with_another_pipeline_split_is_refused():
     from megapar.arguments import ModelConfig
-    from megapar.checkpointing import CheckpointError, check_compatible, read_saved_config
+    from megapar.checkpoint import CheckpointError, check_compatible, read_saved_config
     from megapar.topology import Topology
     layout = dict(num_layers=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
     saved = read_saved_config({"args": argparse.Namespace(**layout, decoder_last_pipeline_num_layers=1)})

@@ -11,7 +11,7 @@ from ckpt_fixtures import write_hf_gpt2
 from distributed import run_distributed
 from gpt_helpers import batch
 from megapar.arguments import parse_config
-from megapar.checkpointing import MODEL_FILE, load_checkpoint, read_tracker
+from megapar.checkpoint import MODEL_FILE, load_checkpoint, read_tracker
 from megapar.cli import convert_from_hf, convert_to_hf
 from megapar.model import GPT2Model, Stage, set_vocab
 from megapar.reshard.hf_source import canonical_names, megapar_flags

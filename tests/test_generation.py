@@ -18,7 +18,7 @@ import torch
 
 from distributed import run_distributed
 from gpt_helpers import tiny_model_config
-from megapar.checkpointing import read_saved_config, save_checkpoint
+from megapar.checkpoint import read_saved_config, save_checkpoint
 from megapar.cli import generate_text
 from megapar.generation import (GenerationError, InferenceEngine, SamplingParams, filter_logits,
                                 load_inference_model, mask_padded_vocab, sample, tokenizer_for_checkpoint)

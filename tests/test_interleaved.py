@@ -131,7 +131,7 @@ def test_v2_checkpoint_converts_to_v1_and_resumes_with_the_same_losses(embedded_
     (layer indices local to the chunk) and args.virtual_pipeline_model_parallel_size = 2. Resuming
     it at v 2, or converted to v 1 (plain pp 2), gives the serial run's last 2 losses; converting
     v 1 back to v 2 gives the original shards bitwise; generation loads it as plain stages."""
-    from megapar.checkpointing import flatten_model_states
+    from megapar.checkpoint import flatten_model_states
     base = TINY_TRAIN + embedded_data + ["--train-iters", "4", "--pipeline-parallel", "2",
                                          "--use-distributed-optimizer"]
     ck, ck1, ck2 = tmp_path / "v2", tmp_path / "v1", tmp_path / "v2again"
@@ -175,7 +175,7 @@ def test_resuming_another_chunk_count_is_refused():
     import argparse
 
     from megapar.arguments import ModelConfig
-    from megapar.checkpointing import CheckpointError, check_compatible, read_saved_config
+    from megapar.checkpoint import CheckpointError, check_compatible, read_saved_config
     from megapar.topology import Topology
     saved = read_saved_config({"args": argparse.Namespace(num_layers=4, tensor_model_parallel_size=1,
                                                           pipeline_model_parallel_size=2,

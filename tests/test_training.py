@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from megapar.checkpointing import TRACKER
+from megapar.checkpoint import TRACKER
 from megapar.optimizer.grad_scaler import DynamicGradScaler
 from megapar.optimizer.lr_schedule import OptimizerParamScheduler
 from train_helpers import TINY_TRAIN, run_training

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Optional
 
-from megapar.checkpointing import CheckpointError
+from megapar.checkpoint import CheckpointError
 from megapar.reshard import bounded_heap
 from megapar.reshard.canonical import CanonicalFolder, is_canonical, write_canonical
 from megapar.reshard.convert import write_sharded

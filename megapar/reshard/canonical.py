@@ -16,11 +16,11 @@ import os
 
 import torch
 
-from ..checkpointing import CheckpointError, SavedConfig, atomic_torch_save, read_saved_config
+from ..checkpoint import CheckpointError, SavedConfig, atomic_torch_save, read_saved_config
 from .layout import OPTIM_KINDS
 from .output import CANONICAL, CHECKPOINT, staged_output
 from .source import load_mmap
-from .stream_save import LazyTensor, StreamingSaver
+from ..checkpoint.stream import LazyTensor, StreamingSaver
 
 META = "metadata.pt"
 

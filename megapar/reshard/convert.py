@@ -19,12 +19,13 @@ import os
 from dataclasses import asdict
 from typing import Optional
 
-from ..checkpointing import (CHECKPOINT_VERSION, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, atomic_write_text,
-                             iter_dir, nest_model_states, shard_dir_name)
+from ..atomic import atomic_write_text
+from ..checkpoint import (CHECKPOINT_VERSION, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, iter_dir,
+                          nest_model_states, shard_dir_name)
 from . import retarget
 from .output import CANONICAL, CHECKPOINT, staged_output
 from .layout import OPTIM_KINDS, chunk_layout, split, stage_keys
-from .stream_save import LazyTensor, StreamingSaver
+from ..checkpoint.stream import LazyTensor, StreamingSaver
 
 
 def _shard_shape(full_shape, name: str, tp: int, padded: Optional[int]) -> tuple[int, ...]:

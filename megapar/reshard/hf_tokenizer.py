@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..arguments import DataConfig
-from ..checkpointing import CheckpointError
+from ..checkpoint import CheckpointError
 
 GPT2_FILES = ("vocab.json", "merges.txt")
 SP_FILE = "tokenizer.model"

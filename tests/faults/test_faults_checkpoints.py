@@ -309,7 +309,7 @@ def test_kill_during_a_save_resumes_exactly(data, tmp_path, uninterrupted_losses
 
 def test_output_that_changes_during_a_conversion_is_not_replaced(tmp_path):
     """publish_dir checks the output again just before the rename."""
-    from megapar.checkpointing import CheckpointError
+    from megapar.checkpoint import CheckpointError
     from megapar.reshard.output import CANONICAL, CHECKPOINT, new_staging, publish_dir
     out = tmp_path / "out"
     staging = new_staging(str(out))                      # the tool started on an absent --save-dir ...

@@ -152,7 +152,7 @@ def test_another_pipeline_split_names_the_saved_split():
     import argparse
 
     from megapar.arguments import ModelConfig
-    from megapar.checkpointing import CheckpointError, check_compatible, read_saved_config
+    from megapar.checkpoint import CheckpointError, check_compatible, read_saved_config
     from megapar.topology import Topology
     saved = read_saved_config({"args": argparse.Namespace(num_layers=4, tensor_model_parallel_size=1,
                                                           pipeline_model_parallel_size=2,

@@ -26,7 +26,7 @@ from gpt_helpers import tiny_model_config
 from harness import ROOT, refused
 from megapar.cli import generate_text
 from megapar.generation import GenerationError, InferenceEngine, SamplingParams
-from megapar.checkpointing import save_checkpoint
+from megapar.checkpoint import save_checkpoint
 from megapar.model import GPT2Model, Stage
 from megapar.topology import Topology
 from megapar.text_generation_server import Limits, make_server, response_for
