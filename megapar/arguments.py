@@ -192,6 +192,13 @@ class CheckpointConfig:
     no_load_optim: bool = arg(False)
     no_load_rng: bool = arg(False)
     finetune: bool = arg(False)
+    ckpt_format: str = arg("torch", "checkpoint format of saves: torch_dist (every rank writes what it owns; "
+                                    "loads at any layout) or torch (Megatron's legacy files, one per tp x pp "
+                                    "shard; what Megatron's and Hugging Face's converters read). Loads read "
+                                    "either", choices=("torch", "torch_dist"))
+    async_save: bool = arg(False, "torch_dist only: copy the state to host memory and write it in the background "
+                                  "while training goes on (one save in flight; the tracker moves when it is "
+                                  "complete)")
 
 
 @dataclass
@@ -507,6 +514,9 @@ def validate(ns: argparse.Namespace, world_size: int, assume_gpus: bool = False)
     if ns.recompute_granularity == "full" and not 1 <= ns.recompute_num_layers <= per_stage:
         _fail(f"--recompute-num-layers {ns.recompute_num_layers} must be between 1 and the layers of the "
               f"smallest pipeline stage ({per_stage})")
+    if ns.async_save and ns.ckpt_format != "torch_dist":
+        _fail("--async-save needs --ckpt-format torch_dist (the legacy format is written by one rank per shard "
+              "while training waits); add --ckpt-format torch_dist or drop --async-save")
     gpus = assume_gpus or _has_gpus()
     _check_zero(ns, gpus)
     _check_fp8(ns, gpus)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .arguments import Config
+from .checkpoint import AsyncSaves
 from .model import GPT2Model, build_model, set_vocab
 from .model.transformer import TransformerLayer
 from .optimizer.grad_buffer import GradBuffer
@@ -77,6 +78,7 @@ class Run:
     grad_buffer: GradBuffer
     optimizer: Any
     scheduler: OptimizerParamScheduler
+    saves: Optional[AsyncSaves] = None   # --async-save: the save in flight
 
     @property
     def coord(self):
@@ -118,7 +120,8 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
     log(f"> optimizer: AdamW ({'csrc fused, one launch' if optimizer.adam_impl == 'fused' else 'torch'}"
         f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}{', CPU offload' if p.optimizer_cpu_offload else ''})")
     scheduler = build_scheduler(cfg, optimizer)
-    return Run(cfg, topo, rank, device, model, grad_buffer, optimizer, scheduler)
+    saves = AsyncSaves(device) if cfg.ckpt.async_save else None
+    return Run(cfg, topo, rank, device, model, grad_buffer, optimizer, scheduler, saves)
 
 
 def build_grad_buffer(cfg: Config, model: GPT2Model, topo: Topology, device: torch.device,

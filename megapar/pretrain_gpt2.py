@@ -22,7 +22,7 @@ from .checkpoint import check_load_dir
 from .initialize import build_run, init_distributed, print_rank0, train_iters
 from .topology import Topology
 from .scalar_writer import build_writer
-from .training import TrainState, evaluate, load, log_eval, save, train
+from .training import TrainState, evaluate, finish_saves, load, log_eval, save, train
 
 EMBEDDED_DIR = os.path.join("data_cache", "embedded")
 EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")  # + model shape, see parse()
@@ -148,6 +148,7 @@ def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None) -> TrainState:
             writer.close()
     if state.exit_reason is None:
         _finish(run, state, valid_ds, test_ds)
+    finish_saves(run)
     print_rank0(f"> training done in {time.time() - start:.1f} s at iteration {state.iteration}")
     _print_next_steps(cfg, run.scheduler, argv, stopped=state.exit_reason is not None)
     return state

@@ -47,6 +47,8 @@ class Groups:
     mp: Optional[dist.ProcessGroup] = None          # tp x pp: one full model replica
     embedding: Optional[dist.ProcessGroup] = None   # first + last stage (when they differ)
     pp_grad: Optional[dist.ProcessGroup] = None     # pp == 2 only: the pipeline again, for gradient messages
+    ckpt: Optional[dist.ProcessGroup] = None        # every rank, gloo: checkpoint collectives (async saves
+                                                    # run them on a background thread beside training's)
 
 
 @dataclass
@@ -133,6 +135,7 @@ class Topology:
                 group = dist.new_group(members)
                 if rank in members:
                     setattr(mine, kind, group)
+        mine.ckpt = dist.new_group(list(range(self.world_size)), backend="gloo")
         self.groups = mine
         return mine
 

@@ -276,8 +276,21 @@ def save(run: Run, state: TrainState) -> None:
     print_rank0(f" saving checkpoint at iteration {state.iteration:7d} to {ck.save}")
     save_checkpoint(ck.save, state.iteration, run.model, run.optimizer, run.scheduler,
                     checkpoint_args(run, state.consumed_samples), run.cfg.model, run.topo, run.rank,
-                    save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng)
-    print_rank0(f"  successfully saved checkpoint at iteration {state.iteration:7d} to {ck.save}")
+                    save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng, fmt=ck.ckpt_format,
+                    saves=run.saves)
+    if run.saves is None:
+        print_rank0(f"  successfully saved checkpoint at iteration {state.iteration:7d} to {ck.save}")
+    else:
+        print_rank0(f"  copied the state of iteration {state.iteration:7d} to host memory; writing it in the "
+                    f"background")
+
+
+def finish_saves(run: Run) -> None:
+    """Wait for the save in flight (--async-save), if any: the run ends only once it is published."""
+    if run.saves is not None and run.saves.thread is not None:
+        print_rank0(f"> waiting for the background save to {run.cfg.ckpt.save} to complete")
+        run.saves.wait()
+        print_rank0(f"  successfully saved checkpoint to {run.cfg.ckpt.save}")
 
 
 def load(run: Run, state: TrainState) -> None:

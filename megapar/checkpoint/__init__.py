@@ -1,12 +1,52 @@
 """Checkpoints: the one place that knows the on-disk formats (docs/design.md#checkpoint-format).
 
     common.py   names, the tracker, SavedConfig, RNG, the checks a load makes
-    legacy.py   Megatron's legacy layout (`--ckpt-format torch`)
+    legacy.py   Megatron's legacy layout (`--ckpt-format torch`): one file per (tp, pp) shard
+    dist.py     `--ckpt-format torch_dist`: every rank writes what it owns (torch.distributed.checkpoint),
+                loadable at any layout; `--async-save`
     stream.py   torch.save's zip format written one tensor at a time
+
+`save_checkpoint` writes the format asked for; `load_checkpoint` reads whichever the tracker's
+iteration holds.
 """
+from __future__ import annotations
+
+from typing import Optional
+
+from . import dist, legacy
 from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, SHAPE_FIELDS, TRACKER, CheckpointError,
                      SavedConfig, atomic_torch_save, check_compatible, check_load_dir, flatten_model_state,
                      flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, nest_model_state,
                      nest_model_states, read_saved_config, read_tracker, restore_scheduler, saved_layout_flags,
                      set_rng_state, shard_dir_name)
-from .legacy import load_checkpoint, load_model_state, model_state_for_save, save_checkpoint
+from .dist import AsyncSaves, is_dist_checkpoint
+from .legacy import load_model_state, model_state_for_save
+
+FORMATS = ("torch", "torch_dist")
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args, model_config, topo, rank: int,
+                    save_optim: bool = True, save_rng: bool = True, fmt: str = "torch",
+                    saves: Optional[AsyncSaves] = None) -> None:
+    """Collective: save in format `fmt` ("torch": legacy, "torch_dist"); `saves`: write in the
+    background (torch_dist only)."""
+    if fmt == "torch_dist":
+        dist.save_checkpoint(root, iteration, model, optimizer, scheduler, args, model_config, topo, rank,
+                             save_optim, save_rng, saves)
+    elif fmt == "torch" and saves is None:
+        legacy.save_checkpoint(root, iteration, model, optimizer, scheduler, args, model_config, topo, rank,
+                               save_optim, save_rng)
+    else:
+        raise ValueError(f"checkpoint format {fmt!r} (async: {saves is not None}) is not one of {FORMATS}")
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, model_config, topo, rank: int, load_optim: bool = True,
+                    load_rng: bool = True, finetune: bool = False) -> tuple[int, int]:
+    """Collective: load the tracker's iteration of `root`, whichever format it was saved in.
+    Returns (iteration, consumed_train_samples); (0, 0) when `root` holds no checkpoint yet."""
+    iteration = read_tracker(root)
+    if iteration is not None and is_dist_checkpoint(iter_dir(root, iteration)):
+        return dist.load_checkpoint(root, model, optimizer, scheduler, model_config, topo, rank, load_optim,
+                                    load_rng, finetune)
+    return legacy.load_checkpoint(root, model, optimizer, scheduler, model_config, topo, rank, load_optim,
+                                  load_rng, finetune)

@@ -242,6 +242,11 @@ def check_compatible(saved: SavedConfig, model: ModelConfig, topo, path: str) ->
             f"--load-dir <ckpt> --save-dir <new> --target-tensor-parallel-size {topo.tp} "
             f"--target-pipeline-parallel-size {topo.pp}"
             + (f" --target-virtual-pipeline-parallel-size {v}" if v else ""))
+    check_same_model(saved, model, path)
+
+
+def check_same_model(saved: SavedConfig, model: ModelConfig, path: str) -> None:
+    """The checkpoint's model must have this run's shape (the layout may differ)."""
     diffs = [f"--{a.replace('_', '-')} {getattr(saved.model, a)} (checkpoint) vs {getattr(model, a)} (run)"
              for a in SHAPE_FIELDS if getattr(saved.model, a) != getattr(model, a)]
     if diffs:

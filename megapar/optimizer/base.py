@@ -297,6 +297,32 @@ class BaseOptimizer(ABC):
         self._load_state(saved["state"], int(saved["step"]))
         self.scaler.load_state_dict(saved["grad_scaler"])
 
+    # ---- torch_dist checkpoint state (this rank's share, read and written in place) ---------------------
+    def step_count(self) -> int:
+        """Completed AdamW steps (collective where `_step_count` is: call it on every rank)."""
+        return self._step_count()
+
+    def saved_param_groups(self) -> list[dict]:
+        return saved_param_groups(self.adam)
+
+    def finish_load(self, step: int, grad_scaler: dict) -> None:
+        """After the views of `owned_state()` were filled: the step count, the model parameters from
+        the masters where they are separate, the loss scaler."""
+        self.fused_adam = None  # its pointer tables may point at replaced state
+        self._finish_load(step)
+        self.scaler.load_state_dict(grad_scaler)
+
+    @abstractmethod
+    def owned_state(self) -> list[tuple[str, nn.Parameter, int, int, dict[str, torch.Tensor]]]:
+        """This rank's AdamW state as views of its own memory: per owned tensor (parameter name,
+        parameter, [lo, hi) of the flattened parameter, {master_param, exp_avg, exp_avg_sq: 1-D
+        views of hi - lo fp32 elements}). A torch_dist save writes from them, a load reads into them,
+        then calls `finish_load`."""
+
+    @abstractmethod
+    def _finish_load(self, step: int) -> None:
+        """Set the step count of every owned tensor's state to `step`; publish the masters if needed."""
+
     def _step_count(self) -> int:
         """Completed AdamW steps on this rank (every owned tensor has the same count; 0 before the first)."""
         state = self.adam.state.get(self.masters[0], {}) if self.masters else {}

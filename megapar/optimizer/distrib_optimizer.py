@@ -281,6 +281,15 @@ class DistributedOptimizer(BaseOptimizer):
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.dp_group)
         return int(step.item())
 
+    def owned_state(self) -> list:
+        return [(pt.name, pt.param, pt.p_lo, pt.p_hi,
+                 {"master_param": m, "exp_avg": self.exp_avg[pt.lo:pt.hi], "exp_avg_sq": self.exp_avg_sq[pt.lo:pt.hi]})
+                for pt, m in zip(self.parts, self.masters)]
+
+    def _finish_load(self, step: int) -> None:
+        """The model weights were read with the masters (ZeRO-3 shards included): only the step count."""
+        self._reset_moments(step)
+
     def _load_state(self, state: dict, step: int) -> None:
         """Every model parameter from its saved master (the non-owned ranges too, so no all-gather
         is needed), then this rank's parts of the masters and moments."""

@@ -65,3 +65,23 @@ class MixedPrecisionOptimizer(BaseOptimizer):
                     p.copy_(m)
                 self.adam.state[m] = adam_state(step, src["exp_avg"].to(self.device, torch.float32).clone(),
                                                 src["exp_avg_sq"].to(self.device, torch.float32).clone(), fused)
+
+    def owned_state(self) -> list:
+        fused = bool(self.adam.defaults.get("fused"))
+        out = []
+        for (n, p), m in zip(self.named, self.masters):
+            s = self.adam.state.get(m)
+            if not s:  # before the first step: zero moments, as AdamW would create them
+                s = self.adam.state[m] = adam_state(0, torch.zeros_like(m, memory_format=torch.contiguous_format),
+                                                    torch.zeros_like(m, memory_format=torch.contiguous_format), fused)
+            views = {"master_param": m.detach().view(-1), "exp_avg": s["exp_avg"].view(-1),
+                     "exp_avg_sq": s["exp_avg_sq"].view(-1)}
+            out.append((n, p, 0, p.numel(), views))
+        return out
+
+    def _finish_load(self, step: int) -> None:
+        fused = bool(self.adam.defaults.get("fused"))
+        for m in self.masters:
+            s = self.adam.state[m]
+            self.adam.state[m] = adam_state(step, s["exp_avg"], s["exp_avg_sq"], fused)
+        self._publish_params(params_written=False)

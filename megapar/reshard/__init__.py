@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ..arguments import ParallelConfig, section_from_args
-from ..checkpoint import SavedConfig
+from ..checkpoint.common import SavedConfig
 from ..topology import ConfigError, check_parallel_shape, padded_vocab_size
 from .layout import chunk_layout, split, stage_keys
 from .source import ShardedCheckpoint

@@ -20,7 +20,7 @@ from dataclasses import asdict
 from typing import Optional
 
 from ..atomic import atomic_write_text
-from ..checkpoint import (CHECKPOINT_VERSION, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, iter_dir,
+from ..checkpoint.common import (CHECKPOINT_VERSION, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, iter_dir,
                           nest_model_states, shard_dir_name)
 from . import retarget
 from .output import CANONICAL, CHECKPOINT, staged_output

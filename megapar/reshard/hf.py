@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ..arguments import DataConfig
-from ..checkpoint import SavedConfig
+from ..checkpoint.common import SavedConfig
 from . import hf_tokenizer
 from .hf_tokenizer import TokenizerFiles
 from .output import HF, staged_output

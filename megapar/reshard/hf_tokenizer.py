@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..arguments import DataConfig
-from ..checkpoint import CheckpointError
+from ..checkpoint.common import CheckpointError
 
 GPT2_FILES = ("vocab.json", "merges.txt")
 SP_FILE = "tokenizer.model"

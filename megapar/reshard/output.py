@@ -29,7 +29,7 @@ import shutil
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-from ..checkpoint import DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, CheckpointError
+from ..checkpoint.common import DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, CheckpointError
 
 CHECKPOINT, CANONICAL, HF = "megapar checkpoint", "canonical folder", "Hugging Face folder"
 _ITER = re.compile(r"^(iter_\d{7}|release)$")

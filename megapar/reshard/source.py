@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ..topology import layer_counts
-from ..checkpoint import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_states,
+from ..checkpoint.common import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_states,
                              has_model_state, iter_dir, read_saved_config, read_tracker, shard_dir_name)
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from .layout import HEAD, OPTIM_KINDS, canonical_key, chunk_layout, expected_full_shape, stage_of

@@ -1,0 +1,437 @@
+"""Distributed checkpoints (`--ckpt-format torch_dist`) through torch.distributed.checkpoint (DCP).
+
+    DIR/latest_checkpointed_iteration.txt       written last, once every rank's files are complete
+    DIR/iter_0000600/common.pt                  the small common record (rank 0): iteration, args, model
+                                                config, LR scheduler, optimizer step / loss scaler, RNG per rank
+    DIR/iter_0000600/.metadata                  DCP's index: every tensor's global shape and stored chunks
+    DIR/iter_0000600/__{rank}_0.distcp          what rank `rank` owned, written by that rank alone
+
+Every tensor is stored under its canonical name (the tp = pp = 1 model's key, reshard/layout.py) at its
+global shape, with the true vocabulary rows only (no padding): `model.<name>` in the model dtype, and
+`optim.<name>.{master_param,exp_avg,exp_avg_sq}` in fp32. A rank describes what it holds as chunks of
+those global tensors -- rectangles with global offsets, each a view of its own memory (a tensor-parallel
+shard, a ZeRO range of a flattened parameter: at most three rectangles) -- and DCP writes each chunk from
+that view and, on load, reads into each view exactly the overlapping parts of the stored chunks. So a
+checkpoint saved at any (tp, pp, virtual stages, dp, ZeRO stage, offload) loads at any other, and no rank
+ever holds more than its own shard (plus one chunk being written). Replicas write once: tensor-parallel
+duplicates from tp rank 0, data-parallel duplicates from dp rank 0, the last stage's head copy of the word
+embeddings never (it loads from the word embeddings).
+
+DCP's collectives run over the topology's checkpoint group (gloo), so an asynchronous save
+(`AsyncSaves`) can write from a background thread while training uses the other groups.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import threading
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, \
+    WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..arguments import ModelConfig
+from ..model.sharding import is_vocab_parallel, tp_partition_dim
+from ..reshard.layout import HEAD, WORD, canonical_key, chunk_layout
+from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_same_model, get_rng_state,
+                     iter_dir, load_file, read_saved_config, read_tracker, restore_scheduler, set_rng_state)
+from .legacy import _publish
+
+COMMON_FILE = "common.pt"
+FORMAT = "torch_dist"
+
+
+def is_dist_checkpoint(folder: str) -> bool:
+    """Is the iteration folder `folder` a torch_dist checkpoint (else: the legacy layout)?"""
+    return os.path.isfile(os.path.join(folder, COMMON_FILE))
+
+
+# ---- a rank's pieces of the global tensors -------------------------------------------------------
+@dataclass
+class Chunk:
+    offsets: tuple[int, ...]      # where the chunk starts in the global tensor
+    tensor: torch.Tensor          # a view of this rank's memory; its shape is the chunk's size
+
+
+@dataclass
+class Entry:
+    """This rank's part of one global tensor: zero or more disjoint chunks."""
+    size: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: list[Chunk]
+
+
+def _rectangles(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """The flattened range [lo, hi) of a row-major tensor of `shape` (1-D or 2-D) as rectangles:
+    (offsets, sizes, start in the range). A 2-D range is a partial first row, whole rows, a partial
+    last row."""
+    if len(shape) == 1:
+        return [((lo,), (hi - lo,), 0)] if hi > lo else []
+    if len(shape) != 2:
+        raise ValueError(f"torch_dist checkpoints hold 1-D and 2-D tensors, not shape {shape}")
+    cols, out, pos = shape[1], [], lo
+    while pos < hi:
+        r, c = divmod(pos, cols)
+        if c or hi - pos < cols:                       # a partial row
+            n = min(cols - c, hi - pos)
+            out.append(((r, c), (1, n), pos - lo))
+        else:                                          # whole rows
+            n = (hi - pos) // cols * cols
+            out.append(((r, 0), (n // cols, cols), pos - lo))
+        pos += n
+    return out
+
+
+class Placement:
+    """Where this rank's shard of a parameter sits in the global tensor (tensor parallelism and the
+    padded vocabulary), from its local key."""
+
+    def __init__(self, local_key: str, local_shape: tuple[int, ...], tp: int, tp_rank: int, vocab_size: int):
+        self.dim = tp_partition_dim(local_key)
+        self.shape, self.vocab = tuple(local_shape), vocab_size if is_vocab_parallel(local_key) else None
+        size = list(local_shape)
+        if self.dim is not None:
+            size[self.dim] *= tp
+        if self.vocab is not None:
+            size[0] = self.vocab
+        self.size = tuple(size)
+        self.shift = tp_rank * local_shape[self.dim] if self.dim is not None else 0
+
+    def chunks(self, flat: torch.Tensor, lo: int, hi: int) -> list[Chunk]:
+        """`flat` (a 1-D view) holds elements [lo, hi) of the flattened local shard: its chunks."""
+        out = []
+        for offsets, sizes, start in _rectangles(self.shape, lo, hi):
+            view = flat[start:start + _numel(sizes)].view(sizes)
+            glob = list(offsets)
+            if self.dim is not None:
+                glob[self.dim] += self.shift
+            if self.vocab is not None:                 # drop the padded rows
+                keep = min(sizes[0], self.vocab - glob[0])
+                if keep <= 0:
+                    continue
+                view = view[:keep]
+            out.append(Chunk(tuple(glob), view))
+        return out
+
+
+def _numel(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+@dataclass
+class Piece:
+    """Elements [lo, hi) of the flattened local parameter `key`, held by this rank in `views`
+    (1-D tensors of hi - lo elements; one per stored kind)."""
+    key: str
+    param: torch.nn.Parameter
+    lo: int
+    hi: int
+    views: dict[str, torch.Tensor]
+
+
+def model_pieces(model) -> list[Piece]:
+    """This rank's model weights: every parameter whole, except ZeRO-3 layers' (the owned range of
+    each parameter in its unit's shard)."""
+    sharded = getattr(model, "sharded_params", None)
+    units = sharded.unit_of() if sharded is not None else {}
+    out = []
+    for key, p in model.named_parameters():
+        unit = units.get(id(p))
+        if unit is None:
+            out.append(Piece(key, p, 0, p.numel(), {"param": p.data.view(-1)}))
+            continue
+        off = unit.offsets[unit.params.index(p)]
+        size = unit.numel // unit.dp
+        a, z = max(off, unit.dp_rank * size), min(off + p.numel(), (unit.dp_rank + 1) * size)
+        if a < z:
+            s = unit.dp_rank * size
+            out.append(Piece(key, p, a - off, z - off, {"param": unit.shard[a - s:z - s]}))
+    return out
+
+
+def optimizer_pieces(optimizer) -> list[Piece]:
+    return [Piece(key, p, lo, hi, views) for key, p, lo, hi, views in optimizer.owned_state()]
+
+
+class StateMap:
+    """The global tensors of one rank's model (and optimizer) as DCP entries, by canonical name."""
+
+    def __init__(self, model, optimizer, model_config: ModelConfig, topo, rank: int):
+        c = topo.coord(rank)
+        self.c, self.tp = c, topo.tp
+        self.chunks = chunk_layout(model_config, topo.pp)[c.pp]
+        self.vocab = model_config.vocab_size
+        self.sharded = getattr(model, "sharded_params", None) is not None
+        self.model, self.optimizer = model, optimizer
+
+    def canonical(self, key: str) -> str:
+        if key == HEAD or key.endswith("." + HEAD):
+            return WORD
+        return canonical_key(key, self.chunks)
+
+    def entries(self, for_save: bool, with_optim: bool) -> dict[str, Entry]:
+        """{fqn: Entry}. For a save, each stored element comes from one rank only (replicas skip)."""
+        out: dict[str, Entry] = {}
+        groups = [("model.", model_pieces(self.model), not self.sharded)]
+        if with_optim:
+            groups.append(("optim.", optimizer_pieces(self.optimizer), not self.optimizer.is_distributed))
+        for prefix, pieces, dp_replicated in groups:
+            for pc in pieces:
+                if for_save and self._replica(pc.key, dp_replicated, pc.param):
+                    continue
+                name = self.canonical(pc.key)
+                place = Placement(pc.key, tuple(pc.param.shape), self.tp, self.c.tp, self.vocab)
+                for kind, view in pc.views.items():
+                    fqn = prefix + name + ("" if kind == "param" else "." + kind)
+                    e = out.setdefault(fqn, Entry(place.size, view.dtype, []))
+                    e.chunks.extend(place.chunks(view, pc.lo, pc.hi))
+        return out
+
+    def _replica(self, key: str, dp_replicated: bool, param) -> bool:
+        """Does another rank store the same elements (so this one skips them on save)?"""
+        if key == HEAD or key.endswith("." + HEAD):
+            return True
+        if tp_partition_dim(key) is None and self.c.tp != 0:
+            return True
+        units = self.model.sharded_params.unit_of() if self.sharded else {}
+        return dp_replicated and self.c.dp != 0 and id(param) not in units
+
+
+# ---- DCP planners over Entries ---------------------------------------------------------------------
+class _SavePlanner(DefaultSavePlanner):
+    """Writes each Entry's chunks; `copies` (async saves) replaces each chunk's tensor with its staged copy."""
+
+    def __init__(self, entries: dict[str, Entry]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.entries = entries
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, e in self.entries.items():
+            props = TensorProperties(dtype=e.dtype)
+            for ch in e.chunks:
+                md = ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=ch.tensor.shape)
+                items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(ch.offsets)), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=md, properties=props,
+                                                                   size=torch.Size(e.size))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        for ch in self.entries[write_item.index.fqn].chunks:
+            if tuple(ch.offsets) == tuple(write_item.index.offset):
+                return ch.tensor
+        raise KeyError(write_item.index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Reads into each Entry's chunk views whatever overlaps them in the stored chunks."""
+
+    def __init__(self, entries: dict[str, Entry]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.entries = entries
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata
+        items = []
+        for fqn, e in self.entries.items():
+            md = stored.get(fqn)
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"torch_dist checkpoint lacks tensor {fqn}; it was saved from another model "
+                                      f"(or without optimizer state: load with --no-load-optim)")
+            if tuple(md.size) != tuple(e.size):
+                raise CheckpointError(f"torch_dist checkpoint holds {fqn} at shape {tuple(md.size)}, this model "
+                                      f"{tuple(e.size)}; use the checkpoint's model flags")
+            local = [ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=ch.tensor.shape) for ch in e.chunks]
+            items += create_read_items_for_chunk_list(fqn, md, local)
+        self.plan = LoadPlan(items)
+        return self.plan
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        for ch in self.entries[read_item.dest_index.fqn].chunks:
+            if tuple(ch.offsets) == tuple(read_item.dest_index.offset):
+                t = ch.tensor
+                for dim, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                    t = t.narrow(dim, o, n)
+                return t
+        raise KeyError(read_item.dest_index)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass                                            # the views were written in place
+
+
+# ---- save ---------------------------------------------------------------------------------------
+def _common_record(args: argparse.Namespace, iteration: int, model_config: ModelConfig, topo, optimizer, scheduler,
+                   save_optim: bool, rng: Optional[list]) -> dict:
+    optim = None
+    if save_optim and optimizer is not None:
+        optim = {"step": optimizer.step_count(), "grad_scaler": optimizer.scaler.state_dict(),
+                 "param_groups": optimizer.saved_param_groups()}
+    return {"format": FORMAT, "args": args, "model_config": asdict(model_config),
+            "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+            "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+                       "virtual": model_config.virtual_pipeline_model_parallel_size},
+            "opt_param_scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "optimizer": optim, "rng_state": rng}
+
+
+def _gather_rng(group, save_rng: bool) -> Optional[list]:
+    """Every rank's RNG state, in rank order, on every rank (small: a few KB each)."""
+    if not save_rng:
+        return None
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, get_rng_state(), group=group)
+    return out
+
+
+def _write(root: str, iteration: int, entries: dict[str, Entry], common: dict, group, rank: int,
+           announce: bool = False) -> None:
+    """Collective over `group`: every rank's chunks into the staging folder, then rank 0 publishes
+    the folder and the tracker (once DCP has every rank's files complete and synced)."""
+    staging = iter_dir(root, iteration) + ".partial"
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        atomic_torch_save(common, os.path.join(staging, COMMON_FILE))
+    dist.barrier(group=group)
+    writer = dcp.FileSystemWriter(staging, sync_files=True)
+    dcp.save({}, storage_writer=writer, planner=_SavePlanner(entries), process_group=group)
+    dist.barrier(group=group)
+    if rank == 0:
+        _publish(root, iter_dir(root, iteration), staging, iteration)
+        if announce:
+            print(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} (in the background)",
+                  flush=True)
+    dist.barrier(group=group)
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
+                    model_config: ModelConfig, topo, rank: int, save_optim: bool = True, save_rng: bool = True,
+                    saves: Optional["AsyncSaves"] = None) -> None:
+    """Collective: every rank writes what it owns. With `saves` (--async-save) the state is copied to
+    host memory and written in the background; the call returns once the copy is made."""
+    group = topo.groups.ckpt
+    with_optim = save_optim and optimizer is not None
+    entries = StateMap(model, optimizer, model_config, topo, rank).entries(for_save=True, with_optim=with_optim)
+    common = _common_record(args, iteration, model_config, topo, optimizer, scheduler, with_optim,
+                            _gather_rng(group, save_rng))
+    if saves is None:
+        _write(root, iteration, entries, common, group, rank)
+    else:
+        saves.submit(lambda staged: _write(root, iteration, staged, common, group, rank, announce=True), entries)
+
+
+class AsyncSaves:
+    """--async-save: at most one save in flight. `submit` copies the chunks into host buffers (pinned
+    on GPU machines; allocated once, reused by every later save) and starts the writer thread;
+    `wait` joins it and raises its error, if any, on the calling thread."""
+
+    def __init__(self, device: torch.device):
+        self.pin = device.type == "cuda"
+        self.buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self.thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+
+    def submit(self, write: Callable[[dict[str, Entry]], None], entries: dict[str, Entry]) -> None:
+        self.wait()                                  # the previous save must be complete first
+        staged = {fqn: Entry(e.size, e.dtype, [Chunk(ch.offsets, self._copy(fqn, ch)) for ch in e.chunks])
+                  for fqn, e in entries.items()}
+        if self.pin:
+            torch.cuda.synchronize()                 # the copies are complete before training goes on
+
+        def run() -> None:
+            try:
+                write(staged)
+            except BaseException as e:  # reported by wait() on the training thread
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="megapar-async-save", daemon=True)
+        self.thread.start()
+
+    def _copy(self, fqn: str, ch: Chunk) -> torch.Tensor:
+        key = (fqn, ch.offsets)
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != ch.tensor.shape:
+            buf = torch.empty(ch.tensor.shape, dtype=ch.tensor.dtype, pin_memory=self.pin)
+            self.buffers[key] = buf
+        buf.copy_(ch.tensor, non_blocking=self.pin)
+        return buf
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            e, self.error = self.error, None
+            if isinstance(e, CheckpointError):
+                raise e
+            raise CheckpointError(f"the background checkpoint save failed ({type(e).__name__}: {e}); the previous "
+                                  f"checkpoint is intact") from e
+
+
+# ---- load ---------------------------------------------------------------------------------------
+def read_common(folder: str) -> dict:
+    path = os.path.join(folder, COMMON_FILE)
+    common = load_file(path)
+    if common.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a megapar torch_dist record (format={common.get('format')!r})")
+    return common
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelConfig, topo, rank: int,
+                    load_optim: bool = True, load_rng: bool = True, finetune: bool = False) -> tuple[int, int]:
+    """Collective: every rank reads what it owns at this run's layout, whatever the saved layout.
+    Returns (iteration, consumed_train_samples); (0, 0) with `finetune`."""
+    iteration = read_tracker(root)
+    folder = iter_dir(root, iteration)
+    common = read_common(folder)
+    saved = read_saved_config(common, os.path.join(folder, COMMON_FILE))
+    check_same_model(saved, model_config, folder)
+    restore_optim = load_optim and not finetune and optimizer is not None
+    if restore_optim and common["optimizer"] is None:
+        raise CheckpointError(f"checkpoint {folder} has no optimizer state (saved with --no-save-optim); "
+                              f"load it with --no-load-optim or --finetune")
+    entries = StateMap(model, optimizer, model_config, topo, rank).entries(for_save=False, with_optim=restore_optim)
+    try:
+        dcp.load({}, storage_reader=dcp.FileSystemReader(folder), planner=_LoadPlanner(entries),
+                 process_group=topo.groups.ckpt)
+    except CheckpointError:
+        raise
+    except Exception as e:  # DCP wraps each rank's failure; name the folder, keep it to one line
+        why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"torch_dist checkpoint {folder} could not be read ({why}); it is incomplete or "
+                              f"corrupt: load an earlier iteration") from None
+    if restore_optim:
+        optimizer.finish_load(int(common["optimizer"]["step"]), common["optimizer"]["grad_scaler"])
+        if scheduler is not None and common["opt_param_scheduler"] is not None:
+            restore_scheduler(scheduler, common["opt_param_scheduler"], folder, rank)
+    _restore_rng(common, topo, rank, load_rng and not finetune)
+    if finetune:
+        return 0, 0
+    if rank == 0:
+        print(f"  successfully loaded checkpoint from {root} at iteration {common['iteration']}", flush=True)
+    return int(common["iteration"]), int(getattr(common["args"], "consumed_train_samples", 0))
+
+
+def _restore_rng(common: dict, topo, rank: int, wanted: bool) -> None:
+    """Each rank's RNG state, when the checkpoint was saved at this very layout (elsewhere the ranks
+    do not correspond; dropout then draws new masks, as after a legacy reshard)."""
+    layout = common["layout"]
+    if wanted and common["rng_state"] is not None and (layout["tp"], layout["pp"], layout["dp"]) == \
+            (topo.tp, topo.pp, topo.dp):
+        set_rng_state(common["rng_state"][rank])
+
+
+__all__ = ["AsyncSaves", "COMMON_FILE", "is_dist_checkpoint", "load_checkpoint", "read_common", "save_checkpoint"]
