@@ -57,9 +57,16 @@ def is_dist_checkpoint(folder: str) -> bool:
 
 # ---- a rank's pieces of the global tensors -------------------------------------------------------
 @dataclass
+class Deferred:
+    """A chunk's tensor made only when DCP writes it (conversions read one source tensor at a time)."""
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor]
+
+
+@dataclass
 class Chunk:
     offsets: tuple[int, ...]      # where the chunk starts in the global tensor
-    tensor: torch.Tensor          # a view of this rank's memory; its shape is the chunk's size
+    tensor: torch.Tensor | Deferred  # a view of this rank's memory; its shape is the chunk's size
 
 
 @dataclass
@@ -152,7 +159,7 @@ def model_pieces(model) -> list[Piece]:
         if unit is None:
             out.append(Piece(key, p, 0, p.numel(), {"param": p.data.view(-1)}))
             continue
-        off = unit.offsets[unit.params.index(p)]
+        off = unit.offsets[[id(q) for q in unit.params].index(id(p))]   # not list.index: == on tensors
         size = unit.numel // unit.dp
         a, z = max(off, unit.dp_rank * size), min(off + p.numel(), (unit.dp_rank + 1) * size)
         if a < z:
@@ -222,7 +229,7 @@ class _SavePlanner(DefaultSavePlanner):
         for fqn, e in self.entries.items():
             props = TensorProperties(dtype=e.dtype)
             for ch in e.chunks:
-                md = ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=ch.tensor.shape)
+                md = ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=torch.Size(ch.tensor.shape))
                 items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(ch.offsets)), type=WriteItemType.SHARD,
                                        tensor_data=TensorWriteData(chunk=md, properties=props,
                                                                    size=torch.Size(e.size))))
@@ -232,7 +239,7 @@ class _SavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         for ch in self.entries[write_item.index.fqn].chunks:
             if tuple(ch.offsets) == tuple(write_item.index.offset):
-                return ch.tensor
+                return ch.tensor.make() if isinstance(ch.tensor, Deferred) else ch.tensor
         raise KeyError(write_item.index)
 
 
@@ -296,6 +303,38 @@ def _gather_rng(group, save_rng: bool) -> Optional[list]:
     return out
 
 
+def save_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
+    """DCP-save `entries` (this rank's chunks) into `folder`, collectively over `process_group`
+    (None: this process alone). Each file is synced before DCP writes its .metadata."""
+    dcp.save({}, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), planner=_SavePlanner(entries),
+             process_group=process_group, no_dist=process_group is None)
+
+
+def load_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
+    """Fill every chunk view of `entries` from the checkpoint in `folder` (collective over
+    `process_group`; None: this process alone). One CheckpointError line for a missing tensor, a
+    shape that differs, or unreadable files."""
+    try:
+        dcp.load({}, storage_reader=dcp.FileSystemReader(folder), planner=_LoadPlanner(entries),
+                 process_group=process_group, no_dist=process_group is None)
+    except CheckpointError:
+        raise
+    except Exception as e:  # DCP wraps each rank's failure; name the folder, keep it to one line
+        cause = _cause(e)
+        if isinstance(cause, CheckpointError):
+            raise cause from None
+        lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+        raise CheckpointError(f"torch_dist checkpoint {folder} could not be read ({type(cause).__name__}: "
+                              f"{lines[-1] if lines else ''}); it is incomplete or corrupt: load an earlier "
+                              f"iteration") from None
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The underlying error of a DCP failure (DCP wraps each rank's exception in CheckpointException)."""
+    failures = getattr(e, "failures", None)
+    return next(iter(failures.values())) if failures else e
+
+
 def _write(root: str, iteration: int, entries: dict[str, Entry], common: dict, group, rank: int,
            announce: bool = False) -> None:
     """Collective over `group`: every rank's chunks into the staging folder, then rank 0 publishes
@@ -306,8 +345,7 @@ def _write(root: str, iteration: int, entries: dict[str, Entry], common: dict, g
         os.makedirs(staging)
         atomic_torch_save(common, os.path.join(staging, COMMON_FILE))
     dist.barrier(group=group)
-    writer = dcp.FileSystemWriter(staging, sync_files=True)
-    dcp.save({}, storage_writer=writer, planner=_SavePlanner(entries), process_group=group)
+    save_entries(entries, staging, group)
     dist.barrier(group=group)
     if rank == 0:
         _publish(root, iter_dir(root, iteration), staging, iteration)
@@ -404,15 +442,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
         raise CheckpointError(f"checkpoint {folder} has no optimizer state (saved with --no-save-optim); "
                               f"load it with --no-load-optim or --finetune")
     entries = StateMap(model, optimizer, model_config, topo, rank).entries(for_save=False, with_optim=restore_optim)
-    try:
-        dcp.load({}, storage_reader=dcp.FileSystemReader(folder), planner=_LoadPlanner(entries),
-                 process_group=topo.groups.ckpt)
-    except CheckpointError:
-        raise
-    except Exception as e:  # DCP wraps each rank's failure; name the folder, keep it to one line
-        why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"torch_dist checkpoint {folder} could not be read ({why}); it is incomplete or "
-                              f"corrupt: load an earlier iteration") from None
+    load_entries(entries, folder, topo.groups.ckpt)
     if restore_optim:
         optimizer.finish_load(int(common["optimizer"]["step"]), common["optimizer"]["grad_scaler"])
         if scheduler is not None and common["opt_param_scheduler"] is not None:
@@ -434,4 +464,5 @@ def _restore_rng(common: dict, topo, rank: int, wanted: bool) -> None:
         set_rng_state(common["rng_state"][rank])
 
 
-__all__ = ["AsyncSaves", "COMMON_FILE", "is_dist_checkpoint", "load_checkpoint", "read_common", "save_checkpoint"]
+__all__ = ["AsyncSaves", "COMMON_FILE", "Chunk", "Deferred", "Entry", "is_dist_checkpoint", "load_checkpoint",
+           "load_entries", "read_common", "save_checkpoint", "save_entries"]

@@ -1,0 +1,76 @@
+"""torch_dist checkpoints: saved at one layout, resumed at another, with the losses of an
+uninterrupted run (float32 rounding on CPU/gloo); async saves; the common record."""
+import os
+
+import pytest
+
+from megapar.checkpoint import TRACKER, iter_dir
+from megapar.checkpoint.dist import COMMON_FILE, read_common
+from distributed import run_distributed
+from train_helpers import TINY_TRAIN
+
+ITERS, STOP = 6, 3
+
+
+def losses(result):
+    return [l for _, l in result["losses"]]
+
+
+def _body(rank, world_size, argv, offload):
+    """pretrain; `offload` switches the optimizer (and at ZeRO-3 parameter) offload code paths on
+    after validation, which refuses them on a CPU-only run (test_zero.py does the same)."""
+    from megapar.pretrain_gpt2 import parse, pretrain
+    cfg = parse(argv, world_size)
+    if offload:
+        cfg.parallel.optimizer_cpu_offload = True
+        cfg.parallel.param_cpu_offload = cfg.parallel.zero_stage == 3
+    state = pretrain(cfg)
+    return {"losses": state.losses, "iteration": state.iteration, "consumed": state.consumed_samples}
+
+
+def run_training(argv, world_size=1, offload=False):
+    return run_distributed(_body, world_size, args=(list(argv), offload))[0]
+
+
+def layout(tp=1, pp=1, dp=1, zero=0, virtual=None, offload=False):
+    """(flags, world size, offload) of a layout."""
+    flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    if zero:
+        flags += ["--zero-stage", str(zero)]
+    if virtual:
+        flags += ["--virtual-pipeline-model-parallel-size", str(virtual)]
+    return flags, tp * pp * dp, offload
+
+
+def resume_across(data, tmp_path, save_at, load_at, extra=()):
+    """(uninterrupted losses at the save layout, first half + resumed half at the load layout)."""
+    (save_flags, save_world, save_offload), (load_flags, load_world, load_offload) = save_at, load_at
+    base = TINY_TRAIN + data + ["--train-iters", str(ITERS)] + list(extra)
+    full = losses(run_training(base + save_flags, save_world, save_offload))
+    ck = str(tmp_path / "ck")
+    first = run_training(base + save_flags + ["--exit-interval", str(STOP), "--save", ck, "--ckpt-format",
+                                              "torch_dist"], save_world, save_offload)
+    assert open(os.path.join(ck, TRACKER)).read() == str(STOP)
+    second = run_training(base + load_flags + ["--load", ck], load_world, load_offload)
+    assert second["iteration"] == ITERS and second["consumed"] == ITERS * 8
+    return full, losses(first) + losses(second)
+
+
+def test_same_layout_resume_is_exact(embedded_data, tmp_path):
+    full, resumed = resume_across(embedded_data, tmp_path, layout(), layout())
+    assert resumed == full                                                       # bitwise on CPU
+    common = read_common(iter_dir(str(tmp_path / "ck"), STOP))
+    assert common["iteration"] == STOP and common["layout"]["tp"] == 1 and common["optimizer"]["step"] == STOP
+    assert sorted(os.listdir(iter_dir(str(tmp_path / "ck"), STOP))) == [".metadata", "__0_0.distcp", COMMON_FILE]
+
+
+@pytest.mark.parametrize("save_at,load_at", [
+    pytest.param(layout(tp=2, dp=2, zero=3), layout(pp=2, dp=2, zero=1), marks=pytest.mark.slow),
+    pytest.param(layout(pp=2, virtual=2), layout(), marks=pytest.mark.slow),
+    pytest.param(layout(dp=2, zero=1, offload=True), layout(tp=2), marks=pytest.mark.slow),
+    (layout(tp=2), layout(dp=2, zero=3, offload=True)),
+], ids=["tp2-dp2-zero3_to_pp2-dp2-zero1", "pp2-v2_to_serial", "dp2-zero1-offload_to_tp2",
+        "tp2_to_dp2-zero3-offload"])
+def test_resume_at_another_layout(embedded_data, tmp_path, save_at, load_at):
+    full, resumed = resume_across(embedded_data, tmp_path, save_at, load_at)
+    assert resumed == pytest.approx(full, rel=1e-5)
