@@ -74,3 +74,39 @@ def test_same_layout_resume_is_exact(embedded_data, tmp_path):
 def test_resume_at_another_layout(embedded_data, tmp_path, save_at, load_at):
     full, resumed = resume_across(embedded_data, tmp_path, save_at, load_at)
     assert resumed == pytest.approx(full, rel=1e-5)
+
+
+def test_convert_between_formats_and_read_for_generation(embedded_data, tmp_path):
+    """torch_dist (tp 2) -> legacy (pp 2) -> torch_dist with tools/checkpoint_util.py, resumed at
+    tp 1 with the uninterrupted losses; generation reads both formats alike."""
+    import torch
+    from megapar.cli.checkpoint_util import main as checkpoint_util
+    from megapar.generation import load_model_state
+
+    base = TINY_TRAIN + embedded_data + ["--train-iters", str(ITERS)]
+    full = losses(run_training(base, 1))
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    first = run_training(base + ["--tensor-model-parallel-size", "2", "--exit-interval", str(STOP), "--save", a,
+                                 "--ckpt-format", "torch_dist"], 2)
+    assert checkpoint_util(["--load-dir", a, "--save-dir", b, "--target-tensor-parallel-size", "1",
+                            "--target-pipeline-parallel-size", "2"]) == 0
+    assert os.path.isfile(os.path.join(iter_dir(b, STOP), "mp_rank_00_001", "model_optim_rng.pt"))
+    assert checkpoint_util(["--load-dir", b, "--save-dir", c, "--target-ckpt-format", "torch_dist"]) == 0
+    second = run_training(base + ["--load", c], 1)
+    assert losses(first) + losses(second) == pytest.approx(full, rel=1e-5)
+    (_, from_dist), (_, from_legacy) = load_model_state(a, 1, 1, 0, 0), load_model_state(b, 1, 1, 0, 0)
+    assert from_dist.keys() == from_legacy.keys()
+    assert all(torch.equal(from_dist[k], from_legacy[k]) for k in from_dist)
+
+
+def test_torch_dist_refusals(tmp_path, capsys):
+    """Layout flags mean nothing for a torch_dist target; --async-save needs torch_dist."""
+    from megapar.arguments import ConfigError, config_from_namespace, parse_flags
+    from megapar.cli.checkpoint_util import main as checkpoint_util
+
+    assert checkpoint_util(["--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "o"), "--target-ckpt-format",
+                            "torch_dist", "--target-tensor-parallel-size", "2"]) == 1
+    assert "has no layout" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--async-save needs --ckpt-format torch_dist"):
+        config_from_namespace(parse_flags(TINY_TRAIN + ["--train-iters", "1", "--async-save", "--ckpt-format",
+                                                        "torch"]), 1)

@@ -6,7 +6,7 @@
     DIR/iter_0000600/.metadata                  DCP's index: every tensor's global shape and stored chunks
     DIR/iter_0000600/__{rank}_0.distcp          what rank `rank` owned, written by that rank alone
 
-Every tensor is stored under its canonical name (the tp = pp = 1 model's key, reshard/layout.py) at its
+Every tensor is stored under its canonical name (the tp = pp = 1 model's key, checkpoint/layout.py) at its
 global shape, with the true vocabulary rows only (no padding): `model.<name>` in the model dtype, and
 `optim.<name>.{master_param,exp_avg,exp_avg_sq}` in fp32. A rank describes what it holds as chunks of
 those global tensors -- rectangles with global offsets, each a view of its own memory (a tensor-parallel
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..arguments import ModelConfig
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
-from ..reshard.layout import HEAD, WORD, canonical_key, chunk_layout
+from .layout import HEAD, WORD, canonical_key, chunk_layout
 from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_same_model, get_rng_state,
                      iter_dir, load_file, read_saved_config, read_tracker, restore_scheduler, set_rng_state)
 from .legacy import _publish
@@ -191,18 +191,17 @@ class StateMap:
     def entries(self, for_save: bool, with_optim: bool) -> dict[str, Entry]:
         """{fqn: Entry}. For a save, each stored element comes from one rank only (replicas skip)."""
         out: dict[str, Entry] = {}
-        groups = [("model.", model_pieces(self.model), not self.sharded)]
+        groups = [(model_pieces(self.model), not self.sharded)]
         if with_optim:
-            groups.append(("optim.", optimizer_pieces(self.optimizer), not self.optimizer.is_distributed))
-        for prefix, pieces, dp_replicated in groups:
+            groups.append((optimizer_pieces(self.optimizer), not self.optimizer.is_distributed))
+        for pieces, dp_replicated in groups:
             for pc in pieces:
                 if for_save and self._replica(pc.key, dp_replicated, pc.param):
                     continue
                 name = self.canonical(pc.key)
                 place = Placement(pc.key, tuple(pc.param.shape), self.tp, self.c.tp, self.vocab)
                 for kind, view in pc.views.items():
-                    fqn = prefix + name + ("" if kind == "param" else "." + kind)
-                    e = out.setdefault(fqn, Entry(place.size, view.dtype, []))
+                    e = out.setdefault(fqn(name, kind), Entry(place.size, view.dtype, []))
                     e.chunks.extend(place.chunks(view, pc.lo, pc.hi))
         return out
 
@@ -280,18 +279,18 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 # ---- save ---------------------------------------------------------------------------------------
-def _common_record(args: argparse.Namespace, iteration: int, model_config: ModelConfig, topo, optimizer, scheduler,
-                   save_optim: bool, rng: Optional[list]) -> dict:
-    optim = None
-    if save_optim and optimizer is not None:
-        optim = {"step": optimizer.step_count(), "grad_scaler": optimizer.scaler.state_dict(),
-                 "param_groups": optimizer.saved_param_groups()}
+def fqn(name: str, kind: str = "param") -> str:
+    """The stored key of canonical tensor `name`: `model.<name>`, or `optim.<name>.<kind>`."""
+    return f"model.{name}" if kind == "param" else f"optim.{name}.{kind}"
+
+
+def common_record(args: argparse.Namespace, model_config: ModelConfig, iteration: int | str, layout: dict,
+                  scheduler_state: Optional[dict], optim: Optional[dict], rng: Optional[list]) -> dict:
+    """common.pt: `layout` {tp, pp, dp, virtual} of the saving run, `optim` {step, grad_scaler,
+    param_groups} (None: no optimizer state), `rng` every rank's RNG state in rank order (or None)."""
     return {"format": FORMAT, "args": args, "model_config": asdict(model_config),
-            "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-            "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-                       "virtual": model_config.virtual_pipeline_model_parallel_size},
-            "opt_param_scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "optimizer": optim, "rng_state": rng}
+            "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "layout": layout,
+            "opt_param_scheduler": scheduler_state, "optimizer": optim, "rng_state": rng}
 
 
 def _gather_rng(group, save_rng: bool) -> Optional[list]:
@@ -363,8 +362,11 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     group = topo.groups.ckpt
     with_optim = save_optim and optimizer is not None
     entries = StateMap(model, optimizer, model_config, topo, rank).entries(for_save=True, with_optim=with_optim)
-    common = _common_record(args, iteration, model_config, topo, optimizer, scheduler, with_optim,
-                            _gather_rng(group, save_rng))
+    optim = {"step": optimizer.step_count(), "grad_scaler": optimizer.scaler.state_dict(),
+             "param_groups": optimizer.saved_param_groups()} if with_optim else None
+    layout = {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "virtual": model_config.virtual_pipeline_model_parallel_size}
+    common = common_record(args, model_config, iteration, layout, scheduler.state_dict() if scheduler else None,
+                           optim, _gather_rng(group, save_rng))
     if saves is None:
         _write(root, iteration, entries, common, group, rank)
     else:
@@ -464,5 +466,5 @@ def _restore_rng(common: dict, topo, rank: int, wanted: bool) -> None:
         set_rng_state(common["rng_state"][rank])
 
 
-__all__ = ["AsyncSaves", "COMMON_FILE", "Chunk", "Deferred", "Entry", "is_dist_checkpoint", "load_checkpoint",
-           "load_entries", "read_common", "save_checkpoint", "save_entries"]
+__all__ = ["AsyncSaves", "COMMON_FILE", "Chunk", "Deferred", "Entry", "common_record", "fqn", "is_dist_checkpoint",
+           "load_checkpoint", "load_entries", "read_common", "save_checkpoint", "save_entries"]

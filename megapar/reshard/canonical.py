@@ -17,7 +17,7 @@ import os
 import torch
 
 from ..checkpoint.common import CheckpointError, SavedConfig, atomic_torch_save, read_saved_config
-from .layout import OPTIM_KINDS
+from ..checkpoint.layout import OPTIM_KINDS
 from .output import CANONICAL, CHECKPOINT, staged_output
 from .source import load_mmap
 from ..checkpoint.stream import LazyTensor, StreamingSaver

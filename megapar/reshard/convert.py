@@ -24,7 +24,7 @@ from ..checkpoint.common import (CHECKPOINT_VERSION, SavedConfig, DISTRIB_OPTIM_
                           nest_model_states, shard_dir_name)
 from . import retarget
 from .output import CANONICAL, CHECKPOINT, staged_output
-from .layout import OPTIM_KINDS, chunk_layout, split, stage_keys
+from ..checkpoint.layout import OPTIM_KINDS, chunk_layout, split, stage_keys
 from ..checkpoint.stream import LazyTensor, StreamingSaver
 
 

@@ -19,7 +19,7 @@ from ..topology import layer_counts
 from ..checkpoint.common import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_states,
                              has_model_state, iter_dir, read_saved_config, read_tracker, shard_dir_name)
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
-from .layout import HEAD, OPTIM_KINDS, canonical_key, chunk_layout, expected_full_shape, stage_of
+from ..checkpoint.layout import HEAD, OPTIM_KINDS, canonical_key, chunk_layout, expected_full_shape, stage_of
 
 _SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 # ModelConfig fields that every shard of one checkpoint must agree on (and the layout)
