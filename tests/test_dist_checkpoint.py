@@ -110,3 +110,42 @@ def test_torch_dist_refusals(tmp_path, capsys):
     with pytest.raises(ConfigError, match="--async-save needs --ckpt-format torch_dist"):
         config_from_namespace(parse_flags(TINY_TRAIN + ["--train-iters", "1", "--async-save", "--ckpt-format",
                                                         "torch"]), 1)
+
+
+KILLED_MID_WRITE = """
+import os, sys
+import megapar.checkpoint.dist as d
+from megapar.pretrain_gpt2 import main
+calls = {"n": 0}
+real = d.save_entries
+def save_entries(*args):
+    calls["n"] += 1
+    if calls["n"] == 2:            # the second save dies in the middle of writing its data file
+        os.fsync = lambda fd: os._exit(9)
+    real(*args)
+d.save_entries = save_entries
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_async_save_killed_mid_write_resumes_from_the_previous_one(embedded_data, tmp_path):
+    """--async-save every 2 iterations; the process is killed while the background thread writes the
+    iteration-4 save: the tracker still names iteration 2, whose checkpoint resumes exactly."""
+    import subprocess
+    import sys
+
+    base = TINY_TRAIN + embedded_data + ["--train-iters", str(ITERS)]
+    full = losses(run_training(base, 1))
+    ck = str(tmp_path / "ck")
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, *base, "--save", ck, "--save-interval", "2",
+                           "--ckpt-format", "torch_dist", "--async-save", "--log-interval", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 9, proc.stdout + proc.stderr
+    assert "successfully saved checkpoint at iteration       2" in proc.stdout
+    assert open(os.path.join(ck, TRACKER)).read() == "2"
+    assert os.path.isdir(iter_dir(ck, 4) + ".partial") and not os.path.exists(iter_dir(ck, 4))
+    resumed = run_training(base + ["--load", ck, "--save", ck, "--save-interval", "2", "--ckpt-format", "torch_dist",
+                                   "--async-save"], 1)
+    assert losses(resumed) == pytest.approx(full[2:], rel=1e-6) and resumed["iteration"] == ITERS
+    assert open(os.path.join(ck, TRACKER)).read() == str(ITERS)
+    assert not os.path.exists(iter_dir(ck, 4) + ".partial")

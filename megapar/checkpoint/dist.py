@@ -23,11 +23,13 @@ DCP's collectives run over the topology's checkpoint group (gloo), so an asynchr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import threading
+import warnings
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -305,8 +307,18 @@ def _gather_rng(group, save_rng: bool) -> Optional[list]:
 def save_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
     """DCP-save `entries` (this rank's chunks) into `folder`, collectively over `process_group`
     (None: this process alone). Each file is synced before DCP writes its .metadata."""
-    dcp.save({}, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), planner=_SavePlanner(entries),
-             process_group=process_group, no_dist=process_group is None)
+    with _single_process_quiet(process_group):
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), planner=_SavePlanner(entries),
+                 process_group=process_group, no_dist=process_group is None)
+
+
+@contextlib.contextmanager
+def _single_process_quiet(process_group) -> Iterator[None]:
+    """DCP warns on every single-process call that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        if process_group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def load_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
@@ -314,8 +326,9 @@ def load_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
     `process_group`; None: this process alone). One CheckpointError line for a missing tensor, a
     shape that differs, or unreadable files."""
     try:
-        dcp.load({}, storage_reader=dcp.FileSystemReader(folder), planner=_LoadPlanner(entries),
-                 process_group=process_group, no_dist=process_group is None)
+        with _single_process_quiet(process_group):
+            dcp.load({}, storage_reader=dcp.FileSystemReader(folder), planner=_LoadPlanner(entries),
+                     process_group=process_group, no_dist=process_group is None)
     except CheckpointError:
         raise
     except Exception as e:  # DCP wraps each rank's failure; name the folder, keep it to one line
