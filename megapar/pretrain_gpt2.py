@@ -219,12 +219,19 @@ def _print_next_steps(cfg: Config, scheduler, argv: Optional[Sequence[str]], sto
     p = cfg.parallel
     other_tp = 2 if p.tensor_model_parallel_size == 1 else 1
     go_on = resume_command(cfg, argv) if stopped else train_longer_command(cfg, scheduler, argv)
+    if cfg.ckpt.ckpt_format == "torch_dist":
+        convert = (f"python tools/checkpoint_util.py --load-dir {cfg.ckpt.save} --save-dir {cfg.ckpt.save}_legacy "
+                   f"--target-tensor-parallel-size {p.tensor_model_parallel_size} --target-pipeline-parallel-size "
+                   f"{p.pipeline_model_parallel_size}   # Megatron's legacy files (torch_dist loads at any layout)")
+    else:
+        convert = (f"python tools/checkpoint_util.py --load-dir {cfg.ckpt.save} --save-dir {cfg.ckpt.save}_tp{other_tp} "
+                   f"--target-tensor-parallel-size {other_tp} --target-pipeline-parallel-size "
+                   f"{p.pipeline_model_parallel_size}")
     print_rank0(
         "> next steps:\n"
         f"    bash scripts/generate_text.sh --load {cfg.ckpt.save}            # sample text from the checkpoint\n"
         f"    {go_on}\n"
-        f"    python tools/checkpoint_util.py --load-dir {cfg.ckpt.save} --save-dir {cfg.ckpt.save}_tp{other_tp} "
-        f"--target-tensor-parallel-size {other_tp} --target-pipeline-parallel-size {p.pipeline_model_parallel_size}")
+        f"    {convert}")
 
 
 def _leave(code: int, world: int, line: Optional[str] = None) -> None:

@@ -388,7 +388,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
 
 class AsyncSaves:
     """--async-save: at most one save in flight. `submit` copies the chunks into host buffers (pinned
-    on GPU machines; allocated once, reused by every later save) and starts the writer thread;
+    on GPU machines; one allocation at the first save, reused by every later save: the chunks of a
+    run never change) and starts the writer thread;
     `wait` joins it and raises its error, if any, on the calling thread."""
 
     def __init__(self, device: torch.device):
@@ -399,8 +400,10 @@ class AsyncSaves:
 
     def submit(self, write: Callable[[dict[str, Entry]], None], entries: dict[str, Entry]) -> None:
         self.wait()                                  # the previous save must be complete first
-        staged = {fqn: Entry(e.size, e.dtype, [Chunk(ch.offsets, self._copy(fqn, ch)) for ch in e.chunks])
-                  for fqn, e in entries.items()}
+        if not self.buffers:
+            self._allocate(entries)
+        staged = {name: Entry(e.size, e.dtype, [Chunk(ch.offsets, self._copy(name, ch)) for ch in e.chunks])
+                  for name, e in entries.items()}
         if self.pin:
             torch.cuda.synchronize()                 # the copies are complete before training goes on
 
@@ -413,12 +416,19 @@ class AsyncSaves:
         self.thread = threading.Thread(target=run, name="megapar-async-save", daemon=True)
         self.thread.start()
 
-    def _copy(self, fqn: str, ch: Chunk) -> torch.Tensor:
-        key = (fqn, ch.offsets)
-        buf = self.buffers.get(key)
-        if buf is None or buf.shape != ch.tensor.shape:
-            buf = torch.empty(ch.tensor.shape, dtype=ch.tensor.dtype, pin_memory=self.pin)
-            self.buffers[key] = buf
+    def _allocate(self, entries: dict[str, Entry]) -> None:
+        """One host allocation for every chunk (pinning is paid once, not per tensor)."""
+        chunks = [(name, ch) for name, e in entries.items() for ch in e.chunks]
+        sizes = [-(-ch.tensor.numel() * ch.tensor.element_size() // 64) * 64 for _, ch in chunks]   # 64-B aligned
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self.pin)                   # [bytes]
+        pos = 0
+        for (name, ch), size in zip(chunks, sizes):
+            n = ch.tensor.numel() * ch.tensor.element_size()
+            self.buffers[(name, ch.offsets)] = flat[pos:pos + n].view(ch.tensor.dtype).view(ch.tensor.shape)
+            pos += size
+
+    def _copy(self, name: str, ch: Chunk) -> torch.Tensor:
+        buf = self.buffers[(name, ch.offsets)]
         buf.copy_(ch.tensor, non_blocking=self.pin)
         return buf
 
