@@ -29,6 +29,7 @@ and the user.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +43,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 SAVING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 AUTO_NPROC = ("gpu", "cpu", "auto")  # --nproc-per-node values with which torchrun counts the processes itself
 MAX = 2**31
+SAVED_LINE = re.compile(rb"successfully saved checkpoint at iteration\s+(\d+)")
 
 
 def _world_size(torchrun_args: Sequence[str]) -> Optional[int]:
@@ -141,6 +143,7 @@ class Launch:
         self.lock = threading.Lock()
         self.error_seen = False
         self.signals: list[int] = []  # forwarded, in order
+        self.saved_after_signal: Optional[str] = None  # the iteration of a save that finished after the first
         self.proc: Optional[subprocess.Popen] = None
 
     # -- output ----------------------------------------------------------------------------------
@@ -158,11 +161,20 @@ class Launch:
                     self.error_seen = True
                 elif is_stderr and self._quiet():
                     continue
+                elif self.signals and not is_stderr:
+                    self._note_save(line)
                 try:
                     dst.write(line)
                     dst.flush()
                 except OSError:  # our reader went away (e.g. `| head`): keep draining, so no rank blocks
                     pass
+
+    def _note_save(self, line: bytes) -> None:
+        """Remember a checkpoint the workers finished saving after a signal (training.py's Megatron
+        line `successfully saved checkpoint at iteration N to DIR`), for the closing line."""
+        m = SAVED_LINE.search(line)
+        if m:
+            self.saved_after_signal = m.group(1).decode()
 
     # -- signals ---------------------------------------------------------------------------------
     def _forward(self, signum, frame) -> None:
@@ -202,9 +214,13 @@ class Launch:
             return USER_ERROR_EXIT
         if rc != 0 and self._quiet():
             name = signal.Signals(self.signals[-1]).name
-            print(f"> stopped by {name} without saving" + ("" if self.handler_on else
-                  " (--exit-signal-handler makes SIGTERM or a first Ctrl-C finish the iteration and save)"),
-                  flush=True)
+            if self.saved_after_signal is not None:
+                print(f"> stopped by {name} after the checkpoint at iteration {self.saved_after_signal} was saved; "
+                      f"nothing was lost", flush=True)
+            else:
+                print(f"> stopped by {name} without saving" + ("" if self.handler_on else
+                      " (--exit-signal-handler makes SIGTERM or a first Ctrl-C finish the iteration and save)"),
+                      flush=True)
             return 128 + self.signals[-1]
         return rc
 

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
@@ -28,6 +29,8 @@ from megapar.generation import (GenerationError, InferenceEngine, SamplingParams
                                 load_inference_model, run_leader, stop_followers, tokenizer_for_checkpoint)
 from megapar.initialize import init_distributed
 from megapar.topology import Topology
+
+GROUP_TIMEOUT_MINUTES = 30  # how long a collective of any group may wait (torch's default)
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -84,8 +87,8 @@ def setup(a: argparse.Namespace) -> tuple[int, Topology, torch.device]:
     topo = Topology(tp, pp, 1)
     rank = 0
     if world > 1:
-        rank, _, _ = init_distributed("nccl" if cuda else "gloo", timeout_minutes=30)
-        topo.create_groups(rank)
+        rank, _, _ = init_distributed("nccl" if cuda else "gloo", timeout_minutes=GROUP_TIMEOUT_MINUTES)
+        topo.create_groups(rank, timedelta(minutes=GROUP_TIMEOUT_MINUTES))
     return rank, topo, device
 
 
