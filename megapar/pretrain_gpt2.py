@@ -52,6 +52,12 @@ def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
         raise ConfigError("give --train-iters or --train-samples (how long to train)")
     cfg = config_from_namespace(given, world_size)
     check_load_dir(cfg.ckpt.load, cfg.ckpt.save)  # a --load that names no checkpoint stops here
+    if cfg.data.data_path:  # blend weights: before any process starts
+        from .data.gpt_dataset import DatasetError, parse_data_path
+        try:
+            parse_data_path(cfg.data.data_path)
+        except DatasetError as e:
+            raise ConfigError(str(e)) from None
     return cfg
 
 
@@ -139,11 +145,16 @@ def _pretrain(cfg: Config, topo: Topology, rank: int, device, argv: Optional[Seq
         from .kernels import fused_kernels_source, load_fused_kernels
         load_fused_kernels()  # an explicit request never falls back: this raises without CUDA/nvcc
         print_rank0(f"> fused kernels: {fused_kernels_source()}")
+    from .data.gpt_dataset import check_cache_dir
+    on_rank0_for_all(lambda: check_cache_dir(cfg.data.data_cache_path), rank)  # before anything is cached there
     prepare_data(cfg, rank)
     if train_iters(cfg) > 0:  # a broken or empty .bin/.idx pair stops here, before the model
         from .data.gpt_dataset import check_datasets
         on_rank0_for_all(lambda: check_datasets(cfg.data.data_path), rank)
     tokenizer = build_tokenizer_for(cfg)
+    if train_iters(cfg) > 0:  # token ids the model's embedding table has no row for
+        from .data.gpt_dataset import check_token_ids
+        on_rank0_for_all(lambda: check_token_ids(cfg.data.data_path, tokenizer.vocab_size), rank)
     run = build_run(cfg, topo, rank, device, tokenizer.vocab_size)
     if cfg.ckpt.load:
         load(run, state)
