@@ -11,8 +11,9 @@ limit on the address space) ends in one line that names it and the fix.
 from __future__ import annotations
 
 import os
-import resource
+import shlex
 import signal
+import sys
 import time
 
 from harness import ROWS, Row, refused
@@ -83,14 +84,22 @@ def test_a_stopped_rank_ends_the_job_with_one_line_naming_it(data, tmp_path):  #
     assert waited < 60, f"the error came {waited:.0f} s after the stop"
 
 
-def _address_space(limit_bytes: int):
-    """preexec_fn: cap the process's address space (as a host with that much memory would)."""
-    return lambda: resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
-
-
 def test_host_out_of_memory_is_one_line(data, tmp_path):  # noqa: F811
-    """--train-samples 10^11: the shuffled sample index alone needs ~800 GB."""
+    """--train-samples 10^13: the dataset indices alone would need terabytes (numpy's MemoryError)."""
     (tmp_path / "keep.txt").write_text("user data")
-    refused([*PYTHON, *data, "--train-samples", str(10**11), "--save", tmp_path / "ck"],
+    refused([*PYTHON, *data, "--train-samples", str(10**13), "--save", tmp_path / "ck"],
             fault_class="failing machine", case="host out of memory while building the dataset indices",
-            expect=["out of memory", "MemoryError"], watch=[tmp_path], allow_new=[])
+            expect=["the host ran out of memory (", "MemoryError"], watch=[tmp_path])
+
+
+def test_model_larger_than_host_memory_is_one_line(data, tmp_path):  # noqa: F811
+    """Hidden size 8192 under a 4 GB address-space limit: torch's CPU allocator fails building the
+    model (a RuntimeError, not a MemoryError)."""
+    (tmp_path / "keep.txt").write_text("user data")
+    flags = [str(f) for f in data]
+    flags[flags.index("--hidden-size") + 1] = "8192"
+    train = " ".join(map(shlex.quote, [sys.executable, "-m", "megapar.pretrain_gpt2", *flags, "--train-iters", "1",
+                                       "--save", str(tmp_path / "ck")]))
+    refused(["bash", "-c", f"ulimit -v 4000000 && exec {train}"], fault_class="failing machine",
+            case="host out of memory building the model (4 GB address space, torch's CPU allocator)",
+            expect=["the host ran out of memory (", "can't allocate memory"], watch=[tmp_path])
