@@ -66,7 +66,8 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed at start)")
     g.add_argument("--request-timeout", type=float, default=30.0,
-                   help="server: seconds a connection may sit idle on a read or write before it is closed")
+                   help="server: seconds a client may take to send one request (or sit idle on a "
+                        "write) before its connection is closed")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20, help="server: larger request bodies get 413")
     return p.parse_args(argv)
 
