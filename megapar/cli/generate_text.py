@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from datetime import timedelta
 from typing import Optional, Sequence
@@ -212,15 +213,18 @@ def serve(s: Session, a: argparse.Namespace, limits) -> None:
         server = make_server(s.api, s.params, a.host, a.port, limits)
     except OSError as e:
         raise GenerationError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
-    print(f"> serving PUT http://{a.host}:{server.server_address[1]}/api (Ctrl-C to stop)", file=sys.stderr,
-          flush=True)
+    print(f"> serving PUT http://{a.host}:{server.server_address[1]}/api (Ctrl-C or SIGTERM to stop)",
+          file=sys.stderr, flush=True)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         server.close_generation()
         server.server_close()
+    print("> server stopped", file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from gpt_helpers import tiny_model_config
-from harness import ROOT, refused
+from harness import ROOT, ROWS, Row, refused
 from megapar.cli import generate_text
 from megapar.generation import GenerationError, InferenceEngine, SamplingParams
 from megapar.checkpoint import save_checkpoint
@@ -302,6 +302,59 @@ def test_cli_refuses_a_port_in_use():
         session = argparse.Namespace(api=lambda prompts, params: {}, params=SamplingParams())
         with pytest.raises(GenerationError, match=f"cannot listen on 127.0.0.1:{port}"):
             generate_text.serve(session, a, generate_text.server_limits(a))
+
+
+def _tiny_checkpoint(path, gpt2_files) -> None:
+    """A tp 1 checkpoint of a tiny GPT-2 with the real GPT-2 tokenizer files."""
+    vocab_file, merge_file = gpt2_files
+    cfg = tiny_model_config(["--seq-length", "48"], vocab=50257)
+    ns = cfg.namespace()
+    ns.consumed_train_samples = 0
+    ns.tokenizer_type, ns.vocab_file, ns.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
+    model = GPT2Model(cfg.model, Stage.of(cfg.model.num_layers, 1, 0), 1234).eval()
+    save_checkpoint(str(path), 1, model, None, None, ns, model.cfg, Topology(1, 1, 1), 0,
+                    save_optim=False, save_rng=False)
+
+
+def _serving_port(proc: subprocess.Popen, log) -> int:
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        m = re.search(r"serving PUT http://127.0.0.1:(\d+)/api", log.read_text())
+        if m:
+            return int(m.group(1))
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_tp2_server_stops_cleanly_on_sigterm_or_ctrl_c(tmp_path, gpt2_files, how):
+    """scripts/generate_text.sh --tensor-model-parallel-size 2 --server (torchrun behind megapar.launch):
+    SIGTERM to the script, or Ctrl-C to its process group, stops rank 0, which tells rank 1 to stop:
+    exit 0 like the one-process server, no traceback, no torchrun report. Before: exit 1 with both."""
+    pytest.importorskip("megapar.reshard", reason="in-memory resharding (megapar.reshard) not available")
+    _tiny_checkpoint(tmp_path / "ck", gpt2_files)
+    log = tmp_path / "server.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    env.pop("TORCHRUN", None)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["bash", "scripts/generate_text.sh", "--load", str(tmp_path / "ck"), "--server",
+                                 "--port", "0", "--device", "cpu", "--tensor-model-parallel-size", "2"],
+                                cwd=str(ROOT), stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        port = _serving_port(proc, log)
+        status, body = put(port, GOOD)
+        assert status == 200 and body["text"][0].startswith("Hello"), body
+        os.killpg(proc.pid, signal.SIGINT) if how == "Ctrl-C" else proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = log.read_text()
+    ok = rc == 0 and "Traceback" not in out and "ChildFailedError" not in out and "server stopped" in out
+    ROWS.append(Row("generation server", f"{how} to a tp 2 server (scripts/generate_text.sh): exit 0, no traceback",
+                    ok, True))
+    assert ok, (rc, out[-3000:])
 
 
 def test_real_server_process_refuses_bad_requests_answers_good_ones_and_stops_on_ctrl_c(tmp_path, gpt2_files):
