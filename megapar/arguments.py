@@ -479,8 +479,11 @@ def validate(ns: argparse.Namespace, world_size: int, assume_gpus: bool = False)
     `assume_gpus`: as on a machine with CUDA GPUs, whatever this one has."""
     _check_ranges(ns)
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        _fail(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1")
+    for flag, alias, size in (("--tensor-model-parallel-size", "--tensor-parallel", tp),
+                              ("--pipeline-model-parallel-size", "--pipeline-parallel", pp)):
+        if size < 1:
+            _fail(f"{flag} (or {alias}) {size} must be >= 1: the number of processes each model replica is split "
+                  f"over in that dimension; 1 turns it off")
     if world_size % (tp * pp):
         _fail(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
               f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} processes "

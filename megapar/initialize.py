@@ -106,7 +106,7 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
     model.sharded_params = sharded   # checkpoints read and write ZeRO-3 weights through it
     grad_buffer = build_grad_buffer(cfg, model, topo, device, sharded)
     t = cfg.train
-    scaler = (ConstantGradScaler(t.loss_scale or 1.0) if not t.fp16 or t.loss_scale else
+    scaler = (ConstantGradScaler(t.loss_scale or 1.0, t.hysteresis) if not t.fp16 or t.loss_scale else
               DynamicGradScaler(t.initial_loss_scale, t.min_loss_scale, growth_interval=t.loss_scale_window,
                                 hysteresis=t.hysteresis))
     if p.zero_stage >= 1:

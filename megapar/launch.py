@@ -24,11 +24,16 @@ and the user.
    torchrun and the launcher exit 0. A second signal goes to the workers and to torchrun: a second
    Ctrl-C aborts without saving, and torchrun SIGKILLs a worker still running 30 s later. Without
    --exit-signal-handler the first signal stops the run unsaved. In those cases the launcher drops
-   the resulting tracebacks and torchrun report and exits 128 + the signal number.
+   the resulting tracebacks and torchrun report, says whether a checkpoint was saved after the first
+   signal, and exits 128 + the signal number.
+4. `--generate` runs tools/generate_text.py the same way (scripts/generate_text.sh with several
+   processes): the first SIGTERM or Ctrl-C goes to rank 0 alone, which stops serving (or sampling)
+   and tells the other ranks to stop; all exit 0, as one process does.
 """
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +47,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 SAVING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 AUTO_NPROC = ("gpu", "cpu", "auto")  # --nproc-per-node values with which torchrun counts the processes itself
 MAX = 2**31
+SAVED_LINE = re.compile(rb"successfully saved checkpoint at iteration\s+(\d+)")
 
 
 def _world_size(torchrun_args: Sequence[str]) -> Optional[int]:
@@ -132,15 +138,31 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _rank_of(pid: int) -> Optional[int]:
+    """The RANK torchrun gave worker `pid` (its environment, Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return None
+    return next((int(e[5:]) for e in env if e.startswith(b"RANK=") and e[5:].isdigit()), None)
+
+
 class Launch:
-    def __init__(self, torchrun_args: Sequence[str], flags: Sequence[str]):
+    """torchrun in front of `target` (the training entry point, or with `leader_stops` the text
+    generation tool, whose rank 0 stops the others: the first signal goes to rank 0 alone)."""
+
+    def __init__(self, torchrun_args: Sequence[str], flags: Sequence[str],
+                 target: Sequence[str] = ("-m", "megapar.pretrain_gpt2"), leader_stops: bool = False):
         self.flags = list(flags)
-        self.handler_on = "--exit-signal-handler" in self.flags
-        self.cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "megapar.pretrain_gpt2",
-                    *self.flags]
+        self.leader_stops = leader_stops
+        self.handler_on = leader_stops or "--exit-signal-handler" in self.flags
+        self.error_exit = 1 if leader_stops else USER_ERROR_EXIT  # the status the target itself exits with
+        self.cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *target, *self.flags]
         self.lock = threading.Lock()
         self.error_seen = False
         self.signals: list[int] = []  # forwarded, in order
+        self.saved_after_signal: Optional[str] = None  # the iteration of a save that finished after the first
         self.proc: Optional[subprocess.Popen] = None
 
     # -- output ----------------------------------------------------------------------------------
@@ -158,11 +180,20 @@ class Launch:
                     self.error_seen = True
                 elif is_stderr and self._quiet():
                     continue
+                elif self.signals and not is_stderr:
+                    self._note_save(line)
                 try:
                     dst.write(line)
                     dst.flush()
                 except OSError:  # our reader went away (e.g. `| head`): keep draining, so no rank blocks
                     pass
+
+    def _note_save(self, line: bytes) -> None:
+        """Remember a checkpoint the workers finished saving after a signal (training.py's Megatron
+        line `successfully saved checkpoint at iteration N to DIR`), for the closing line."""
+        m = SAVED_LINE.search(line)
+        if m:
+            self.saved_after_signal = m.group(1).decode()
 
     # -- signals ---------------------------------------------------------------------------------
     def _forward(self, signum, frame) -> None:
@@ -170,6 +201,8 @@ class Launch:
         if self.proc is None or self.proc.poll() is not None:
             return
         workers = _children(self.proc.pid)
+        if self.leader_stops and len(self.signals) == 1:
+            workers = [w for w in workers if _rank_of(w) == 0] or workers
         # No worker yet: torchrun stops itself. A second signal also goes to torchrun, which then
         # stops the workers itself and SIGKILLs any still running 30 s later (a rank hung in a collective).
         targets = workers + [self.proc.pid] if len(self.signals) > 1 else workers or [self.proc.pid]
@@ -199,18 +232,29 @@ class Launch:
         for t in relays:
             t.join(timeout=10)  # a worker left behind would hold the pipes open
         if self.error_seen:
-            return USER_ERROR_EXIT
+            return self.error_exit
         if rc != 0 and self._quiet():
             name = signal.Signals(self.signals[-1]).name
-            print(f"> stopped by {name} without saving" + ("" if self.handler_on else
-                  " (--exit-signal-handler makes SIGTERM or a first Ctrl-C finish the iteration and save)"),
-                  flush=True)
+            if self.saved_after_signal is not None:
+                print(f"> stopped by {name} after the checkpoint at iteration {self.saved_after_signal} was saved; "
+                      f"nothing was lost", flush=True)
+            else:
+                print(f"> stopped by {name} without saving" + ("" if self.handler_on else
+                      " (--exit-signal-handler makes SIGTERM or a first Ctrl-C finish the iteration and save)"),
+                      flush=True)
             return 128 + self.signals[-1]
         return rc
 
 
+GENERATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "generate_text.py")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`[torchrun flags] -- [training flags]`, or `--generate [torchrun flags] -- [tools/generate_text.py
+    flags]` (scripts/generate_text.sh with several processes)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    generate = bool(argv) and argv[0] == "--generate"
+    argv = argv[1:] if generate else argv
     split = argv.index("--") if "--" in argv else len(argv)
     torchrun_args, flags = argv[:split], argv[split + 1:]
     try:
@@ -218,6 +262,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT
+    if generate:
+        return Launch(torchrun_args, flags, target=[GENERATE], leader_stops=True).run()
     check_flags(flags, _world_size(torchrun_args))
     return Launch(torchrun_args, flags).run()
 

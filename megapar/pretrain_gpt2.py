@@ -12,6 +12,7 @@ import os
 import shlex
 import sys
 import time
+from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
@@ -19,7 +20,9 @@ import torch.distributed as dist
 from .arguments import DEEPSPEED_CONFIG, Config, ConfigError, config_from_namespace, default_of, parse_flags
 from .errors import USER_ERROR_EXIT, MegaparError
 from .checkpoint import check_load_dir
+from .heartbeat import Heartbeat, is_timeout, timeout_error
 from .initialize import build_run, init_distributed, print_rank0, train_iters
+from .pipeline.p2p import current_step
 from .topology import Topology
 from .scalar_writer import build_writer
 from .training import TrainState, evaluate, finish_saves, load, log_eval, save, train
@@ -49,6 +52,12 @@ def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
         raise ConfigError("give --train-iters or --train-samples (how long to train)")
     cfg = config_from_namespace(given, world_size)
     check_load_dir(cfg.ckpt.load, cfg.ckpt.save)  # a --load that names no checkpoint stops here
+    if cfg.data.data_path:  # blend weights: before any process starts
+        from .data.gpt_dataset import DatasetError, parse_data_path
+        try:
+            parse_data_path(cfg.data.data_path)
+        except DatasetError as e:
+            raise ConfigError(str(e)) from None
     return cfg
 
 
@@ -103,13 +112,27 @@ def build_tokenizer_for(cfg: Config):
                            tokenizer_model=d.tokenizer_model)
 
 
-def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None) -> TrainState:
-    """Run training in an initialised process group; returns the final TrainState. `argv` (the
-    flags as given) lets the closing "train longer" command repeat them."""
+def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None, state: Optional[TrainState] = None) -> TrainState:
+    """Run training in an initialised process group; returns the final TrainState (`state`, when
+    given, is filled in as training goes). `argv` (the flags as given) lets the closing "train
+    longer" command repeat them."""
     rank, world, device = init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
     p = cfg.parallel
     topo = Topology(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
-    topo.create_groups(rank)
+    with Heartbeat(rank, world, p.distributed_timeout_minutes) as heartbeat:
+        try:
+            topo.create_groups(rank, timedelta(minutes=p.distributed_timeout_minutes))
+            return _pretrain(cfg, topo, rank, device, argv, state if state is not None else TrainState())
+        except RuntimeError as e:  # a peer that stopped answering: one line naming it, not a traceback
+            if not is_timeout(e):
+                raise
+            raise timeout_error(e, heartbeat, topo, p.distributed_timeout_minutes, current_step()) from None
+
+
+def _pretrain(cfg: Config, topo: Topology, rank: int, device, argv: Optional[Sequence[str]],
+              state: TrainState) -> TrainState:
+    """pretrain() once the process groups exist."""
+    world = topo.world_size
     chunks = cfg.model.virtual_pipeline_model_parallel_size
     print_rank0(f"> megapar: world size {world} = tensor {topo.tp} x pipeline {topo.pp} x data {topo.dp} "
                 + (f"({chunks} model chunks per pipeline rank, interleaved 1F1B) " if chunks else "")
@@ -122,13 +145,17 @@ def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None) -> TrainState:
         from .kernels import fused_kernels_source, load_fused_kernels
         load_fused_kernels()  # an explicit request never falls back: this raises without CUDA/nvcc
         print_rank0(f"> fused kernels: {fused_kernels_source()}")
+    from .data.gpt_dataset import check_cache_dir
+    on_rank0_for_all(lambda: check_cache_dir(cfg.data.data_cache_path), rank)  # before anything is cached there
     prepare_data(cfg, rank)
     if train_iters(cfg) > 0:  # a broken or empty .bin/.idx pair stops here, before the model
         from .data.gpt_dataset import check_datasets
         on_rank0_for_all(lambda: check_datasets(cfg.data.data_path), rank)
     tokenizer = build_tokenizer_for(cfg)
+    if train_iters(cfg) > 0:  # token ids the model's embedding table has no row for
+        from .data.gpt_dataset import check_token_ids
+        on_rank0_for_all(lambda: check_token_ids(cfg.data.data_path, tokenizer.vocab_size), rank)
     run = build_run(cfg, topo, rank, device, tokenizer.vocab_size)
-    state = TrainState()
     if cfg.ckpt.load:
         load(run, state)
     if train_iters(cfg) == 0:
@@ -257,17 +284,49 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainState:
         cfg = parse(argv, world)  # all validation before any process group exists
     except ConfigError as e:
         _leave(USER_ERROR_EXIT, 1, f"error: {e}" if int(os.environ.get("RANK", "0")) == 0 else None)
+    state = TrainState()  # filled in by pretrain: what a Ctrl-C or a failure leaves behind
     try:
         init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
-        state = pretrain(cfg, sys.argv[1:] if argv is None else list(argv))
+        pretrain(cfg, sys.argv[1:] if argv is None else list(argv), state)
         if dist.is_initialized():
             dist.destroy_process_group()
         return state
     except MegaparError as e:  # a bad checkpoint, tokenizer file, dataset, a NaN loss: one line, no traceback
         _leave(USER_ERROR_EXIT, world, f"error: {e}")
     except KeyboardInterrupt:  # Ctrl-C without --exit-signal-handler, or a second one with it
-        _leave(130, world, "> interrupted (SIGINT): stopped without saving; the last saved checkpoint is intact "
-                           "(with --exit-signal-handler a first Ctrl-C finishes the iteration and saves)")
+        _leave(130, world, interrupted_line(cfg, state))
+    except (MemoryError, RuntimeError) as e:
+        line = out_of_memory_line(e)
+        if line is None:
+            raise
+        _leave(USER_ERROR_EXIT, world, line)
+
+
+def interrupted_line(cfg: Config, state: TrainState) -> str:
+    """What a Ctrl-C that stops the run at once says: whether the run's closing checkpoint (after
+    --exit-signal-handler's first signal) was saved before it came."""
+    if cfg.ckpt.save and state.exit_reason is not None:  # the loop saves before it records why it stopped
+        return (f"> interrupted (SIGINT) after the checkpoint at iteration {state.iteration} was saved to "
+                f"{cfg.ckpt.save}; nothing was lost")
+    return ("> interrupted (SIGINT): stopped without saving; the last saved checkpoint is intact "
+            "(with --exit-signal-handler a first Ctrl-C finishes the iteration and saves)")
+
+
+def out_of_memory_line(e: BaseException) -> Optional[str]:
+    """The one line for an allocation that failed -- host memory (MemoryError; torch's CPU allocator)
+    or GPU memory (torch.OutOfMemoryError) -- or None for any other error."""
+    import torch
+
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, torch.OutOfMemoryError):
+        return (f"error: GPU out of memory ({first[:300]}); lower --micro-batch-size, add --recompute-granularity "
+                f"full, shard more (--zero-stage, tensor or pipeline parallelism): tools/estimate_memory.py "
+                f"predicts the peak per GPU from these flags")
+    if isinstance(e, MemoryError) or "can't allocate memory" in first:
+        return (f"error: the host ran out of memory ({type(e).__name__}: {first[:300]}); lower what needs it "
+                f"(--train-iters/--train-samples size the dataset indices; the model, --micro-batch-size and "
+                f"the processes per node size the rest), or run on a host with more memory")
+    return None
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@
 starts from the end-of-document token (unconditional sample).
 
 Concurrency: every connection gets a daemon thread, so a slow, idle or half-sent client never
-holds up the others; each connection has a read/write timeout (`Limits.timeout`) and is closed when
-it runs out. Generation itself is collective over the model's ranks (rank 0 ships each request to
+holds up the others. A connection must send each request -- request line, headers and body -- within
+`Limits.timeout` in all (not per read: a client that drips a byte at a time is cut off too), and may
+sit idle on a write that long. When every connection slot is taken, a new connection takes the slot
+of the one that has been sending its request longest (for over `EVICT_AFTER_S`), so slow clients
+cannot lock the others out; only when no such connection is left does it get 503. Generation itself is collective over the model's ranks (rank 0 ships each request to
 the others), so requests pass through the engine one at a time under one lock; everything else
 (reading, parsing, validating, replying) runs outside it. Every field is type- and range-checked
 before a request reaches the lock, so a bad request is answered with a 4xx and never reaches a rank.
@@ -19,6 +22,7 @@ Bound to 127.0.0.1 by default; pass host="0.0.0.0" to expose it.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import socket
@@ -35,6 +39,7 @@ MAX_PROMPTS = 128
 MAX_PROMPT_CHARS = 100_000
 MAX_TOKENS_TO_GENERATE = 1 << 16        # beyond any context; the engine cuts generation to the context
 MAX_TOP_K = 1000
+EVICT_AFTER_S = 1.0                      # a connection still sending its request after this may lose its slot
 
 GenerateFn = Callable[[list[str], SamplingParams], dict]
 
@@ -50,7 +55,7 @@ class RequestError(Exception):
 @dataclass
 class Limits:
     """Per-connection and per-request bounds (what one client may cost the server)."""
-    timeout: float = 30.0                 # seconds a connection may sit idle on a read or write
+    timeout: float = 30.0                 # seconds to send one whole request; or to sit idle on a write
     max_body_bytes: int = 1 << 20         # larger bodies get 413
     max_connections: int = 256            # open connections beyond this get 503 at once
     backlog: int = 128                    # the listen queue (connections not yet accepted)
@@ -161,6 +166,7 @@ class GenerationServer(ThreadingHTTPServer):
         self.connection_slots = threading.BoundedSemaphore(self.limits.max_connections)
         self.open_connections = 0                                # connections with a thread now
         self._count_lock = threading.Lock()
+        self.sending: dict["Handler", float] = {}                 # connections sending a request: since when
         super().__init__(address, Handler)
 
     def run_generation(self, prompts: list[str], params: SamplingParams) -> dict:
@@ -178,10 +184,12 @@ class GenerationServer(ThreadingHTTPServer):
             self.closed = True
 
     def process_request(self, request: socket.socket, client_address) -> None:
-        """Start the connection's thread, or answer 503 at once when max_connections are open."""
+        """Start the connection's thread; when max_connections are open, first free the slot of the
+        connection that has been sending its request longest, or answer 503 at once."""
         if not self.connection_slots.acquire(blocking=False):
-            self._refuse_busy(request)
-            return
+            if not (self._evict_slowest() and self.connection_slots.acquire(timeout=EVICT_AFTER_S)):
+                self._refuse_busy(request)
+                return
         self._count(+1)
         try:
             super().process_request(request, client_address)
@@ -194,6 +202,32 @@ class GenerationServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._count(-1)
+
+    def sending_request(self, handler: "Handler", started: bool) -> None:
+        """Note that `handler` started (or finished) sending a request."""
+        with self._count_lock:
+            if started:
+                self.sending[handler] = time.monotonic()
+            else:
+                self.sending.pop(handler, None)
+
+    def _evict_slowest(self) -> bool:
+        """Close the connection that has been sending its request longest, if for over EVICT_AFTER_S;
+        its thread then ends and gives back its slot. False when there is none."""
+        with self._count_lock:
+            if not self.sending:
+                return False
+            handler, since = min(self.sending.items(), key=lambda kv: kv[1])
+            if time.monotonic() - since < EVICT_AFTER_S:
+                return False
+            del self.sending[handler]
+        handler.log_error("closed: still sending its request after %.1f s while every slot was taken",
+                          time.monotonic() - since)
+        try:
+            handler.connection.shutdown(socket.SHUT_RDWR)  # its blocked read returns at once
+        except OSError:
+            pass
+        return True
 
     def _count(self, delta: int) -> None:
         """Take (+1) or give back (-1) a connection slot."""
@@ -233,6 +267,28 @@ class Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.timeout = self.server.limits.timeout     # StreamRequestHandler.setup: socket.settimeout
         super().setup()
+        self.deadline: Optional[float] = None
+        self.rfile = io.BufferedReader(_DeadlineReader(self), 1 << 16)
+
+    def handle_one_request(self) -> None:
+        """One request, which must arrive whole within the timeout (see the module docstring)."""
+        self.deadline = time.monotonic() + self.server.limits.timeout
+        self.server.sending_request(self, True)
+        try:
+            super().handle_one_request()
+        except OSError:                               # the client went away, or its slot was taken
+            self.close_connection = True
+        finally:
+            self._request_received()
+
+    def _request_received(self) -> None:
+        """The request is in: reads and writes get the plain idle timeout again."""
+        self.deadline = None
+        self.server.sending_request(self, False)
+        try:
+            self.connection.settimeout(self.server.limits.timeout)
+        except OSError:  # already closed
+            pass
 
     def _reply(self, code: int, body: dict) -> None:
         data = json.dumps(body).encode("utf-8")
@@ -272,10 +328,9 @@ class Handler(BaseHTTPRequestHandler):
         return self._read_exactly(n)
 
     def _read_exactly(self, n: int) -> bytes:
-        """n bytes within one timeout in all (not per read: a client trickling a byte at a time
-        is cut off too); RequestError 408 when they do not come in time, 400 when the client
-        closes first."""
-        deadline, parts, got = time.monotonic() + self.server.limits.timeout, [], 0
+        """n bytes before the request's deadline; RequestError 408 when they do not come in time,
+        400 when the client closes first."""
+        parts, got = [], 0
         try:
             while got < n:
                 chunk = self.rfile.read1(min(n - got, 1 << 16))
@@ -283,17 +338,17 @@ class Handler(BaseHTTPRequestHandler):
                     raise RequestError(400, f"request body ended after {got} of {n} bytes (Content-Length)")
                 parts.append(chunk)
                 got += len(chunk)
-                if got < n and time.monotonic() > deadline:
-                    raise TimeoutError
         except TimeoutError:
-            raise RequestError(408, f"request body not received within {self.server.limits.timeout} s") from None
+            raise RequestError(408, f"request not received within {self.server.limits.timeout} s") from None
         return b"".join(parts)
 
     def do_PUT(self) -> None:
         try:
             if self.path.split("?")[0].rstrip("/") != "/api":
                 raise RequestError(404, f"unknown path {self.path[:200]}; use PUT /api")
-            prompts, params = parse_request(decode_body(self._read_body()), self.server.defaults)
+            body = self._read_body()
+            self._request_received()
+            prompts, params = parse_request(decode_body(body), self.server.defaults)
             resp = self.server.run_generation(prompts, params)
         except RequestError as e:
             self.close_connection = True
@@ -316,6 +371,26 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt: str, *args) -> None:
         """One short line per request, on stderr (stdout is for generated text)."""
         print(f"> {self.address_string()} {fmt % args}", file=sys.stderr, flush=True)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The handler's socket as a raw stream whose reads end at the handler's `deadline` (TimeoutError),
+    however slowly the bytes come; with no deadline, the plain per-read timeout applies."""
+
+    def __init__(self, handler: Handler):
+        self.handler = handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        sock, deadline = self.handler.connection, self.handler.deadline
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("request not received in time")
+            sock.settimeout(left)
+        return sock.recv_into(buffer)
 
 
 def make_server(generate: GenerateFn, defaults: SamplingParams, host: str = "127.0.0.1", port: int = 5000,

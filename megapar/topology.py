@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -123,16 +124,18 @@ class Topology:
         return None if c.pp == 0 else self.rank(c.tp, c.dp, c.pp - 1)
 
     # ---- process groups ----------------------------------------------------------------
-    def create_groups(self, rank: int) -> Groups:
+    def create_groups(self, rank: int, timeout: Optional[timedelta] = None) -> Groups:
         """Create every torch.distributed group (collectively: all ranks must call this).
 
-        Each new_group call is made by every rank in the same order, as torch requires."""
+        Each new_group call is made by every rank in the same order, as torch requires. `timeout`
+        (--distributed-timeout-minutes) bounds every collective of every group: torch gives a new
+        group its backend's default (30 minutes), not the world group's timeout."""
         if dist.get_world_size() != self.world_size:
             raise ValueError(f"world size {dist.get_world_size()} != tp*pp*dp = {self.world_size}")
         mine = Groups()
         for kind in ("tp", "dp", "pp", "mp", "embedding", "pp_grad"):
             for members in getattr(self, f"{kind}_groups")():
-                group = dist.new_group(members)
+                group = dist.new_group(members, timeout=timeout)
                 if rank in members:
                     setattr(mine, kind, group)
         mine.ckpt = dist.new_group(list(range(self.world_size)), backend="gloo")

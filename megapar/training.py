@@ -272,6 +272,7 @@ class Profiler:
 
 # ---- the loop ------------------------------------------------------------------------------------
 def save(run: Run, state: TrainState) -> None:
+    refuse_non_finite_weights(run, state.iteration)
     ck = run.cfg.ckpt
     print_rank0(f" saving checkpoint at iteration {state.iteration:7d} to {ck.save}")
     save_checkpoint(ck.save, state.iteration, run.model, run.optimizer, run.scheduler,
@@ -301,13 +302,40 @@ def load(run: Run, state: TrainState) -> None:
 
 
 class NonFiniteLossError(MegaparError, FloatingPointError):
-    """The loss or gradient norm became NaN/Inf (a too large --lr, fp16 without loss scaling, bad data);
+    """The loss or gradient norm became NaN/Inf (a too large --lr, fp16 without loss scaling, bad data),
+    fp16 steps kept overflowing at the minimum loss scale, or the weights hold NaN/Inf at a save;
     raised on every rank at the same iteration, before any checkpoint of the broken weights."""
 
 
-def check_finite(state: TrainState, iteration: int, loss: float, applied: bool, grad_norm: float) -> None:
+def refuse_non_finite_weights(run: Run, iteration: int) -> None:
+    """Before a save: NonFiniteLossError on every rank when any rank's weights (the model's, and the
+    fp32 masters where the optimizer keeps its own) hold NaN/Inf, so the checkpoint already in --save
+    is kept. An fp16 run whose weights overflowed skips every step after, and would save inf weights."""
+    named = [(name, p) for name, p in run.model.named_parameters()]
+    named += [("an fp32 master weight", m) for m in getattr(run.optimizer, "masters", None) or [] if m is not None]
+    finite = [torch.isfinite(t).all().to(run.device) for _, t in named]  # one read-back below, not one each
+    ok = bool(torch.stack(finite).all()) if finite else True
+    local = None if ok else next(name for name, t in named if not torch.isfinite(t).all())
+    flag = torch.tensor([0.0 if local is None else 1.0 + run.rank], device=run.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() == 0:
+        return
+    where = f"{local} on rank {run.rank}" if local is not None else f"rank {int(flag.item()) - 1}"
+    raise NonFiniteLossError(f"refusing to save iteration {iteration} to {run.cfg.ckpt.save}: the weights hold "
+                             f"NaN/Inf ({where}); the checkpoint already there is kept; lower --lr, use --bf16, "
+                             f"or resume from that checkpoint")
+
+
+def check_finite(state: TrainState, iteration: int, loss: float, applied: bool, grad_norm: float,
+                 scaler=None) -> None:
     if not applied:  # fp16 overflow: skipped on every rank, the scaler backs off
         state.skipped_iters += 1
+        if scaler is not None and scaler.diverged:  # the same on every rank: the overflow flag is all-reduced
+            raise NonFiniteLossError(
+                f"fp16 training diverged: {scaler.overflows_at_min} steps in a row up to iteration {iteration} "
+                f"overflowed (inf/NaN gradients) at the minimum loss scale {scaler.scale:g} "
+                f"({'--loss-scale' if not hasattr(scaler, 'min_scale') else '--min-loss-scale'}); stopped "
+                f"without saving this state; lower --lr, use --bf16, or resume from the last checkpoint")
         return
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         state.nan_iters += 1
@@ -365,7 +393,7 @@ class StepLog:
         loss, grad_norm = wait_host(step.out, step.ready).tolist()  # this step only: the next may still run
         done = step.launched_at if step.ready is None else self.clock()
         state, log = self.state, self.run.cfg.log
-        check_finite(state, step.iteration, loss, step.applied, grad_norm)
+        check_finite(state, step.iteration, loss, step.applied, grad_norm, self.run.optimizer.scaler)
         state.losses.append((step.iteration, loss))
         self.window_iters, self.window_loss = self.window_iters + 1, self.window_loss + loss
         if self.writer is not None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sample from a checkpoint: bash scripts/generate_text.sh --load CKPT [tools/generate_text.py flags]
 # Runs python directly for one process, torchrun with tp x pp processes otherwise.
-# PYTHON and TORCHRUN may be overridden from the environment.
+# PYTHON may be overridden from the environment; TORCHRUN, when set, is run directly (no launcher).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 TP=1
@@ -16,7 +16,11 @@ for ((i = 0; i < ${#args[@]}; i++)); do
   esac
 done
 N=$((TP * PP))
-if [ "$N" -gt 1 ]; then
-  exec ${TORCHRUN:-torchrun} --standalone --nproc-per-node "$N" "$HERE/../tools/generate_text.py" "$@"
+if [ "$N" -gt 1 ] && [ -n "${TORCHRUN:-}" ]; then
+  exec $TORCHRUN --standalone --nproc-per-node "$N" "$HERE/../tools/generate_text.py" "$@"
+fi
+if [ "$N" -gt 1 ]; then  # torchrun behind megapar.launch: Ctrl-C / SIGTERM stop rank 0, which stops the others
+  export PYTHONPATH="$HERE/..${PYTHONPATH:+:$PYTHONPATH}"
+  exec ${PYTHON:-python} -m megapar.launch --generate --standalone --nproc-per-node "$N" -- "$@"
 fi
 exec ${PYTHON:-python} "$HERE/../tools/generate_text.py" "$@"

@@ -31,7 +31,10 @@ done
 
 if [ -z "$nproc" ]; then
   gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-  if [ "$gpus" -gt 0 ]; then nproc="$gpus"; else nproc=$((tp * pp)); fi
+  if [ "$gpus" -gt 0 ]; then nproc="$gpus"
+  elif [[ "$tp" =~ ^[0-9]+$ && "$pp" =~ ^[0-9]+$ ]] && [ $((tp * pp)) -gt 0 ]; then nproc=$((tp * pp))
+  else nproc=1  # a --tensor-parallel / --pipeline-parallel that is no size: megapar.launch refuses it by name
+  fi
 fi
 if [ ${#launcher[@]} -eq 0 ]; then launcher=(--standalone); fi
 

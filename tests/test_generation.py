@@ -277,8 +277,8 @@ def test_generate_text_sh_tp2_under_torchrun(tmp_path, gpt2_files):
     save(GPT2Model(cfg.model, Stage.of(4, 1, 0), SEED), ns, ck)
     cmd = ["bash", os.path.join(ROOT, "scripts", "generate_text.sh"), "--load", ck, "--out-seq-length", "5",
            "--greedy", "--device", "cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable,
-           "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}  # tp 2: torchrun behind megapar.launch
+    env.pop("TORCHRUN", None)
     outs = [subprocess.run(cmd + extra, input="Hello world\n", capture_output=True, text=True, env=env, timeout=120)
             for extra in ([], ["--tensor-model-parallel-size", "2"])]
     for r in outs:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megapar.checkpoint import TRACKER
-from megapar.optimizer.grad_scaler import DynamicGradScaler
+from megapar.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megapar.optimizer.lr_schedule import OptimizerParamScheduler
 from train_helpers import TINY_TRAIN, run_training
 
@@ -93,6 +93,25 @@ def test_loss_scaler_grows_and_backs_off():
     for _ in range(20):
         s.update(True)
     assert s.scale == 2.0                          # never below --min-loss-scale
+
+
+def test_loss_scaler_diverges_after_hysteresis_overflows_in_a_row_at_its_minimum():
+    s = DynamicGradScaler(initial_scale=8.0, min_scale=2.0, hysteresis=2)
+    for _ in range(3):
+        s.update(True)                             # 8 -> 8 -> 4 -> 2: not yet at the minimum when they came
+    assert s.scale == 2.0 and not s.diverged
+    s.update(True)
+    s.update(False)                                # a clean step resets the count
+    s.update(True)
+    assert not s.diverged
+    s.update(True)
+    assert s.diverged                              # two in a row at the minimum
+    c = ConstantGradScaler(1024.0, hysteresis=3)   # a static scale is always at its minimum
+    for _ in range(2):
+        c.update(True)
+    assert not c.diverged
+    c.update(True)
+    assert c.diverged
 
 
 def test_lr_schedule_at_chosen_iterations():

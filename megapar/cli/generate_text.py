@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
@@ -28,6 +30,8 @@ from megapar.generation import (GenerationError, InferenceEngine, SamplingParams
                                 load_inference_model, run_leader, stop_followers, tokenizer_for_checkpoint)
 from megapar.initialize import init_distributed
 from megapar.topology import Topology
+
+GROUP_TIMEOUT_MINUTES = 30  # how long a collective of any group may wait (torch's default)
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -63,7 +67,8 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed at start)")
     g.add_argument("--request-timeout", type=float, default=30.0,
-                   help="server: seconds a connection may sit idle on a read or write before it is closed")
+                   help="server: seconds a client may take to send one request (or sit idle on a "
+                        "write) before its connection is closed")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20, help="server: larger request bodies get 413")
     return p.parse_args(argv)
 
@@ -84,8 +89,8 @@ def setup(a: argparse.Namespace) -> tuple[int, Topology, torch.device]:
     topo = Topology(tp, pp, 1)
     rank = 0
     if world > 1:
-        rank, _, _ = init_distributed("nccl" if cuda else "gloo", timeout_minutes=30)
-        topo.create_groups(rank)
+        rank, _, _ = init_distributed("nccl" if cuda else "gloo", timeout_minutes=GROUP_TIMEOUT_MINUTES)
+        topo.create_groups(rank, timedelta(minutes=GROUP_TIMEOUT_MINUTES))
     return rank, topo, device
 
 
@@ -208,15 +213,18 @@ def serve(s: Session, a: argparse.Namespace, limits) -> None:
         server = make_server(s.api, s.params, a.host, a.port, limits)
     except OSError as e:
         raise GenerationError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
-    print(f"> serving PUT http://{a.host}:{server.server_address[1]}/api (Ctrl-C to stop)", file=sys.stderr,
-          flush=True)
+    print(f"> serving PUT http://{a.host}:{server.server_address[1]}/api (Ctrl-C or SIGTERM to stop)",
+          file=sys.stderr, flush=True)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         server.close_generation()
         server.server_close()
+    print("> server stopped", file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

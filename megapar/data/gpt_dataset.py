@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from .indexed_dataset import IndexedDataset, IndexedDatasetError
 from .sample_index import build_blending_indices, build_indices
 
 INDEX_VERSION = 1  # bump when the index algorithm changes
+START_SAMPLE_TOKENS = 1 << 20  # token ids read per --data-path file at training start (check_token_ids)
 
 
 class DatasetError(MegaparError, ValueError):
@@ -72,6 +74,10 @@ def parse_data_path(data_path: Sequence[str] | str) -> tuple[list[str], Optional
         except ValueError:
             return False
     if len(items) % 2 == 0 and all(is_num(w) for w in items[0::2]):
+        for w, prefix in zip(items[0::2], items[1::2]):
+            if not (math.isfinite(float(w)) and float(w) > 0):
+                raise DatasetError(f"--data-path weight {w} of {prefix} must be a positive number (the weights are "
+                                   f"relative shares of the blend); drop the prefix to leave it out")
         return items[1::2], [float(w) for w in items[0::2]]
     if any(is_num(s) for s in items):
         raise DatasetError(f"--data-path {items} mixes weights and prefixes; use W1 PREFIX1 W2 PREFIX2 ...")
@@ -87,6 +93,23 @@ def _dist_rank() -> tuple[bool, int]:
     except ImportError:
         pass
     return False, 0
+
+
+def check_cache_dir(cache_dir: Optional[str]) -> None:
+    """A --data-cache-path that is given must be a folder this process can write into (found at
+    start by writing a file there, not from permission bits); DatasetError otherwise. Without the
+    flag, indices are cached next to the data, or in the temporary folder when that is read-only."""
+    if cache_dir is None:
+        return
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".megapar_write_check_", dir=cache_dir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise DatasetError(f"--data-cache-path {cache_dir} is not a writable folder ({e.strerror or e}); the dataset "
+                           f"indices are cached there: give a writable folder, or drop --data-cache-path to cache "
+                           f"them next to the data") from None
 
 
 def _cache_dir(prefix: str, cache_dir: Optional[str]) -> str:
@@ -220,6 +243,21 @@ def check_datasets(data_path: Sequence[str] | str) -> list[dict]:
                                "preprocess a non-empty input or drop this prefix")
         out.append(summary)
     return out
+
+
+def check_token_ids(data_path: Sequence[str] | str, vocab_size: int, sample_tokens: int = START_SAMPLE_TOKENS) -> None:
+    """At training start: a sample of about `sample_tokens` token ids of each --data-path .bin is
+    below the tokenizer's `vocab_size` (a larger id would index past the embedding table mid-run).
+    IndexedDatasetError naming the file, the id and the fix."""
+    from .validate import check_token_ids as check
+    prefixes, _ = parse_data_path(data_path)
+    for p in prefixes:
+        try:
+            ids = check(p, vocab_size, sample_tokens)
+        except IndexedDatasetError as e:
+            raise IndexedDatasetError(f"--data-path {p}: {e} (a sampled check at start; python -m "
+                                      f"megapar.data.validate {p} --vocab-size {vocab_size} reads every token)") from None
+        _log(f"token ids of {p} < {vocab_size}: {ids['mode']} check ({ids['checked']} of {ids['tokens']} tokens)")
 
 
 def _check_splits(out: list, split: str, seq_length: int, num_samples: tuple[int, int, int]) -> None:

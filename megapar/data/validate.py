@@ -1,16 +1,23 @@
 """Validator for MMIDIDX .bin/.idx pairs.
 
     python -m megapar.data.validate PREFIX [PREFIX ...]
+    python -m megapar.data.validate PREFIX --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
+    python -m megapar.data.validate PREFIX --vocab-size 50257 [--sample-tokens 1000000]
 
 `validate(prefix)` checks magic, version, dtype code, the .idx size against its counts, sequence
 lengths, pointer monotonicity and consistency, document indices and the .bin size. It raises
 `IndexedDatasetError` naming the file and the first problem found, or returns a summary dict.
-Arrays are checked in bounded chunks, so memory stays flat for any dataset size.
+`check_token_ids(prefix, vocab_size)` also reads the tokens: every id must be below the
+tokenizer's vocabulary size (all of them, or with `sample_tokens` about that many in evenly spaced
+windows, the first and last tokens included). Arrays are checked in bounded chunks, so memory stays
+flat for any dataset size.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from typing import Optional
 
 import numpy as np
 
@@ -89,11 +96,91 @@ def validate(prefix: str) -> dict:
             "num_tokens": bin_expected // dtype.itemsize}
 
 
+SAMPLE_WINDOWS = 64  # sampled check: this many evenly spaced windows of the .bin
+
+
+def _windows(total: int, sample_tokens: Optional[int]) -> list[tuple[int, int]]:
+    """[start, end) token ranges to read: the whole file in chunks, or SAMPLE_WINDOWS evenly spaced
+    windows of about sample_tokens in all (the first and the last window at the file's ends)."""
+    if sample_tokens is None or total <= sample_tokens:
+        return [(s, min(s + _CHUNK, total)) for s in range(0, total, _CHUNK)]
+    width = max(1, sample_tokens // SAMPLE_WINDOWS)
+    starts = np.linspace(0, total - width, SAMPLE_WINDOWS).astype(np.int64)
+    return [(int(s), int(s) + width) for s in starts]
+
+
+def check_token_ids(prefix: str, vocab_size: int, sample_tokens: Optional[int] = None) -> dict:
+    """Every token id in PREFIX.bin (or, with `sample_tokens`, a sample of about that many) is in
+    [0, vocab_size); a larger one would index past the model's embedding table mid-run. Call after
+    `validate(prefix)`. Raises IndexedDatasetError naming the .bin, the first bad id and where it is;
+    returns {"checked": tokens read, "tokens": tokens in the file, "mode": "full" | "sampled"}."""
+    idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
+    with open(idx_path, "rb") as f:
+        dtype, _, _ = _read_header(idx_path, memoryview(f.read(HEADER_SIZE)))
+    total = os.path.getsize(bin_path) // dtype.itemsize
+    tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(total,)) if total else np.zeros(0, dtype)
+    windows, checked = _windows(total, sample_tokens), 0
+    for start, end in windows:
+        part = tokens[start:end]
+        bad = part >= vocab_size
+        if np.issubdtype(dtype, np.signedinteger):
+            bad |= part < 0
+        if bad.any():
+            i = start + int(np.argmax(bad))
+            _fail(bin_path, f"token id {int(tokens[i])} at token {i} is outside the tokenizer's vocabulary of "
+                            f"{vocab_size} ids: this .bin was made with another tokenizer; re-run "
+                            f"tools/preprocess_data.py with this run's tokenizer files, or train with the "
+                            f"tokenizer that made it")
+        checked += end - start
+    mode = "full" if checked == total else "sampled"
+    return {"checked": checked, "tokens": total, "mode": mode}
+
+
+def _vocab_size(a: argparse.Namespace) -> Optional[int]:
+    """The vocabulary size the flags name (--vocab-size, or the tokenizer's), or None."""
+    if a.vocab_size is not None:
+        return a.vocab_size
+    if not (a.vocab_file or a.tokenizer_model):
+        return None
+    from .tokenizer import build_tokenizer
+    return build_tokenizer(a.tokenizer_type, vocab_file=a.vocab_file, merge_file=a.merge_file,
+                           tokenizer_model=a.tokenizer_model).vocab_size
+
+
+def get_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megapar.data.validate", description="Check .bin/.idx pairs; with a "
+                                "tokenizer (or --vocab-size) also that every token id is in its vocabulary.")
+    p.add_argument("prefixes", nargs="+", metavar="PREFIX")
+    p.add_argument("--vocab-size", type=int, default=None, help="check every token id is below this")
+    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
+    p.add_argument("--vocab-file", default=None)
+    p.add_argument("--merge-file", default=None)
+    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--sample-tokens", type=int, default=None,
+                   help="check about this many tokens in evenly spaced windows instead of all of them")
+    return p.parse_args(argv)
+
+
 def main(argv: list[str]) -> int:
+    from ..errors import MegaparError
+
+    a = get_args(argv)
+    try:
+        vocab_size = _vocab_size(a)
+    except MegaparError as e:
+        print(f"ERROR {e}", file=sys.stderr)
+        return 1
     rc = 0
-    for prefix in argv:
+    for prefix in a.prefixes:
         try:
-            print(f"{prefix}: OK {validate(prefix)}")
+            summary = validate(prefix)
+            if vocab_size is not None:
+                ids = check_token_ids(prefix, vocab_size, a.sample_tokens)
+                summary["token_ids"] = (f"all < {vocab_size} ({ids['mode']}: {ids['checked']} of {ids['tokens']} "
+                                        f"tokens read)")
+            else:
+                summary["token_ids"] = "not checked (give the tokenizer's files or --vocab-size)"
+            print(f"{prefix}: OK {summary}")
         except IndexedDatasetError as e:
             print(f"ERROR {e}", file=sys.stderr)
             rc = 1

@@ -30,6 +30,8 @@ QUICK = {
     "test_faults_interleaved.py": {"test_virtual_stages_need_a_pipeline"},
     "test_faults_plan_layout.py": {"test_bad_plan_input[--gpus 0]"},                      # layout planner
     "test_faults_fp8.py": {"test_bad_fp8_flags_through_the_launcher[on a CPU-only run]"},      # fp8 GEMMs
+    "test_faults_machine.py": {"test_host_out_of_memory_is_one_line"},                    # a failing machine
+    "test_faults_divergence.py": {"test_fp16_overflowing_at_the_minimum_loss_scale_stops"},    # fp16 divergence
 }
 
 

@@ -165,6 +165,78 @@ def test_corpus_smaller_than_one_sample(files, tmp_path):
             expect=["--split", "no training sample", "--seq-length 32"], watch=[tmp_path])
 
 
+def _put_token(prefix: str, position: int, token_id: int) -> None:
+    """Overwrite one token of PREFIX.bin (uint16), as a corpus made with a larger vocabulary holds."""
+    tokens = np.memmap(prefix + ".bin", dtype=np.uint16, mode="r+")
+    tokens[position] = token_id
+    tokens.flush()
+    del tokens
+
+
+def test_token_id_beyond_the_vocabulary_in_training(files, tmp_path):
+    """Before: an IndexError in the embedding mid-run that named no file (the byte-level vocabulary
+    has 265 ids, padded to an embedding table of 288 rows; id 300 has no row)."""
+    _put_token(files["prefix"], 1000, 300)
+    refused(train_cmd(files), fault_class="data", case="a token id >= the tokenizer's vocabulary in the .bin",
+            expect=[files["prefix"] + ".bin", "token id 300 at token 1000", "vocabulary of 265 ids", "sampled check"],
+            watch=[tmp_path])
+
+
+def test_validator_checks_token_ids_fully_or_sampled(files, tmp_path):
+    """`python -m megapar.data.validate` with the tokenizer's files reads every token (full); with
+    --sample-tokens a sample, and it says which."""
+    validate = ["python", "-m", "megapar.data.validate", files["prefix"]]
+    tokenizer = ["--vocab-file", files["vocab"], "--merge-file", files["merges"]]
+    good = run([*validate, *tokenizer])
+    assert good.rc == 0 and "all < 265 (full:" in good.output, good.output
+    sampled = run([*validate, "--vocab-size", "265", "--sample-tokens", "640"])
+    assert sampled.rc == 0 and "all < 265 (sampled: 640 of" in sampled.output, sampled.output
+    _put_token(files["prefix"], 1000, 300)
+    bad = run([*validate, *tokenizer])
+    assert bad.rc == 1 and "token id 300 at token 1000" in bad.output and "Traceback" not in bad.output, bad.output
+    ROWS.append(Row("data", "validate with the tokenizer: a token id >= the vocabulary (full read)", True, True))
+    unchecked = run(validate)
+    assert unchecked.rc == 0 and "not checked" in unchecked.output, unchecked.output
+
+
+BLEND_CASES = [("-1", "negative"), ("0", "zero"), ("nan", "not a number")]
+
+
+@pytest.mark.parametrize("weight,what", BLEND_CASES, ids=[w for _, w in BLEND_CASES])
+def test_bad_blend_weight_is_refused_before_any_process(files, tmp_path, weight, what):
+    cmd = ["bash", "scripts/pretrain_gpt2.sh", *train_cmd(files)[3:]]
+    cmd[cmd.index("--data-path") + 1:cmd.index("--data-path") + 2] = [weight, files["prefix"], "1", files["prefix"]]
+    out = refused(cmd, fault_class="data", case=f"--data-path blend weight {weight} ({what})",
+                  expect=[f"--data-path weight {weight} of {files['prefix']}", "must be a positive number"],
+                  watch=[tmp_path])
+    assert out.rc == 2 and "torch.distributed" not in out.output
+
+
+def _read_only(path: Path):
+    """Make folder `path` read-only for this user, root included (chattr +i; chmod for others);
+    returns the undo, or skips where neither works."""
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        return lambda: path.chmod(0o755)
+    if shutil.which("chattr") and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0:
+        return lambda: subprocess.run(["chattr", "-i", str(path)], check=True)
+    pytest.skip("cannot make a folder read-only for root here (no chattr +i)")
+
+
+@pytest.mark.parametrize("sub", ["", "new"], ids=["the folder", "a folder to create inside it"])
+def test_read_only_data_cache_path(files, tmp_path, sub):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    undo = _read_only(cache)
+    try:
+        target = cache / sub if sub else cache
+        refused(train_cmd(files) + ["--data-cache-path", str(target)], fault_class="data",
+                case=f"read-only --data-cache-path ({'a folder to create inside' if sub else 'the folder itself'})",
+                expect=[f"--data-cache-path {target} is not a writable folder"], watch=[tmp_path])
+    finally:
+        undo()
+
+
 def test_empty_corpus_in_preprocess(files, tmp_path):
     inp = tmp_path / "empty.jsonl"
     inp.write_text("\n  \n")

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,33 @@ def test_second_ctrl_c_aborts_and_keeps_the_saved_checkpoint(data, tmp_path):
     assert "interrupted (SIGINT)" in out
 
 
+def test_two_ctrl_c_0_3_s_apart_after_the_save_say_it_was_saved(data, tmp_path):
+    """The first Ctrl-C finishes the iteration and saves; a second 0.3 s later lands after the save
+    (or, on a slow machine, during it). The last line must say what happened: with a checkpoint
+    written after the first Ctrl-C it names it, never "without saving"."""
+    ck = tmp_path / "ck"
+    proc = _popen([*LAUNCHER, *data, "--train-iters", "1000", "--exit-signal-handler", "--save", ck])
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if " iteration        2/" in line:
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(0.3)
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    last = out.strip().splitlines()[-1]
+    saved = (ck / TRACKER).is_file()
+    it = int((ck / TRACKER).read_text()) if saved else None
+    truthful = (f"after the checkpoint at iteration {it} was saved" in last or proc.returncode == 0) if saved \
+        else "without saving" in last
+    _record("signals", "two Ctrl-C 0.3 s apart (tp 2): the last line says whether the checkpoint was saved",
+            truthful and "Traceback" not in out, saved)
+    assert "Traceback" not in out, out[-3000:]
+    assert truthful, (saved, last)
+    assert saved, "the checkpoint was not saved within 0.3 s: the case the fix is for did not happen"
+
+
 # ---- checkpoint file -----------------------------------------------------------------------------
 @pytest.fixture
 def saved(sigterm_run, tmp_path) -> Path:
@@ -226,6 +254,8 @@ RENDEZVOUS_CASES = [
     (["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "70000"],
      "--master-port 70000 must be a whole number in [1, 65535]"),
     (["--nproc-per-node", "0"], "--nproc-per-node 0 must be a whole number >= 1"),
+    (["--tensor-parallel", "0"], "--tensor-model-parallel-size (or --tensor-parallel) 0 must be >= 1"),
+    (["--pipeline-parallel", "-1"], "--pipeline-model-parallel-size (or --pipeline-parallel) -1 must be >= 1"),
 ]
 
 

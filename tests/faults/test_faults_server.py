@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from gpt_helpers import tiny_model_config
-from harness import ROOT, refused
+from harness import ROOT, ROWS, Row, refused
 from megapar.cli import generate_text
 from megapar.generation import GenerationError, InferenceEngine, SamplingParams
 from megapar.checkpoint import save_checkpoint
@@ -304,6 +304,59 @@ def test_cli_refuses_a_port_in_use():
             generate_text.serve(session, a, generate_text.server_limits(a))
 
 
+def _tiny_checkpoint(path, gpt2_files) -> None:
+    """A tp 1 checkpoint of a tiny GPT-2 with the real GPT-2 tokenizer files."""
+    vocab_file, merge_file = gpt2_files
+    cfg = tiny_model_config(["--seq-length", "48"], vocab=50257)
+    ns = cfg.namespace()
+    ns.consumed_train_samples = 0
+    ns.tokenizer_type, ns.vocab_file, ns.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
+    model = GPT2Model(cfg.model, Stage.of(cfg.model.num_layers, 1, 0), 1234).eval()
+    save_checkpoint(str(path), 1, model, None, None, ns, model.cfg, Topology(1, 1, 1), 0,
+                    save_optim=False, save_rng=False)
+
+
+def _serving_port(proc: subprocess.Popen, log) -> int:
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        m = re.search(r"serving PUT http://127.0.0.1:(\d+)/api", log.read_text())
+        if m:
+            return int(m.group(1))
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_tp2_server_stops_cleanly_on_sigterm_or_ctrl_c(tmp_path, gpt2_files, how):
+    """scripts/generate_text.sh --tensor-model-parallel-size 2 --server (torchrun behind megapar.launch):
+    SIGTERM to the script, or Ctrl-C to its process group, stops rank 0, which tells rank 1 to stop:
+    exit 0 like the one-process server, no traceback, no torchrun report. Before: exit 1 with both."""
+    pytest.importorskip("megapar.reshard", reason="in-memory resharding (megapar.reshard) not available")
+    _tiny_checkpoint(tmp_path / "ck", gpt2_files)
+    log = tmp_path / "server.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    env.pop("TORCHRUN", None)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["bash", "scripts/generate_text.sh", "--load", str(tmp_path / "ck"), "--server",
+                                 "--port", "0", "--device", "cpu", "--tensor-model-parallel-size", "2"],
+                                cwd=str(ROOT), stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        port = _serving_port(proc, log)
+        status, body = put(port, GOOD)
+        assert status == 200 and body["text"][0].startswith("Hello"), body
+        os.killpg(proc.pid, signal.SIGINT) if how == "Ctrl-C" else proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = log.read_text()
+    ok = rc == 0 and "Traceback" not in out and "ChildFailedError" not in out and "server stopped" in out
+    ROWS.append(Row("generation server", f"{how} to a tp 2 server (scripts/generate_text.sh): exit 0, no traceback",
+                    ok, True))
+    assert ok, (rc, out[-3000:])
+
+
 def test_real_server_process_refuses_bad_requests_answers_good_ones_and_stops_on_ctrl_c(tmp_path, gpt2_files):
     """tools/generate_text.py --server end to end: the request threads drive the engine through
     Session.api; Ctrl-C (SIGINT) stops it with exit status 0."""
@@ -336,3 +389,65 @@ def test_real_server_process_refuses_bad_requests_answers_good_ones_and_stops_on
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- slow clients that drip bytes ----------------------------------------------------------------
+def _drip(port: int, stop: threading.Event, every: float = 0.3) -> bool:
+    """A slowloris client: a request line, then one header byte every `every` s (each read well
+    within the timeout) until the server closes the connection (True) or `stop` is set (False)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"PUT /api HTTP/1.1\r\nX-Slow: ")
+            while not stop.wait(every):
+                s.sendall(b"a")
+                s.settimeout(0.001)
+                try:
+                    if s.recv(4096) == b"":
+                        return True
+                except socket.timeout:
+                    pass
+                except OSError:
+                    return True
+                s.settimeout(10)
+    except OSError:
+        return True
+    return False
+
+
+def test_a_client_that_drips_its_request_is_cut_off_at_the_timeout(one_thread):
+    """Each byte comes well within the timeout, but the whole request must come within it."""
+    server, port = start(Generator())
+    stop, result = threading.Event(), []
+    t = threading.Thread(target=lambda: result.append(_drip(port, stop)))
+    t0 = time.monotonic()
+    t.start()
+    t.join(TIMEOUT * 4)
+    stop.set()
+    t.join(5)
+    server.shutdown()
+    server.server_close()
+    assert result == [True] and time.monotonic() - t0 < TIMEOUT * 3
+
+
+def test_drip_clients_holding_every_slot_do_not_lock_out_others(one_thread):
+    """20 drip clients against 16 slots (the 300 against 256 of an attack, scaled down): a normal
+    client is still answered, by taking the slot of the slowest drip client."""
+    server, port = start(Generator(), max_connections=16)
+    stop = threading.Event()
+    drippers = [threading.Thread(target=_drip, args=(port, stop), daemon=True) for _ in range(20)]
+    try:
+        for t in drippers:
+            t.start()
+        deadline = time.monotonic() + 5
+        while server.open_connections < 16:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(1.2)                                  # past EVICT_AFTER_S: the drip clients may lose slots
+        t0 = time.monotonic()
+        for _ in range(3):
+            answers_good(port)
+        assert time.monotonic() - t0 < TIMEOUT           # answered before any drip client timed out
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
