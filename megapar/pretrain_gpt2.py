@@ -25,7 +25,7 @@ from .initialize import build_run, init_distributed, print_rank0, train_iters
 from .pipeline.p2p import current_step
 from .topology import Topology
 from .scalar_writer import build_writer
-from .training import TrainState, evaluate, finish_saves, load, log_eval, save, train
+from .training import TrainState, evaluate, finish_saves, load, log_eval, reserve_saves, save, train
 
 EMBEDDED_DIR = os.path.join("data_cache", "embedded")
 EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")  # + model shape, see parse()
@@ -166,6 +166,7 @@ def _pretrain(cfg: Config, topo: Topology, rank: int, device, argv: Optional[Seq
                     f"run ends at iteration {train_iters(cfg)}; give a larger --train-iters to train longer")
         return state
     train_ds, valid_ds, test_ds = build_datasets(cfg)
+    reserve_saves(run)
     start = time.time()
     writer = build_writer(cfg, rank)  # TensorBoard and/or W&B on rank 0, as the flags ask
     try:

@@ -52,6 +52,9 @@ class Groups:
                                                     # run them on a background thread beside training's)
 
 
+CHECKPOINT_TIMEOUT = timedelta(minutes=30)
+
+
 @dataclass
 class Topology:
     tp: int
@@ -138,7 +141,10 @@ class Topology:
                 group = dist.new_group(members, timeout=timeout)
                 if rank in members:
                     setattr(mine, kind, group)
-        mine.ckpt = dist.new_group(list(range(self.world_size)), backend="gloo")
+        # Checkpoint collectives wait for the slowest rank's writes (minutes at scale): never less than
+        # torch's 30-minute default, whatever a short --distributed-timeout-minutes says.
+        slow_io = max(timeout, CHECKPOINT_TIMEOUT) if timeout is not None else None
+        mine.ckpt = dist.new_group(list(range(self.world_size)), timeout=slow_io, backend="gloo")
         self.groups = mine
         return mine
 

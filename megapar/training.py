@@ -286,6 +286,19 @@ def save(run: Run, state: TrainState) -> None:
                     f"background")
 
 
+def reserve_saves(run: Run) -> None:
+    """--async-save: allocate the host buffers of the staging copies before training (pinning
+    takes seconds that would otherwise stall the first save)."""
+    if run.saves is None or not run.cfg.ckpt.save:
+        return
+    from .checkpoint.dist import reserve_async_buffers
+    start = time.time()
+    gib = reserve_async_buffers(run.saves, run.model, run.optimizer, run.cfg.model, run.topo, run.rank,
+                                save_optim=not run.cfg.ckpt.no_save_optim)
+    print_rank0(f"> async saves: {gib:.2f} GiB of host memory on rank 0 for the staging copies "
+                f"({time.time() - start:.1f} s)")
+
+
 def finish_saves(run: Run) -> None:
     """Wait for the save in flight (--async-save), if any: the run ends only once it is published."""
     if run.saves is not None and run.saves.thread is not None:

@@ -149,3 +149,34 @@ def test_async_save_killed_mid_write_resumes_from_the_previous_one(embedded_data
     assert losses(resumed) == pytest.approx(full[2:], rel=1e-6) and resumed["iteration"] == ITERS
     assert open(os.path.join(ck, TRACKER)).read() == str(ITERS)
     assert not os.path.exists(iter_dir(ck, 4) + ".partial")
+
+
+def _slow_writer_body(rank, world_size, argv):
+    """pretrain with every background write slowed down, so that each save starts while the
+    previous one is still being written."""
+    import time
+    import megapar.checkpoint.dist as d
+    from megapar.pretrain_gpt2 import parse, pretrain
+    real = d.save_entries
+
+    def slow(*args):
+        time.sleep(1.0)
+        real(*args)
+    d.save_entries = slow
+    state = pretrain(parse(argv, world_size))
+    return {"losses": state.losses, "iteration": state.iteration}
+
+
+def test_async_saves_that_overlap_wait_for_each_other(embedded_data, tmp_path):
+    """A save every iteration at dp 2 while each write takes longer than a step: each save waits for
+    the one in flight (the writer thread owns the checkpoint group meanwhile), every one is published,
+    and the last resumes."""
+    ck = str(tmp_path / "ck")
+    argv = TINY_TRAIN + embedded_data + ["--train-iters", "4", "--save", ck, "--save-interval", "1",
+                                          "--ckpt-format", "torch_dist", "--async-save"]
+    run_distributed(_slow_writer_body, 2, args=(argv,))
+    assert open(os.path.join(ck, TRACKER)).read() == "4"
+    assert sorted(n for n in os.listdir(ck) if n.startswith("iter_")) == [f"iter_000000{i}" for i in (1, 2, 3, 4)]
+    resumed = run_training(TINY_TRAIN + embedded_data + ["--train-iters", "5", "--load", ck,
+                                                         "--use-checkpoint-opt_param-scheduler"], 2)
+    assert resumed["iteration"] == 5

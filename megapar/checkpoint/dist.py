@@ -373,6 +373,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     """Collective: every rank writes what it owns. With `saves` (--async-save) the state is copied to
     host memory and written in the background; the call returns once the copy is made."""
     group = topo.groups.ckpt
+    if saves is not None:
+        saves.wait()        # the writer thread uses `group`: no collective on it until that save is done
     with_optim = save_optim and optimizer is not None
     entries = StateMap(model, optimizer, model_config, topo, rank).entries(for_save=True, with_optim=with_optim)
     optim = {"step": optimizer.step_count(), "grad_scaler": optimizer.scaler.state_dict(),
@@ -386,6 +388,13 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
         saves.submit(lambda staged: _write(root, iteration, staged, common, group, rank, announce=True), entries)
 
 
+def reserve_async_buffers(saves: "AsyncSaves", model, optimizer, model_config: ModelConfig, topo, rank: int,
+                          save_optim: bool) -> float:
+    """Allocate `saves`' host buffers for what this rank will save; returns their GiB."""
+    with_optim = save_optim and optimizer is not None
+    return saves.reserve(StateMap(model, optimizer, model_config, topo, rank).entries(True, with_optim))
+
+
 class AsyncSaves:
     """--async-save: at most one save in flight. `submit` copies the chunks into host buffers (pinned
     on GPU machines; one allocation at the first save, reused by every later save: the chunks of a
@@ -397,6 +406,12 @@ class AsyncSaves:
         self.buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
+
+    def reserve(self, entries: dict[str, Entry]) -> float:
+        """Allocate the host buffers now (before training: pinning takes seconds). Returns GiB."""
+        if not self.buffers:
+            self._allocate(entries)
+        return sum(b.numel() * b.element_size() for b in self.buffers.values()) / 2**30
 
     def submit(self, write: Callable[[dict[str, Entry]], None], entries: dict[str, Entry]) -> None:
         self.wait()                                  # the previous save must be complete first
@@ -490,4 +505,5 @@ def _restore_rng(common: dict, topo, rank: int, wanted: bool) -> None:
 
 
 __all__ = ["AsyncSaves", "COMMON_FILE", "Chunk", "Deferred", "Entry", "common_record", "fqn", "is_dist_checkpoint",
-           "load_checkpoint", "load_entries", "read_common", "save_checkpoint", "save_entries"]
+           "load_checkpoint", "load_entries", "read_common", "reserve_async_buffers", "save_checkpoint",
+           "save_entries"]
