@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint.dist import model_pieces
 from .cuda_graph import GraphedStep
 from .errors import MegaparError
 from .initialize import Run, checkpoint_args, print_rank0, train_iters
@@ -324,7 +325,7 @@ def refuse_non_finite_weights(run: Run, iteration: int) -> None:
     """Before a save: NonFiniteLossError on every rank when any rank's weights (the model's, and the
     fp32 masters where the optimizer keeps its own) hold NaN/Inf, so the checkpoint already in --save
     is kept. An fp16 run whose weights overflowed skips every step after, and would save inf weights."""
-    named = [(name, p) for name, p in run.model.named_parameters()]
+    named = [(pc.key, pc.views["param"]) for pc in model_pieces(run.model)]  # ZeRO-3: the shards this rank holds
     named += [("an fp32 master weight", m) for m in getattr(run.optimizer, "masters", None) or [] if m is not None]
     finite = [torch.isfinite(t).all().to(run.device) for _, t in named]  # one read-back below, not one each
     ok = bool(torch.stack(finite).all()) if finite else True
