@@ -215,24 +215,26 @@ def check_optimizer_state(optim: dict, expected: dict[str, tuple[int, ...]], pat
     state = optim.get("state")
     problem = _state_mismatch(state, expected) if isinstance(state, dict) else "it has no per-parameter 'state'"
     if problem:
-        raise CheckpointError(f"checkpoint file {path} holds optimizer state that does not match the model: "
-                              f"{problem}; {fix}")
+        raise CheckpointError(f"checkpoint file {path}: its optimizer state does not match the model: {problem}; "
+                              f"{fix}")
 
 
 def _state_mismatch(state: dict, expected: dict[str, tuple[int, ...]]) -> Optional[str]:
+    """How the parameters of `state` differ from `expected`'s (the first difference), or None."""
     missing = [n for n in expected if n not in state]
     extra = [n for n in state if n not in expected]
     if missing or extra:
-        names = lambda ns: ", ".join(ns[:2]) + (f" ({len(ns)} in all)" if len(ns) > 2 else "")  # noqa: E731
-        return (f"it holds {len(state)} parameters, the model {len(expected)}"
-                + (f"; missing {names(missing)}" if missing else "") + (f"; not in the model: {names(extra)}" if extra else ""))
+        some = lambda names: ", ".join(names[:2]) + (f" ({len(names)} in all)" if len(names) > 2 else "")  # noqa: E731
+        return "; ".join([f"it holds {len(state)} parameters, the model {len(expected)}"]
+                         + ([f"missing {some(missing)}"] if missing else [])
+                         + ([f"not in the model: {some(extra)}"] if extra else []))
     for name, shape in expected.items():
         for kind in OPTIM_KINDS:
             t = state[name].get(kind) if isinstance(state[name], dict) else None
-            got = tuple(t.shape) if torch.is_tensor(t) else None
-            if got != tuple(shape):
-                return f"{name} has {kind} " + (f"of shape {got}" if got is not None else "missing") + \
-                       f", the model's parameter is {tuple(shape)}"
+            if not torch.is_tensor(t):
+                return f"{name} has no {kind}"
+            if tuple(t.shape) != tuple(shape):
+                return f"the shapes of {name} differ ({kind} {tuple(t.shape)}, the model's {tuple(shape)})"
     return None
 
 
