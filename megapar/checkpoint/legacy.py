@@ -76,7 +76,8 @@ def feed(saver: StreamingSaver, stream: Iterator[tuple]) -> None:
     for lazy in saver.pending():
         item = next(stream, None)
         if item is None or tuple(item[:-1]) != lazy.tag:
-            raise RuntimeError(f"{saver.path}: expected the tensor {lazy.tag}, got {None if item is None else item[:-1]}")
+            got = "the end of the stream" if item is None else tuple(item[:-1])
+            raise RuntimeError(f"{saver.path}: expected the tensor {lazy.tag}, got {got}")
         saver.write_next(item[-1])
         del item                    # before the stream makes the next one
 
