@@ -29,7 +29,7 @@ import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
