@@ -22,7 +22,7 @@ from megapar.optimizer.grad_buffer import GradBuffer
 from megapar.optimizer.grad_scaler import DynamicGradScaler
 from megapar.optimizer.lr_schedule import OptimizerParamScheduler
 from megapar.optimizer.optimizer import MixedPrecisionOptimizer
-from megapar.reshard.layout import to_global
+from megapar.checkpoint.layout import to_global
 from megapar.tensor_parallel.random import seed_everything
 from megapar.topology import Topology
 

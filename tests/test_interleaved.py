@@ -190,7 +190,7 @@ def test_chunk_layout_and_keys():
     """Canonical names <-> shard keys of interleaved stages (8 layers, pp 2, v 2: rank 0 holds
     blocks 0 and 2, i.e. layers 0-1 and 4-5)."""
     from megapar.arguments import ModelConfig
-    from megapar.reshard.layout import HEAD, WORD, canonical_key, chunk_layout, stage_keys, stage_of
+    from megapar.checkpoint.layout import HEAD, WORD, canonical_key, chunk_layout, stage_keys, stage_of
     layout = chunk_layout(ModelConfig(num_layers=8, virtual_pipeline_model_parallel_size=2), 2)
     assert layout == [[("model0.", 0, 2), ("model1.", 4, 6)], [("model0.", 2, 4), ("model1.", 6, 8)]]
     ln = "language_model.encoder.layers.5.input_layernorm.weight"

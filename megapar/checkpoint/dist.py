@@ -6,7 +6,7 @@
     DIR/iter_0000600/.metadata                  DCP's index: every tensor's global shape and stored chunks
     DIR/iter_0000600/__{rank}_0.distcp          what rank `rank` owned, written by that rank alone
 
-Every tensor is stored under its canonical name (the tp = pp = 1 model's key, reshard/layout.py) at its
+Every tensor is stored under its canonical name (the tp = pp = 1 model's key, checkpoint/layout.py) at its
 global shape, with the true vocabulary rows only (no padding): `model.<name>` in the model dtype, and
 `optim.<name>.{master_param,exp_avg,exp_avg_sq}` in fp32. A rank describes what it holds as chunks of
 those global tensors -- rectangles with global offsets, each a view of its own memory (a tensor-parallel
@@ -23,11 +23,13 @@ DCP's collectives run over the topology's checkpoint group (gloo), so an asynchr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import threading
+import warnings
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,7 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..arguments import ModelConfig
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
-from ..reshard.layout import HEAD, WORD, canonical_key, chunk_layout
+from .layout import HEAD, WORD, canonical_key, chunk_layout
 from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_same_model, get_rng_state,
                      iter_dir, load_file, read_saved_config, read_tracker, restore_scheduler, set_rng_state)
 from .legacy import _publish
@@ -57,9 +59,16 @@ def is_dist_checkpoint(folder: str) -> bool:
 
 # ---- a rank's pieces of the global tensors -------------------------------------------------------
 @dataclass
+class Deferred:
+    """A chunk's tensor made only when DCP writes it (conversions read one source tensor at a time)."""
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor]
+
+
+@dataclass
 class Chunk:
     offsets: tuple[int, ...]      # where the chunk starts in the global tensor
-    tensor: torch.Tensor          # a view of this rank's memory; its shape is the chunk's size
+    tensor: torch.Tensor | Deferred  # a view of this rank's memory; its shape is the chunk's size
 
 
 @dataclass
@@ -152,7 +161,7 @@ def model_pieces(model) -> list[Piece]:
         if unit is None:
             out.append(Piece(key, p, 0, p.numel(), {"param": p.data.view(-1)}))
             continue
-        off = unit.offsets[unit.params.index(p)]
+        off = unit.offsets[[id(q) for q in unit.params].index(id(p))]   # not list.index: == on tensors
         size = unit.numel // unit.dp
         a, z = max(off, unit.dp_rank * size), min(off + p.numel(), (unit.dp_rank + 1) * size)
         if a < z:
@@ -184,18 +193,17 @@ class StateMap:
     def entries(self, for_save: bool, with_optim: bool) -> dict[str, Entry]:
         """{fqn: Entry}. For a save, each stored element comes from one rank only (replicas skip)."""
         out: dict[str, Entry] = {}
-        groups = [("model.", model_pieces(self.model), not self.sharded)]
+        groups = [(model_pieces(self.model), not self.sharded)]
         if with_optim:
-            groups.append(("optim.", optimizer_pieces(self.optimizer), not self.optimizer.is_distributed))
-        for prefix, pieces, dp_replicated in groups:
+            groups.append((optimizer_pieces(self.optimizer), not self.optimizer.is_distributed))
+        for pieces, dp_replicated in groups:
             for pc in pieces:
                 if for_save and self._replica(pc.key, dp_replicated, pc.param):
                     continue
                 name = self.canonical(pc.key)
                 place = Placement(pc.key, tuple(pc.param.shape), self.tp, self.c.tp, self.vocab)
                 for kind, view in pc.views.items():
-                    fqn = prefix + name + ("" if kind == "param" else "." + kind)
-                    e = out.setdefault(fqn, Entry(place.size, view.dtype, []))
+                    e = out.setdefault(fqn(name, kind), Entry(place.size, view.dtype, []))
                     e.chunks.extend(place.chunks(view, pc.lo, pc.hi))
         return out
 
@@ -222,7 +230,7 @@ class _SavePlanner(DefaultSavePlanner):
         for fqn, e in self.entries.items():
             props = TensorProperties(dtype=e.dtype)
             for ch in e.chunks:
-                md = ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=ch.tensor.shape)
+                md = ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=torch.Size(ch.tensor.shape))
                 items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(ch.offsets)), type=WriteItemType.SHARD,
                                        tensor_data=TensorWriteData(chunk=md, properties=props,
                                                                    size=torch.Size(e.size))))
@@ -232,7 +240,7 @@ class _SavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         for ch in self.entries[write_item.index.fqn].chunks:
             if tuple(ch.offsets) == tuple(write_item.index.offset):
-                return ch.tensor
+                return ch.tensor.make() if isinstance(ch.tensor, Deferred) else ch.tensor
         raise KeyError(write_item.index)
 
 
@@ -273,18 +281,18 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 # ---- save ---------------------------------------------------------------------------------------
-def _common_record(args: argparse.Namespace, iteration: int, model_config: ModelConfig, topo, optimizer, scheduler,
-                   save_optim: bool, rng: Optional[list]) -> dict:
-    optim = None
-    if save_optim and optimizer is not None:
-        optim = {"step": optimizer.step_count(), "grad_scaler": optimizer.scaler.state_dict(),
-                 "param_groups": optimizer.saved_param_groups()}
+def fqn(name: str, kind: str = "param") -> str:
+    """The stored key of canonical tensor `name`: `model.<name>`, or `optim.<name>.<kind>`."""
+    return f"model.{name}" if kind == "param" else f"optim.{name}.{kind}"
+
+
+def common_record(args: argparse.Namespace, model_config: ModelConfig, iteration: int | str, layout: dict,
+                  scheduler_state: Optional[dict], optim: Optional[dict], rng: Optional[list]) -> dict:
+    """common.pt: `layout` {tp, pp, dp, virtual} of the saving run, `optim` {step, grad_scaler,
+    param_groups} (None: no optimizer state), `rng` every rank's RNG state in rank order (or None)."""
     return {"format": FORMAT, "args": args, "model_config": asdict(model_config),
-            "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-            "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-                       "virtual": model_config.virtual_pipeline_model_parallel_size},
-            "opt_param_scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "optimizer": optim, "rng_state": rng}
+            "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "layout": layout,
+            "opt_param_scheduler": scheduler_state, "optimizer": optim, "rng_state": rng}
 
 
 def _gather_rng(group, save_rng: bool) -> Optional[list]:
@@ -294,6 +302,49 @@ def _gather_rng(group, save_rng: bool) -> Optional[list]:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, get_rng_state(), group=group)
     return out
+
+
+def save_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
+    """DCP-save `entries` (this rank's chunks) into `folder`, collectively over `process_group`
+    (None: this process alone). Each file is synced before DCP writes its .metadata."""
+    with _single_process_quiet(process_group):
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), planner=_SavePlanner(entries),
+                 process_group=process_group, no_dist=process_group is None)
+
+
+@contextlib.contextmanager
+def _single_process_quiet(process_group) -> Iterator[None]:
+    """DCP warns on every single-process call that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        if process_group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def load_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
+    """Fill every chunk view of `entries` from the checkpoint in `folder` (collective over
+    `process_group`; None: this process alone). One CheckpointError line for a missing tensor, a
+    shape that differs, or unreadable files."""
+    try:
+        with _single_process_quiet(process_group):
+            dcp.load({}, storage_reader=dcp.FileSystemReader(folder), planner=_LoadPlanner(entries),
+                     process_group=process_group, no_dist=process_group is None)
+    except CheckpointError:
+        raise
+    except Exception as e:  # DCP wraps each rank's failure; name the folder, keep it to one line
+        cause = _cause(e)
+        if isinstance(cause, CheckpointError):
+            raise cause from None
+        lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+        raise CheckpointError(f"torch_dist checkpoint {folder} could not be read ({type(cause).__name__}: "
+                              f"{lines[-1] if lines else ''}); it is incomplete or corrupt: load an earlier "
+                              f"iteration") from None
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The underlying error of a DCP failure (DCP wraps each rank's exception in CheckpointException)."""
+    failures = getattr(e, "failures", None)
+    return next(iter(failures.values())) if failures else e
 
 
 def _write(root: str, iteration: int, entries: dict[str, Entry], common: dict, group, rank: int,
@@ -306,8 +357,7 @@ def _write(root: str, iteration: int, entries: dict[str, Entry], common: dict, g
         os.makedirs(staging)
         atomic_torch_save(common, os.path.join(staging, COMMON_FILE))
     dist.barrier(group=group)
-    writer = dcp.FileSystemWriter(staging, sync_files=True)
-    dcp.save({}, storage_writer=writer, planner=_SavePlanner(entries), process_group=group)
+    save_entries(entries, staging, group)
     dist.barrier(group=group)
     if rank == 0:
         _publish(root, iter_dir(root, iteration), staging, iteration)
@@ -325,8 +375,11 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     group = topo.groups.ckpt
     with_optim = save_optim and optimizer is not None
     entries = StateMap(model, optimizer, model_config, topo, rank).entries(for_save=True, with_optim=with_optim)
-    common = _common_record(args, iteration, model_config, topo, optimizer, scheduler, with_optim,
-                            _gather_rng(group, save_rng))
+    optim = {"step": optimizer.step_count(), "grad_scaler": optimizer.scaler.state_dict(),
+             "param_groups": optimizer.saved_param_groups()} if with_optim else None
+    layout = {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "virtual": model_config.virtual_pipeline_model_parallel_size}
+    common = common_record(args, model_config, iteration, layout, scheduler.state_dict() if scheduler else None,
+                           optim, _gather_rng(group, save_rng))
     if saves is None:
         _write(root, iteration, entries, common, group, rank)
     else:
@@ -404,15 +457,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
         raise CheckpointError(f"checkpoint {folder} has no optimizer state (saved with --no-save-optim); "
                               f"load it with --no-load-optim or --finetune")
     entries = StateMap(model, optimizer, model_config, topo, rank).entries(for_save=False, with_optim=restore_optim)
-    try:
-        dcp.load({}, storage_reader=dcp.FileSystemReader(folder), planner=_LoadPlanner(entries),
-                 process_group=topo.groups.ckpt)
-    except CheckpointError:
-        raise
-    except Exception as e:  # DCP wraps each rank's failure; name the folder, keep it to one line
-        why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"torch_dist checkpoint {folder} could not be read ({why}); it is incomplete or "
-                              f"corrupt: load an earlier iteration") from None
+    load_entries(entries, folder, topo.groups.ckpt)
     if restore_optim:
         optimizer.finish_load(int(common["optimizer"]["step"]), common["optimizer"]["grad_scaler"])
         if scheduler is not None and common["opt_param_scheduler"] is not None:
@@ -434,4 +479,5 @@ def _restore_rng(common: dict, topo, rank: int, wanted: bool) -> None:
         set_rng_state(common["rng_state"][rank])
 
 
-__all__ = ["AsyncSaves", "COMMON_FILE", "is_dist_checkpoint", "load_checkpoint", "read_common", "save_checkpoint"]
+__all__ = ["AsyncSaves", "COMMON_FILE", "Chunk", "Deferred", "Entry", "common_record", "fqn", "is_dist_checkpoint",
+           "load_checkpoint", "load_entries", "read_common", "save_checkpoint", "save_entries"]

@@ -6,6 +6,8 @@
   python tools/checkpoint_util.py --load-dir FULL --save-dir B --from-full --target-... # back to shards
   python tools/checkpoint_util.py --load-dir A --save-dir B --target-virtual-pipeline-parallel-size 1
       # interleaved (model0, model1, ... per rank) <-> plain stages; any v the layers allow
+  python tools/checkpoint_util.py --load-dir A --save-dir B --target-ckpt-format torch_dist
+      # legacy -> torch_dist (loads at any layout); a torch_dist source converts to legacy at any layout
 
 Every conversion reads the source as canonical full tensors (megapar.reshard) one parameter
 at a time. See megapar/reshard/convert.py for what is carried and how.
@@ -18,10 +20,10 @@ import time
 from typing import Optional
 
 from megapar.checkpoint import CheckpointError
-from megapar.reshard import bounded_heap
-from megapar.reshard.canonical import CanonicalFolder, is_canonical, write_canonical
+from megapar.reshard import bounded_heap, open_source
+from megapar.reshard.canonical import write_canonical
 from megapar.reshard.convert import write_sharded
-from megapar.reshard.source import ShardedCheckpoint
+from megapar.reshard.torch_dist import write_dist
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-distributed-optimizer", dest="distributed", action="store_true", default=None,
                    help="store optimizer state in distrib_optim.pt (default: as in the source)")
     g.add_argument("--no-distributed-optimizer", dest="distributed", action="store_false")
+    p.add_argument("--target-ckpt-format", choices=("torch", "torch_dist"), default="torch",
+                   help="torch: Megatron's legacy shard files at the target layout (default); torch_dist: one "
+                        "distributed checkpoint that loads at any layout (no --target-* sizes)")
     p.add_argument("--to-full", action="store_true", help="write the canonical unsharded folder")
     p.add_argument("--from-full", action="store_true", help="--load-dir is a canonical folder")
     p.add_argument("--force", action="store_true",
@@ -66,6 +71,10 @@ def check_targets(a: argparse.Namespace) -> None:
                         ("--target-num-layers-per-virtual-pipeline-stage", a.target_layers_per_chunk)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}; omit it to keep the source's size")
+        if value is not None and a.target_ckpt_format == "torch_dist":
+            raise ValueError(f"{flag}: a torch_dist checkpoint has no layout (it loads at any); drop {flag}")
+    if a.to_full and a.target_ckpt_format == "torch_dist":
+        raise ValueError("--to-full writes the canonical folder; drop --target-ckpt-format torch_dist (or --to-full)")
 
 
 def target_chunks(a: argparse.Namespace, num_layers: int, pp: int) -> Optional[int]:
@@ -79,23 +88,17 @@ def target_chunks(a: argparse.Namespace, num_layers: int, pp: int) -> Optional[i
     return num_layers // (pp * n)
 
 
-def open_source(load_dir: str, from_full: bool, iteration):
-    if from_full or is_canonical(load_dir):
-        return CanonicalFolder(load_dir)
-    if iteration is not None and iteration != "release":
-        iteration = int(iteration)
-    return ShardedCheckpoint(load_dir, iteration)
-
-
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     bounded_heap()
     t0 = time.time()
     try:
         check_targets(a)
-        src = open_source(a.load_dir, a.from_full, a.iteration)
+        src = open_source(a.load_dir, a.iteration, a.from_full)
         if a.to_full:
             write_canonical(src, a.save_dir, with_optim=not a.no_optim, force=a.force)
+        elif a.target_ckpt_format == "torch_dist":
+            write_dist(src, a.save_dir, with_optim=not a.no_optim, force=a.force)
         else:
             par = src.saved.parallel
             tp = par.tensor_model_parallel_size if a.target_tensor_parallel_size is None \

@@ -13,9 +13,8 @@ import sys
 
 import torch
 
-from megapar.cli.checkpoint_util import open_source
 from megapar.errors import MegaparError
-from megapar.reshard import bounded_heap, hf_tokenizer
+from megapar.reshard import bounded_heap, hf_tokenizer, open_source
 from megapar.reshard.hf import export_hf
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -39,7 +38,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     bounded_heap()
     try:
-        src = open_source(a.load_dir, False, a.iteration)
+        src = open_source(a.load_dir, a.iteration)
         tokenizer = None
         if a.no_tokenizer and (a.vocab_file or a.merge_file or a.tokenizer_model):
             raise ValueError("--no-tokenizer exports no tokenizer; drop it or --vocab-file/--merge-file/"

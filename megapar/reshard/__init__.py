@@ -1,22 +1,40 @@
 """Checkpoint resharding: any (tp, pp, dp) -> canonical full tensors -> any other layout.
 
     load_model_state_for(load_dir, tp, pp, tp_rank, pp_rank) -> (SavedConfig, flat model state dict)
-    ShardedCheckpoint(root)       a checkpoint of any layout, read as canonical tensors one at a time
+    open_source(path)             a checkpoint of any format and layout, read as canonical tensors one at a time
+    ShardedCheckpoint(root)       the legacy layout's reader (DistSource: torch_dist's, CanonicalFolder: the full form)
     (see convert.py / canonical.py for writing)
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from typing import Optional
 
 import torch
 
 from ..arguments import ParallelConfig, section_from_args
-from ..checkpoint.common import SavedConfig
+from ..checkpoint.common import SavedConfig, iter_dir, read_tracker
+from ..checkpoint.dist import is_dist_checkpoint
 from ..topology import ConfigError, check_parallel_shape, padded_vocab_size
-from .layout import chunk_layout, split, stage_keys
+from ..checkpoint.layout import chunk_layout, split, stage_keys
+from .canonical import CanonicalFolder, is_canonical
 from .source import ShardedCheckpoint
+from .torch_dist import DistSource
+
+
+def open_source(path: str, iteration: Optional[int | str] = None, from_full: bool = False):
+    """A checkpoint of any format, read as canonical tensors one at a time: a canonical folder
+    (CanonicalFolder), a torch_dist checkpoint (DistSource) or the legacy layout (ShardedCheckpoint)."""
+    if from_full or is_canonical(path):
+        return CanonicalFolder(path)
+    if iteration is not None and iteration != "release":
+        iteration = int(iteration)
+    it = iteration if iteration is not None or not os.path.isdir(path) else read_tracker(path)
+    if it is not None and is_dist_checkpoint(iter_dir(path, it)):
+        return DistSource(path, it)
+    return ShardedCheckpoint(path, iteration)
 
 
 def bounded_heap(threshold: int = 1 << 20) -> bool:
@@ -101,7 +119,7 @@ def load_model_state_for(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank:
     Raises CheckpointError naming the file for missing / truncated / inconsistent shards."""
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise ValueError(f"shard ({tp_rank}, {pp_rank}) outside target layout tp={tp}, pp={pp}")
-    src = ShardedCheckpoint(load_dir, iteration)
+    src = open_source(load_dir, iteration)
     target = retarget(src.saved, tp, pp, virtual=1)   # inference builds plain stages
     state = {}
     for local, name in stage_keys(src.names, chunk_layout(target.model, pp), pp_rank):  # one full tensor at a time
@@ -110,4 +128,4 @@ def load_model_state_for(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank:
     return target, state
 
 
-__all__ = ["ShardedCheckpoint", "bounded_heap", "load_model_state_for", "retarget"]
+__all__ = ["ShardedCheckpoint", "bounded_heap", "load_model_state_for", "open_source", "retarget"]

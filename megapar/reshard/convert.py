@@ -24,7 +24,7 @@ from ..checkpoint.common import (OPTIM_KINDS, SavedConfig, DISTRIB_OPTIM_FILE, M
 from ..checkpoint.legacy import shard_objects
 from . import retarget
 from .output import CANONICAL, CHECKPOINT, staged_output
-from .layout import chunk_layout, split, stage_keys
+from ..checkpoint.layout import chunk_layout, split, stage_keys
 from ..checkpoint.stream import LazyTensor, StreamingSaver
 
 

@@ -31,7 +31,7 @@ from ..checkpoint.common import CHECKPOINT_VERSION, CheckpointError, SavedConfig
 from ..errors import MegaparError
 from ..model.sharding import is_vocab_parallel
 from .hf import LAYER_MAP, hf_key, tensor_from_hf
-from .layout import WORD, expected_full_shape
+from ..checkpoint.layout import WORD, expected_full_shape
 
 CONFIG = "config.json"
 SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN = "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"

@@ -21,7 +21,7 @@ from ..checkpoint.common import (OPTIM_KINDS, SavedConfig, DISTRIB_OPTIM_FILE, M
                                  shard_dir_name, shard_dirs)
 from ..checkpoint.legacy import check_optimizer_state, read_optimizer_state, read_shard
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
-from .layout import HEAD, canonical_key, chunk_layout, expected_full_shape, stage_of
+from ..checkpoint.layout import HEAD, canonical_key, chunk_layout, expected_full_shape, stage_of
 
 # ModelConfig fields that every shard of one checkpoint must agree on (and the layout)
 _SAME_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
