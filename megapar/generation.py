@@ -324,12 +324,11 @@ def follow(engine: InferenceEngine) -> None:
 # ---- loading a checkpoint for inference ------------------------------------------------------
 def _saved_layout(step_dir: str) -> tuple[int, int]:
     """(tp, pp) a checkpoint was saved with, from its mp_rank_* directory names."""
-    names = [n for n in os.listdir(step_dir) if n.startswith("mp_rank_")]
-    if not names:
+    from . import checkpoint as ck
+    ranks = [ck.parse_shard_dir(n) for n in ck.shard_dirs(step_dir)]
+    if not ranks:
         raise GenerationError(f"{step_dir} holds no mp_rank_* shard directories; the checkpoint is incomplete")
-    tps = {int(n.split("_")[2]) for n in names}
-    pps = {int(n.split("_")[3]) for n in names if n.count("_") == 3} or {0}
-    return max(tps) + 1, max(pps) + 1
+    return max(t for t, _ in ranks) + 1, max(p or 0 for _, p in ranks) + 1
 
 
 def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int,

@@ -20,7 +20,8 @@ from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, SHAPE_F
                      nest_model_states, read_saved_config, read_tracker, restore_scheduler, saved_layout_flags,
                      set_rng_state, shard_dir_name)
 from .dist import AsyncSaves, is_dist_checkpoint
-from .legacy import load_model_state, model_state_for_save
+from .common import OPTIM_KINDS, parse_shard_dir, shard_dirs
+from .legacy import load_model_state
 
 FORMATS = ("torch", "torch_dist")
 

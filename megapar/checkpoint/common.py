@@ -27,6 +27,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 CHECKPOINT_VERSION = 3.0
+# The optimizer state of each parameter, in file order: {"state": {name: {kind: fp32 tensor}}, ...}
+OPTIM_KINDS = ("master_param", "exp_avg", "exp_avg_sq")
 # ModelConfig fields that must match between a checkpoint and the run that loads it.
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
                 "vocab_size")
@@ -46,18 +48,36 @@ def shard_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
+_SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+def parse_shard_dir(name: str) -> Optional[tuple[int, Optional[int]]]:
+    """The inverse of `shard_dir_name`: (tp rank, pp rank, or None for a pp == 1 name) of an
+    mp_rank_TT[_PPP] folder name; None for any other name."""
+    m = _SHARD_DIR.match(name)
+    return None if m is None else (int(m.group(1)), None if m.group(2) is None else int(m.group(2)))
+
+
+def shard_dirs(step_dir: str) -> list[str]:
+    """The mp_rank_* folder names of an iteration folder, sorted (other entries are ignored)."""
+    names = os.listdir(step_dir) if os.path.isdir(step_dir) else []
+    return sorted(n for n in names if parse_shard_dir(n) is not None and os.path.isdir(os.path.join(step_dir, n)))
+
+
 def atomic_torch_save(obj: Any, path: str) -> None:
     with atomic_write(path, "wb") as f:
         torch.save(obj, f)
 
 
-def load_file(path: str) -> dict:
-    """torch.load with one clear error for a missing, truncated or corrupt file."""
+def load_file(path: str, mmap: bool = False) -> dict:
+    """torch.load onto the CPU with one clear error for a missing, truncated or corrupt file.
+    mmap: map the file instead of reading it (its tensors are paged in when touched), so a reader
+    that needs a part of a large file never holds the rest."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete "
                               f"(was it saved with a different parallel layout?)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # zip/pickle errors have many types
         why = str(e).strip().split("\n")[0].split(". ")[0].rstrip(".")  # torch adds sentences of advice
         raise CheckpointError(f"checkpoint file {path} is truncated or corrupt ({type(e).__name__}: {why}); "

@@ -20,7 +20,6 @@ from ..topology import layer_counts
 WORD = "language_model.embedding.word_embeddings.weight"
 HEAD = "word_embeddings_for_head.weight"
 _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
-OPTIM_KINDS = ("master_param", "exp_avg", "exp_avg_sq")
 
 
 def to_global(local_key: str, layer_start: int) -> str:

@@ -2,33 +2,87 @@
 
     DIR/latest_checkpointed_iteration.txt                  written last, by rank 0
     DIR/iter_0000600/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
-    DIR/iter_0000600/mp_rank_.../distrib_optim.pt          ZeRO-1 optimizer state (full over dp)
+    DIR/iter_0000600/mp_rank_.../distrib_optim.pt          ZeRO optimizer state (full over dp)
 
-Every rank writes into `iter_XXXXXXX.partial/`; after a barrier rank 0 renames it into place
-and then writes the tracker, so a crash mid-save never damages an earlier checkpoint.
-Optimizer state is keyed by parameter name ({"state": {name: {master_param, exp_avg,
-exp_avg_sq}}, "step", "grad_scaler", "param_groups"}) so any layout can be resharded.
+One writer and one reader of these files:
+  * `shard_objects` builds what a shard's files hold (Megatron's dict), with tensors or
+    `LazyTensor` placeholders; training's save (here) and the conversion tool
+    (megapar/reshard/convert.py) both write it with StreamingSaver, one tensor at a time.
+  * `read_shard`, `read_optimizer_state` and `check_optimizer_state` read and
+    check a shard for training's load (here) and the conversion tool (megapar/reshard/source.py).
+
+Training's save streams: dp rank 0 of each (tp, pp) position writes its shard as the tensors
+come -- the model's one at a time (ZeRO-3 layers gathered one layer at a time), the optimizer
+state one parameter and kind at a time (ZeRO: assembled on the writer from the dp ranks that
+own its parts) -- so no rank holds more than its own shard plus one parameter's state. Every
+rank writes into `iter_XXXXXXX.partial/`; after a barrier rank 0 renames it into place and then
+writes the tracker, so a crash mid-save never damages an earlier checkpoint. Optimizer state is
+keyed by parameter name ({"state": {name: {master_param, exp_avg, exp_avg_sq}}, "step",
+"grad_scaler", "param_groups"}) so any layout can be resharded.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..arguments import ModelConfig
-from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, CheckpointError, atomic_torch_save,
-                     check_compatible, flatten_model_states, get_rng_state, iter_dir, load_file, nest_model_states,
-                     read_saved_config, read_tracker, restore_scheduler, set_rng_state, shard_dir_name)
+from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, OPTIM_KINDS, TRACKER, CheckpointError,
+                     check_compatible, flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file,
+                     nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
+                     shard_dir_name, shard_dirs)
+from .stream import LazyTensor, StreamingSaver
 from ..atomic import atomic_write_text
 
 
-# ---- save -------------------------------------------------------------------------------------
+# ---- what a shard's files hold -----------------------------------------------------------------
+def shard_objects(*, args: argparse.Namespace, model_config: ModelConfig, iteration: int | str, model: dict,
+                  optim_state: Optional[dict], optim_meta: Optional[dict], distributed: bool,
+                  scheduler: Optional[dict], rng_state: Optional[list]) -> tuple[dict, Optional[dict]]:
+    """The dicts of one shard's files: model_optim_rng.pt's, and distrib_optim.pt's for a distributed
+    (ZeRO) optimizer (else None). `model`: the stage's flat state dict (keys as GPT2Model's, or
+    model{j}. for model chunks), nested here; `optim_state`: {name: {kind: tensor}} with
+    `optim_meta` {"step", "grad_scaler", "param_groups"}, or None to save no optimizer state;
+    tensors may be LazyTensor placeholders (StreamingSaver writes them in dict order)."""
+    obj = {"args": args, "model_config": asdict(model_config), "checkpoint_version": CHECKPOINT_VERSION,
+           "iteration": iteration, **nest_model_states(model)}
+    dist_obj = None
+    if optim_state is not None:
+        optim = {"state": optim_state, "step": optim_meta["step"], "grad_scaler": optim_meta["grad_scaler"],
+                 "param_groups": optim_meta["param_groups"]}
+        if distributed:
+            obj["optimizer"] = {"distributed": True, "grad_scaler": optim_meta["grad_scaler"]}
+            dist_obj = optim
+        else:
+            obj["optimizer"] = optim
+    if scheduler is not None:
+        obj["opt_param_scheduler"] = scheduler
+    if rng_state is not None:
+        obj["rng_state"] = rng_state
+    return obj, dist_obj
+
+
+def feed(saver: StreamingSaver, stream: Iterator[tuple]) -> None:
+    """Write every placeholder of `saver` from `stream`'s items (*tag, tensor), in order, one
+    tensor at a time. Each item's tag must be its placeholder's (a mismatch is a bug)."""
+    for lazy in saver.pending():
+        item = next(stream, None)
+        if item is None or tuple(item[:-1]) != lazy.tag:
+            got = "the end of the stream" if item is None else tuple(item[:-1])
+            raise RuntimeError(f"{saver.path}: expected the tensor {lazy.tag}, got {got}")
+        saver.write_next(item[-1])
+        del item                    # before the stream makes the next one
+
+
+# ---- save ---------------------------------------------------------------------------------------
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -38,56 +92,64 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
                     model_config: ModelConfig, topo, rank: int, save_optim: bool = True,
                     save_rng: bool = True) -> None:
     """Collective: every rank calls it. `args` is stored as the checkpoint's `args` (it must
-    carry consumed_train_samples), `model_config` as its `model_config` (vocabulary sizes set)."""
+    carry consumed_train_samples), `model_config` as its `model_config` (vocabulary sizes set).
+    Data-parallel rank 0 of each (tp, pp) position writes that shard, streamed (module docstring);
+    the other dp ranks take part in the gathers of ZeRO-3 layers and ZeRO optimizer state."""
     c = topo.coord(rank)
     final, staging = iter_dir(root, iteration), iter_dir(root, iteration) + ".partial"
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     _barrier()
-    shard = os.path.join(staging, shard_dir_name(c.tp, c.pp, topo.pp))
-    distributed = optimizer is not None and optimizer.is_distributed
-    # ZeRO-1 gathers its shards over dp (every dp rank takes part); the full optimizer's state is
-    # identical on all dp ranks, so only the writer copies it out.
-    wants_optim = save_optim and optimizer is not None and (distributed or c.dp == 0)
-    optim_state = optimizer.state_for_save() if wants_optim else None
-    model_state = model_state_for_save(model, writer=c.dp == 0)
-    if c.dp == 0:
-        os.makedirs(shard, exist_ok=True)
-        state = {"args": args, "model_config": asdict(model_config), "checkpoint_version": CHECKPOINT_VERSION,
-                 "iteration": iteration, **nest_model_states(model_state)}
-        if optim_state is not None:
-            state["optimizer"] = {"distributed": True, "grad_scaler": optim_state["grad_scaler"]} \
-                if distributed else optim_state
-            if distributed:
-                atomic_torch_save(optim_state, os.path.join(shard, DISTRIB_OPTIM_FILE))
-        if scheduler is not None:
-            state["opt_param_scheduler"] = scheduler.state_dict()
-        if save_rng:
-            state["rng_state"] = [get_rng_state()]
-        atomic_torch_save(state, os.path.join(shard, MODEL_FILE))
+    writer = c.dp == 0
+    with_optim = save_optim and optimizer is not None and (writer or optimizer.is_distributed)
+    optim_meta = optimizer.saved_meta() if with_optim else None
+    model_stream = model_tensors(model) if writer or getattr(model, "sharded_params", None) else iter(())
+    optim_stream = optimizer.saved_tensors() if with_optim else iter(())
+    if writer:
+        model_ph = {k: LazyTensor(v.shape, v.dtype, tag=(k,)) for k, v in model.state_dict().items()}
+        optim_ph = {n: {k: LazyTensor(shape, torch.float32, tag=(n, k)) for k in OPTIM_KINDS}
+                    for n, shape in optimizer.saved_shapes()} if with_optim else None
+        obj, dist_obj = shard_objects(
+            args=args, model_config=model_config, iteration=iteration, model=model_ph, optim_state=optim_ph,
+            optim_meta=optim_meta, distributed=with_optim and optimizer.is_distributed,
+            scheduler=scheduler.state_dict() if scheduler is not None else None,
+            rng_state=[get_rng_state()] if save_rng else None)
+        _write_shard(os.path.join(staging, shard_dir_name(c.tp, c.pp, topo.pp)), obj, dist_obj, model_stream,
+                     optim_stream)
+    else:
+        for _ in itertools.chain(model_stream, optim_stream):   # the collectives of the writer's streams
+            pass
     _barrier()
     if rank == 0:
         _publish(root, final, staging, iteration)
     _barrier()
 
 
-def model_state_for_save(model, writer: bool) -> Optional[dict[str, torch.Tensor]]:
-    """The model's flat state dict as CPU copies (no views: torch.save would save the whole
-    storage) on the `writer`, None elsewhere. With ZeRO-3 (`model.sharded_params`) it is
-    collective over the data-parallel group: one layer at a time is gathered on the device."""
+def _write_shard(shard: str, obj: dict, dist_obj: Optional[dict], model_stream: Iterator, optim_stream: Iterator):
+    """The shard's files from their placeholder dicts: the model file takes the model's tensors
+    (and the optimizer's, unless distrib_optim.pt does)."""
+    os.makedirs(shard, exist_ok=True)
+    files = [(MODEL_FILE, obj, model_stream if dist_obj is not None else itertools.chain(model_stream, optim_stream))]
+    if dist_obj is not None:
+        files.append((DISTRIB_OPTIM_FILE, dist_obj, optim_stream))
+    for name, o, stream in files:
+        with StreamingSaver(os.path.join(shard, name), o) as saver:
+            feed(saver, stream)
+
+
+def model_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) of the model's state dict, in order, for writing (no copies: the live
+    weights). With ZeRO-3 (`model.sharded_params`) it is collective over the data-parallel
+    group: every dp rank iterates it, and each layer is gathered while its tensors are written."""
     sharded = getattr(model, "sharded_params", None)
-    if sharded is None:
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if writer else None
-    names = {id(p): n for n, p in model.named_parameters()}
-    in_units = {names[id(p)] for u in sharded.units for p in u.params}
-    full = {}
-    for params in sharded.full_tensors():
-        if writer:
-            full.update({names[id(p)]: p.detach().to("cpu", copy=True) for p in params})
-    if not writer:
-        return None
-    return {k: full[k] if k in in_units else v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    units = sharded.unit_of() if sharded is not None else {}
+    params = dict(model.named_parameters())
+    state = model.state_dict()
+    for unit, items in itertools.groupby(state.items(), key=lambda kv: units.get(id(params.get(kv[0])))):
+        with sharded.gathered(unit) if unit is not None else nullcontext():
+            for key, t in items:
+                yield key, t
 
 
 def load_model_state(model, flat: dict[str, torch.Tensor], path: str) -> None:
@@ -120,33 +182,84 @@ def _publish(root: str, final: str, staging: str, iteration: int) -> None:
 
 
 # ---- load -------------------------------------------------------------------------------------
+def read_shard(path: str, mmap: bool = False) -> dict:
+    """A shard's model file (load_file), refused unless it has Megatron's entries (args,
+    iteration, model)."""
+    state = load_file(path, mmap)
+    for field in ("args", "iteration", "model"):
+        if field not in state and not (field == "model" and has_model_state(state)):
+            raise CheckpointError(f"checkpoint file {path} has no '{field}' entry; the file is not a "
+                                  f"complete megapar checkpoint shard")
+    return state
+
+
+def read_optimizer_state(state: dict, path: str, mmap: bool = False) -> Optional[tuple[dict, str]]:
+    """(a shard's name-keyed optimizer state, the file it is in): the model file's own `optimizer`
+    entry (`state` is the model file `path`'s dict), or the distrib_optim.pt beside it when that
+    entry says distributed (ZeRO); None when the shard was saved without optimizer state."""
+    entry = state.get("optimizer")
+    if entry is None:
+        return None
+    if not entry.get("distributed"):
+        return entry, path
+    distrib = os.path.join(os.path.dirname(path), DISTRIB_OPTIM_FILE)
+    if not os.path.isfile(distrib):
+        raise CheckpointError(f"checkpoint file {distrib} is missing: {path} says its optimizer state is "
+                              f"distributed (ZeRO); the checkpoint is incomplete -- load an earlier iteration")
+    return load_file(distrib, mmap), distrib
+
+
+def check_optimizer_state(optim: dict, expected: dict[str, tuple[int, ...]], path: str, fix: str) -> None:
+    """Refuse optimizer state (read from `path`) that is not of the model it is loaded with: its
+    parameters must be `expected`'s {name: shape}, each with every kind of OPTIM_KINDS at that shape.
+    `fix` ends the message."""
+    state = optim.get("state")
+    problem = _state_mismatch(state, expected) if isinstance(state, dict) else "it has no per-parameter 'state'"
+    if problem:
+        raise CheckpointError(f"checkpoint file {path}: its optimizer state does not match the model: {problem}; "
+                              f"{fix}")
+
+
+def _state_mismatch(state: dict, expected: dict[str, tuple[int, ...]]) -> Optional[str]:
+    """How the parameters of `state` differ from `expected`'s (the first difference), or None."""
+    missing = [n for n in expected if n not in state]
+    extra = [n for n in state if n not in expected]
+    if missing or extra:
+        some = lambda names: ", ".join(names[:2]) + (f" ({len(names)} in all)" if len(names) > 2 else "")  # noqa: E731
+        return "; ".join([f"it holds {len(state)} parameters, the model {len(expected)}"]
+                         + ([f"missing {some(missing)}"] if missing else [])
+                         + ([f"not in the model: {some(extra)}"] if extra else []))
+    for name, shape in expected.items():
+        for kind in OPTIM_KINDS:
+            t = state[name].get(kind) if isinstance(state[name], dict) else None
+            if not torch.is_tensor(t):
+                return f"{name} has no {kind}"
+            if tuple(t.shape) != tuple(shape):
+                return f"the shapes of {name} differ ({kind} {tuple(t.shape)}, the model's {tuple(shape)})"
+    return None
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelConfig, topo, rank: int,
                     load_optim: bool = True, load_rng: bool = True, finetune: bool = False) -> tuple[int, int]:
     """Load this rank's shard. Returns (iteration, consumed_train_samples); (0, 0) when `root`
     holds no checkpoint yet (the first run of a job whose --load is its --save: a note is printed,
-    training starts from scratch; check_load_dir refuses a --load that names nothing otherwise)."""
+    training starts from scratch; check_load_dir refuses a --load that names nothing otherwise).
+    The optimizer state (full over dp in distrib_optim.pt) is memory-mapped: each rank reads only
+    the parts it takes."""
     iteration = read_tracker(root)
     if iteration is None:
         if rank == 0:
             print(f"> no checkpoint in {root} yet: starting from scratch", flush=True)
         return 0, 0
     c = topo.coord(rank)
-    shard = os.path.join(iter_dir(root, iteration), shard_dir_name(c.tp, c.pp, topo.pp))
-    path = os.path.join(shard, MODEL_FILE)
+    path = os.path.join(iter_dir(root, iteration), shard_dir_name(c.tp, c.pp, topo.pp), MODEL_FILE)
     if not os.path.isfile(path):
         _explain_missing_shard(root, iteration, path, topo, model_config)
-    state = load_file(path)
+    state = read_shard(path)
     check_compatible(read_saved_config(state, path), model_config, topo, path)
     load_model_state(model, flatten_model_states(state), path)
-    restore_optim = load_optim and not finetune and optimizer is not None
-    if restore_optim and "optimizer" not in state:
-        raise CheckpointError(f"checkpoint {path} has no optimizer state (saved with --no-save-optim); "
-                              f"load it with --no-load-optim or --finetune")
-    if restore_optim:
-        saved = state["optimizer"]
-        if saved.get("distributed"):
-            saved = load_file(os.path.join(shard, DISTRIB_OPTIM_FILE))
-        optimizer.load_saved_state(saved)
+    if load_optim and not finetune and optimizer is not None:
+        _load_optimizer(state, path, optimizer)
         if scheduler is not None and "opt_param_scheduler" in state:
             restore_scheduler(scheduler, state["opt_param_scheduler"], path, rank)
     if load_rng and not finetune and "rng_state" in state:
@@ -159,11 +272,23 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
     return it, int(getattr(state["args"], "consumed_train_samples", 0))
 
 
+def _load_optimizer(state: dict, path: str, optimizer) -> None:
+    found = read_optimizer_state(state, path, mmap=True)
+    if found is None:
+        raise CheckpointError(f"checkpoint {path} has no optimizer state (saved with --no-save-optim); "
+                              f"load it with --no-load-optim or --finetune")
+    saved, where = found
+    check_optimizer_state(saved, dict(optimizer.saved_shapes()), where,
+                          "it does not belong to this checkpoint: load an earlier iteration, or pass "
+                          "--no-load-optim to load the weights alone")
+    optimizer.load_saved_state(saved)
+
+
 def _explain_missing_shard(root: str, iteration, path: str, topo, model_config: ModelConfig) -> None:
     """This rank's shard is missing: if another shard exists, report how its layout or model
     differs from this run (the same message on every rank); else report the missing file."""
     folder = iter_dir(root, iteration)
-    present = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    present = shard_dirs(folder)
     for name in present:
         other = os.path.join(folder, name, MODEL_FILE)
         if os.path.isfile(other):
@@ -171,4 +296,3 @@ def _explain_missing_shard(root: str, iteration, path: str, topo, model_config: 
             break
     raise CheckpointError(f"checkpoint file {path} is missing (found shards: {', '.join(present) or 'none'}); "
                           f"the checkpoint is incomplete -- load an earlier iteration")
-

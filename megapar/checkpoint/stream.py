@@ -22,10 +22,10 @@ import torch.serialization as ser
 class LazyTensor:
     """Placeholder for a contiguous CPU tensor written later by StreamingSaver.write_next."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, tag=None):
         self.shape, self.dtype = tuple(shape), dtype
         self.key: str | None = None
-        self.tag = None                      # caller's label (e.g. (name, kind))
+        self.tag = tag                       # caller's label (e.g. (name, kind))
         self.value: torch.Tensor | None = None  # set for real tensors found in the structure
 
     def numel(self) -> int:
@@ -117,6 +117,8 @@ class StreamingSaver:
         self._flush_ready()
 
     def _write(self, lazy: LazyTensor, t: torch.Tensor) -> None:
+        """One record from `t`'s elements (a view into a larger storage is copied first: the
+        writer takes whole storages)."""
         t = t.detach().cpu().contiguous()
         if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
             t = t.clone()

@@ -23,7 +23,7 @@ full optimizer state keyed by parameter name, so they load at any layout and int
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -189,9 +189,10 @@ class BaseOptimizer(ABC):
       * implements `_publish_params(params_written)`: after the update, make every model parameter
         equal its master on every rank (`params_written`: the fused AdamW already wrote this
         rank's `model_tensor`s);
-      * implements `_full_state()` and `_load_state(state, step)`: the checkpoint state
-        {name: {master_param, exp_avg, exp_avg_sq}} of every parameter (full, fp32, CPU) on the
-        rank that saves it (None elsewhere; it may be collective), and this rank's share of it;
+      * implements `saved_tensors()` and `_load_state(state, step)`: the checkpoint state
+        {name: {master_param, exp_avg, exp_avg_sq}} of every parameter (full, fp32, CPU), one
+        tensor at a time on the rank that saves it (it may be collective), and this rank's share
+        of it;
       * implements `optimizer_state_bytes()`, and may override `_step_count()` (e.g. to agree
         over ranks; it is called on every rank when saving).
     After `_own`, these lists are aligned and fixed for the run (the CUDA graph and the fused
@@ -271,28 +272,40 @@ class BaseOptimizer(ABC):
         """Bytes of fp32 master weights and Adam moments this rank holds."""
 
     # ---- checkpoint state (full, keyed by parameter name) ------------------------------------------
+    def saved_meta(self) -> dict:
+        """{"step", "grad_scaler", "param_groups"}: what a checkpoint stores beside the per-parameter
+        state. Collective where `_step_count` is (call it on every rank)."""
+        return {"step": self.step_count(), "grad_scaler": self.scaler.state_dict(),
+                "param_groups": self.saved_param_groups()}
+
+    def saved_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every parameter whose state a checkpoint holds, in file order; each
+        has the fp32 tensors OPTIM_KINDS of that shape."""
+        return [(n, tuple(p.shape)) for n, p in self.named]
+
+    @abstractmethod
+    def saved_tensors(self) -> Iterator[tuple[str, str, Optional[torch.Tensor]]]:
+        """(name, kind, tensor) for each parameter of `saved_shapes` and each kind of OPTIM_KINDS,
+        in that order, one at a time: on the rank that saves, the full-shape fp32 CPU tensor
+        (valid until the next item is asked for: it may be the live state); None on the others.
+        With `is_distributed` every data-parallel rank iterates it (each parameter is assembled
+        from the ranks that own its parts); without, data-parallel rank 0 alone does."""
+
     def state_for_save(self) -> Optional[dict]:
-        """{"state": {name: {master_param, exp_avg, exp_avg_sq}} (full fp32 CPU tensors), "step",
-        "grad_scaler", "param_groups"} on the rank that saves, None on the others. With
-        `is_distributed` every data-parallel rank must call it (the state is gathered over them);
-        without, data-parallel rank 0 alone may."""
-        state = self._full_state()
-        step = self._step_count()
-        if state is None:
-            return None
-        return {"state": state, "step": step, "grad_scaler": self.scaler.state_dict(),
-                "param_groups": saved_param_groups(self.adam)}
+        """The whole checkpoint state in memory, {"state": {name: {kind: tensor}}, "step",
+        "grad_scaler", "param_groups"}, on the rank that saves (None on the others; called like
+        `saved_tensors`). For small models and tests: checkpoints stream `saved_tensors` instead."""
+        meta = self.saved_meta()
+        state: dict = {}
+        for name, kind, t in self.saved_tensors():
+            if t is not None:
+                state.setdefault(name, {})[kind] = t.clone()
+        return {"state": state, **meta} if state else None
 
     def load_saved_state(self, saved: dict) -> None:
-        """Restore from `state_for_save()`'s format (saved at any layout, by either optimizer): the
-        masters, moments and step count, the model parameters (set to the masters), the loss scaler."""
-        missing = [n for n, _ in self.named if n not in saved["state"]]
-        if missing:
-            raise ValueError(f"optimizer state in checkpoint lacks parameters {missing[:3]}...")
-        for n, p in self.named:
-            if saved["state"][n]["master_param"].numel() != p.numel():
-                raise ValueError(f"optimizer state for {n} has shape {tuple(saved['state'][n]['master_param'].shape)}, "
-                                 f"the model's parameter {tuple(p.shape)}")
+        """Restore from `state_for_save()`'s format (saved at any layout, by either optimizer; its
+        names and shapes checked against `saved_shapes` by the checkpoint reader): the masters,
+        moments and step count, the model parameters (set to the masters), the loss scaler."""
         self.fused_adam = None  # its pointer tables point at the moments about to be replaced
         self._load_state(saved["state"], int(saved["step"]))
         self.scaler.load_state_dict(saved["grad_scaler"])
@@ -327,11 +340,6 @@ class BaseOptimizer(ABC):
         """Completed AdamW steps on this rank (every owned tensor has the same count; 0 before the first)."""
         state = self.adam.state.get(self.masters[0], {}) if self.masters else {}
         return int(state["step"]) if "step" in state else 0
-
-    @abstractmethod
-    def _full_state(self) -> Optional[dict]:
-        """{name: {master_param, exp_avg, exp_avg_sq}} for every parameter (full-shape fp32 CPU
-        tensors, zero moments before the first step) on the rank that saves; None elsewhere."""
 
     @abstractmethod
     def _load_state(self, state: dict, step: int) -> None:

@@ -27,20 +27,21 @@ Where the shared step differs from the non-sharded optimizer's:
   publish  masters -> owned model-dtype shards (cast), all-gather each whole bucket over the DP
            group (offload: the host masters are copied in first)
 
-Checkpoints: `state_for_save()` (collective over the DP group) all-gathers the shards bucket by
-bucket and returns, on dp rank 0, the same name-keyed full state as MixedPrecisionOptimizer
-(None on other dp ranks); `load_saved_state()` takes each rank's parts of that full state, so a
-checkpoint loads at any data-parallel size.
+Checkpoints: `saved_tensors()` (collective over the DP group) assembles on dp rank 0 one
+parameter's full state at a time from the parts the dp ranks own: the same name-keyed state as
+MixedPrecisionOptimizer's, streamed into the file; `load_saved_state()` takes each rank's parts
+of that full state, so a checkpoint loads at any data-parallel size.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..checkpoint.common import OPTIM_KINDS
 from ..tensor_parallel.mappings import all_gather_tensor
 from .base import BaseOptimizer, Owned, adam_state
 from .sharded_params import ShardedParams
@@ -245,34 +246,42 @@ class DistributedOptimizer(BaseOptimizer):
             h.wait()
 
     # ---- checkpoint state (name-keyed, full over dp) ------------------------------------------
-    def _gather_full(self, kind: str) -> Optional[torch.Tensor]:
-        """The full flat (buffer-layout) fp32 tensor of `kind` on dp rank 0 (CPU), else None."""
-        total = self.buffer.buckets[-1].end
-        full = torch.zeros(total, dtype=torch.float32) if self.dp_rank == 0 else None
-        for i, (b, (lo, hi, off)) in enumerate(zip(self.buffer.buckets, self.shards)):
-            shard = self._master_of_bucket(i) if kind == "master_param" else \
-                getattr(self, kind)[off:off + hi - lo]
-            shard = shard.to(self.device, torch.float32).contiguous()
-            if self.dp > 1:
-                out = torch.empty(b.end - b.start, dtype=torch.float32, device=self.device)
-                all_gather_tensor(out, shard, group=self.dp_group)
-            else:
-                out = shard
-            if full is not None:
-                full[b.start:b.end].copy_(out)
-        return full
-
-    def _full_state(self) -> Optional[dict]:
-        """Collective over the DP group: the shards all-gathered bucket by bucket, cut into
-        parameters on dp rank 0 (None on the other dp ranks)."""
-        fulls = {k: self._gather_full(k) for k in ("master_param", "exp_avg", "exp_avg_sq")}
-        if self.dp_rank != 0:
-            return None
-        state = {}
+    def saved_tensors(self) -> Iterator[tuple[str, str, Optional[torch.Tensor]]]:
+        """Collective over the DP group: each parameter's state assembled on dp rank 0 from the
+        parts the dp ranks own, one parameter and kind at a time (never the whole state)."""
+        bucket_of = {id(p): i for i, b in enumerate(self.buffer.buckets) for p in b.params}
         for n, p in self.named:
-            start, end = self.buffer.param_range[id(p)]
-            state[n] = {k: f[start:end].view(p.shape).clone() for k, f in fulls.items()}
-        return state
+            for kind in OPTIM_KINDS:
+                yield n, kind, self._assembled(bucket_of[id(p)], p, kind)
+
+    def _assembled(self, i: int, p: nn.Parameter, kind: str) -> Optional[torch.Tensor]:
+        """Parameter `p`'s full fp32 `kind` state (p's shape, on the host) on dp rank 0, None on
+        the others: each dp rank sends rank 0 its owned range of p in bucket `i` (point to point,
+        so no other rank holds more than its own shard)."""
+        start, end = self.buffer.param_range[id(p)]
+        b = self.buffer.buckets[i]
+        full = torch.empty(end - start, dtype=torch.float32, device=self.device) if self.dp_rank == 0 else None
+        for d in range(self.dp):
+            lo, hi = b.shard(d, self.dp)
+            a, z = max(lo, start), min(hi, end)
+            if a >= z:
+                continue
+            if d == self.dp_rank:
+                mine = self._shard_state(i, kind)[a - lo:z - lo].to(self.device, torch.float32)
+                if full is not None:
+                    full[a - start:z - start].copy_(mine)
+                else:
+                    dist.send(mine, dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
+            elif full is not None:
+                dist.recv(full[a - start:z - start], dist.get_global_rank(self.dp_group, d), group=self.dp_group)
+        return None if full is None else full.view(p.shape).cpu()
+
+    def _shard_state(self, i: int, kind: str) -> torch.Tensor:
+        """This rank's owned shard of bucket `i` in the state `kind` (a view)."""
+        if kind == "master_param":
+            return self._master_of_bucket(i)
+        lo, hi, off = self.shards[i]
+        return getattr(self, kind)[off:off + hi - lo]
 
     def _step_count(self) -> int:
         """Completed AdamW steps, agreed over dp (collective; a rank may own no part)."""

@@ -4,12 +4,13 @@ checkpoint format: base.py).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..checkpoint.common import OPTIM_KINDS
 from .base import BaseOptimizer, Owned, adam_state
 from .grad_buffer import GradBuffer
 
@@ -46,14 +47,14 @@ class MixedPrecisionOptimizer(BaseOptimizer):
             with torch.no_grad():
                 torch._foreach_copy_([p for p, _ in self.copies], [m for _, m in self.copies])
 
-    def _full_state(self) -> dict:
-        state = {}
+    def saved_tensors(self) -> Iterator[tuple[str, str, Optional[torch.Tensor]]]:
+        """Every parameter's master and moments as they are (host copies of device tensors, zero
+        moments before the first step)."""
         for (n, _), m in zip(self.named, self.masters):
             s = self.adam.state.get(m, {})
-            state[n] = {"master_param": m.detach().float().cpu().clone(),
-                        **{k: s[k].cpu().clone() if k in s else torch.zeros_like(m, device="cpu")
-                           for k in ("exp_avg", "exp_avg_sq")}}
-        return state
+            yield n, "master_param", m.detach().float().cpu()
+            for k in OPTIM_KINDS[1:]:
+                yield n, k, s[k].detach().cpu() if k in s else torch.zeros(m.shape, dtype=torch.float32)
 
     def _load_state(self, state: dict, step: int) -> None:
         fused = bool(self.adam.defaults.get("fused"))

@@ -28,6 +28,7 @@ of the gather.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -151,15 +152,18 @@ class ShardedParams:
         return hook
 
     # ---- whole-model views (checkpoints) -------------------------------------------------------
-    def full_tensors(self) -> Iterator[list[torch.Tensor]]:
-        """Collective over the DP group: each unit gathered in turn (one at a time on the device),
-        yielding its full parameters; released again after the caller is done with them."""
-        for u in self.units:
-            was = u.gathered
-            u.gather()
-            yield u.params
+    @contextmanager
+    def gathered(self, unit: Unit) -> Iterator[None]:
+        """Collective over the DP group: `unit`'s full weights (its parameters) for the duration of
+        the block, released after unless they were gathered before; a checkpoint writes the layers
+        this way, one at a time."""
+        was = unit.gathered
+        unit.gather()
+        try:
+            yield
+        finally:
             if not was:
-                u.release()
+                unit.release()
 
     @torch.no_grad()
     def load_full(self, values: dict[int, torch.Tensor]) -> None:

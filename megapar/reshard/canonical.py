@@ -16,10 +16,9 @@ import os
 
 import torch
 
-from ..checkpoint.common import CheckpointError, SavedConfig, atomic_torch_save, read_saved_config
-from ..checkpoint.layout import OPTIM_KINDS
+from ..checkpoint.common import (OPTIM_KINDS, CheckpointError, SavedConfig, atomic_torch_save, load_file,
+                                 read_saved_config)
 from .output import CANONICAL, CHECKPOINT, staged_output
-from .source import load_mmap
 from ..checkpoint.stream import LazyTensor, StreamingSaver
 
 META = "metadata.pt"
@@ -34,7 +33,7 @@ class CanonicalFolder:
 
     def __init__(self, path: str):
         meta_path = os.path.join(path, META)
-        m = load_mmap(meta_path)
+        m = load_file(meta_path, mmap=True)
         if m.get("format") != "megapar-canonical":
             raise CheckpointError(f"{meta_path} is not a megapar canonical checkpoint (format={m.get('format')!r})")
         self.path, self._meta = path, m
@@ -54,7 +53,7 @@ class CanonicalFolder:
 
     def full(self, name: str, kind: str = "param") -> torch.Tensor:
         path = self._file(name)
-        entry = load_mmap(path)
+        entry = load_file(path, mmap=True)
         if kind not in entry:
             raise CheckpointError(f"canonical file {path} lacks {kind}"
                                   + ("; convert with --no-optim" if kind in OPTIM_KINDS else ""))

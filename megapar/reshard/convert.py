@@ -16,15 +16,15 @@ sizes, padded vocab). RNG states are carried only when tp and pp are unchanged (
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
 from typing import Optional
 
 from ..atomic import atomic_write_text
-from ..checkpoint.common import (CHECKPOINT_VERSION, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, iter_dir,
-                          nest_model_states, shard_dir_name)
+from ..checkpoint.common import (OPTIM_KINDS, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, iter_dir,
+                                 shard_dir_name)
+from ..checkpoint.legacy import shard_objects
 from . import retarget
 from .output import CANONICAL, CHECKPOINT, staged_output
-from ..checkpoint.layout import OPTIM_KINDS, chunk_layout, split, stage_keys
+from ..checkpoint.layout import chunk_layout, split, stage_keys
 from ..checkpoint.stream import LazyTensor, StreamingSaver
 
 
@@ -41,9 +41,7 @@ def _shard_shape(full_shape, name: str, tp: int, padded: Optional[int]) -> tuple
 
 def _lazy(src, name: str, kind: str, tp: int, padded) -> LazyTensor:
     shape, dtype = src.spec(name, kind)
-    t = LazyTensor(_shard_shape(shape, name, tp, padded), dtype)
-    t.tag = (name, kind)
-    return t
+    return LazyTensor(_shard_shape(shape, name, tp, padded), dtype, tag=(name, kind))
 
 
 def _rng_for(meta: dict, tp: int, pp: int, tp_rank: int, pp_rank: int):
@@ -54,29 +52,16 @@ def _rng_for(meta: dict, tp: int, pp: int, tp_rank: int, pp_rank: int):
 
 
 def _shard_objects(src, meta: dict, target: SavedConfig, keys, tp, tp_rank, pp, pp_rank, with_optim, distributed):
-    """The (model file, distrib_optim file or None) structures of one target shard, with
-    LazyTensor placeholders for every parameter tensor (`meta`: the source's metadata)."""
+    """The (model file, distrib_optim file or None) structures of one target shard (shard_objects),
+    with LazyTensor placeholders for every parameter tensor (`meta`: the source's metadata)."""
     padded = target.model.padded_vocab_size
-    model = nest_model_states({local: _lazy(src, name, "param", tp, padded) for local, name in keys})
-    obj = {"args": target.args, "model_config": asdict(target.model), "checkpoint_version": CHECKPOINT_VERSION,
-           "iteration": src.iteration, **model}
-    dist_obj = None
-    if with_optim:
-        m = src.optim_meta()
-        optim = {"state": {local: {k: _lazy(src, name, k, tp, padded) for k in OPTIM_KINDS} for local, name in keys},
-                 "step": m["step"], "grad_scaler": m["grad_scaler"], "param_groups": m["param_groups"]}
-        if distributed:
-            obj["optimizer"] = {"distributed": True, "grad_scaler": m["grad_scaler"]}
-            dist_obj = optim
-        else:
-            obj["optimizer"] = optim
-    sched = meta.get("opt_param_scheduler")
-    if sched is not None:
-        obj["opt_param_scheduler"] = sched
-    rng = _rng_for(meta, tp, pp, tp_rank, pp_rank)
-    if rng is not None:
-        obj["rng_state"] = rng
-    return obj, dist_obj
+    optim = {local: {k: _lazy(src, name, k, tp, padded) for k in OPTIM_KINDS} for local, name in keys} \
+        if with_optim else None
+    return shard_objects(args=target.args, model_config=target.model, iteration=src.iteration,
+                         model={local: _lazy(src, name, "param", tp, padded) for local, name in keys},
+                         optim_state=optim, optim_meta=src.optim_meta() if with_optim else None,
+                         distributed=distributed, scheduler=meta.get("opt_param_scheduler"),
+                         rng_state=_rng_for(meta, tp, pp, tp_rank, pp_rank))
 
 
 def _feed(src, savers: list[StreamingSaver], tp: int, padded) -> None:

@@ -29,11 +29,10 @@ import shutil
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-from ..checkpoint.common import DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, CheckpointError
+from ..checkpoint.common import DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, CheckpointError, parse_shard_dir
 
 CHECKPOINT, CANONICAL, HF = "megapar checkpoint", "canonical folder", "Hugging Face folder"
 _ITER = re.compile(r"^(iter_\d{7}|release)$")
-_SHARD = re.compile(r"^mp_rank_\d{2}(_\d{3})?$")
 
 
 def _entries(path: str) -> set[str]:
@@ -45,9 +44,9 @@ def _only_files(path: str, allowed: Callable[[str], bool]) -> bool:
     return bool(names) and all(allowed(n) and os.path.isfile(os.path.join(path, n)) for n in names)
 
 
-def _only_dirs(path: str, pattern: re.Pattern, inner: Callable[[str], bool]) -> bool:
+def _only_dirs(path: str, named: Callable[[str], bool], inner: Callable[[str], bool]) -> bool:
     names = _entries(path)
-    return bool(names) and all(pattern.match(n) and inner(os.path.join(path, n)) for n in names)
+    return bool(names) and all(named(n) and inner(os.path.join(path, n)) for n in names)
 
 
 def is_checkpoint_output(path: str) -> bool:
@@ -55,7 +54,8 @@ def is_checkpoint_output(path: str) -> bool:
     if TRACKER not in names or not os.path.isfile(os.path.join(path, TRACKER)) or len(names) < 2:
         return False
     shard_ok = lambda d: _only_files(d, lambda n: n in (MODEL_FILE, DISTRIB_OPTIM_FILE))  # noqa: E731
-    return all(_ITER.match(n) and _only_dirs(os.path.join(path, n), _SHARD, shard_ok) for n in names - {TRACKER})
+    is_shard = lambda n: parse_shard_dir(n) is not None  # noqa: E731
+    return all(_ITER.match(n) and _only_dirs(os.path.join(path, n), is_shard, shard_ok) for n in names - {TRACKER})
 
 
 def is_canonical_output(path: str) -> bool:

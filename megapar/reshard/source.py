@@ -16,27 +16,17 @@ from typing import Optional
 import torch
 
 from ..topology import layer_counts
-from ..checkpoint.common import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_states,
-                             has_model_state, iter_dir, read_saved_config, read_tracker, shard_dir_name)
+from ..checkpoint.common import (OPTIM_KINDS, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError,
+                                 flatten_model_states, iter_dir, load_file, read_saved_config, read_tracker,
+                                 shard_dir_name, shard_dirs)
+from ..checkpoint.legacy import check_optimizer_state, read_optimizer_state, read_shard
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
-from ..checkpoint.layout import HEAD, OPTIM_KINDS, canonical_key, chunk_layout, expected_full_shape, stage_of
+from ..checkpoint.layout import HEAD, canonical_key, chunk_layout, expected_full_shape, stage_of
 
-_SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 # ModelConfig fields that every shard of one checkpoint must agree on (and the layout)
 _SAME_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
                 "padded_vocab_size", "vocab_size", "decoder_first_pipeline_num_layers",
                 "decoder_last_pipeline_num_layers", "virtual_pipeline_model_parallel_size")
-
-
-def load_mmap(path: str) -> dict:
-    """torch.load(mmap=True) with one clear error for a missing, truncated or corrupt file."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:  # zip/pickle errors have many types
-        raise CheckpointError(f"checkpoint file {path} is truncated or corrupt ({type(e).__name__}: {e}); "
-                              f"load an earlier iteration or re-save it") from None
 
 
 class _Budget:
@@ -55,16 +45,17 @@ class _Budget:
 
 
 class _ShardFile:
-    """One lazily (re)opened shard file; `take` returns owned copies of its tensors."""
+    """One lazily (re)opened, memory-mapped shard file: a model file (checked by read_shard) or
+    a distrib_optim.pt."""
 
-    def __init__(self, path: str, budget: _Budget):
-        self.path, self.budget = path, budget
+    def __init__(self, path: str, budget: _Budget, is_model: bool):
+        self.path, self.budget, self.is_model = path, budget, is_model
         self._state: Optional[dict] = None
         budget.files.append(self)
 
     def state(self) -> dict:
         if self._state is None:
-            self._state = load_mmap(self.path)
+            self._state = read_shard(self.path, mmap=True) if self.is_model else load_file(self.path, mmap=True)
         return self._state
 
     def release(self) -> None:
@@ -91,9 +82,8 @@ class ShardedCheckpoint:
         if not os.path.isdir(self.dir):
             raise CheckpointError(f"checkpoint directory {self.dir} (named by the tracker) does not exist")
         self.tp, self.pp = self._detect_layout()
-        self._distrib_meta: Optional[dict] = None
         self.budget = _Budget(budget_bytes)
-        self.shards = {(t, p): _ShardFile(self._path(t, p, MODEL_FILE), self.budget)
+        self.shards = {(t, p): _ShardFile(self._path(t, p, MODEL_FILE), self.budget, is_model=True)
                        for t in range(self.tp) for p in range(self.pp)}
         self.headers = {k: self._header(k) for k in self.shards}
         self._check_consistent()
@@ -103,7 +93,7 @@ class ShardedCheckpoint:
         self.layout = chunk_layout(self.saved.model, self.pp)            # per stage: its chunks' layer ranges
         self.has_optim = first["has_optim"]
         self.distributed = first["distributed"]
-        self.optim_files = {k: _ShardFile(self._path(*k, DISTRIB_OPTIM_FILE), self.budget)
+        self.optim_files = {k: _ShardFile(self._path(*k, DISTRIB_OPTIM_FILE), self.budget, is_model=False)
                             for k in self.shards} if self.distributed else {}
         self.names = self._canonical_names()
 
@@ -112,12 +102,12 @@ class ShardedCheckpoint:
         return os.path.join(self.dir, shard_dir_name(tp_rank, pp_rank, self.pp), fname)
 
     def _detect_layout(self) -> tuple[int, int]:
-        found = [m for m in map(_SHARD_DIR.match, sorted(os.listdir(self.dir))) if m]
+        found = shard_dirs(self.dir)
         if not found:
             raise CheckpointError(f"{self.dir} holds no mp_rank_* shard directories")
         # the saved args say the layout; the directory listing must match it
-        probe = os.path.join(self.dir, found[0].group(0), MODEL_FILE)
-        layout = read_saved_config(load_mmap(probe), f"checkpoint file {probe}").parallel
+        probe = os.path.join(self.dir, found[0], MODEL_FILE)
+        layout = read_saved_config(read_shard(probe, mmap=True), f"checkpoint file {probe}").parallel
         tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
         missing = [shard_dir_name(t, p, pp) for t in range(tp) for p in range(pp)
                    if not os.path.isdir(os.path.join(self.dir, shard_dir_name(t, p, pp)))]
@@ -127,22 +117,19 @@ class ShardedCheckpoint:
         return tp, pp
 
     def _header(self, key: tuple[int, int]) -> dict:
+        """What a shard's files say (its optimizer state checked against its model tensors)."""
         sf = self.shards[key]
         st = sf.state()
-        for field in ("args", "iteration", "model"):
-            if field not in st and not (field == "model" and has_model_state(st)):
-                raise CheckpointError(f"checkpoint file {sf.path} has no '{field}' entry; the file is not a "
-                                      f"complete megapar checkpoint shard")
-        optim = st.get("optimizer")
-        distributed = bool(optim and optim.get("distributed"))
-        if distributed and not os.path.isfile(os.path.join(os.path.dirname(sf.path), DISTRIB_OPTIM_FILE)):
-            raise CheckpointError(f"checkpoint file {os.path.join(os.path.dirname(sf.path), DISTRIB_OPTIM_FILE)} "
-                                  f"is missing: {sf.path} says its optimizer state is distributed (ZeRO-1)")
         keys = {k: tuple(v.shape) for k, v in flatten_model_states(st).items()}
-        return {"saved": read_saved_config(st, sf.path), "iteration": st["iteration"], "keys": keys, "has_optim": optim is not None,
-                "distributed": distributed, "scheduler": st.get("opt_param_scheduler"),
-                "rng_state": st.get("rng_state"), "checkpoint_version": st.get("checkpoint_version"),
-                "optim_meta": None if optim is None or distributed else _optim_meta(optim)}
+        optim = read_optimizer_state(st, sf.path, mmap=True)
+        if optim is not None:
+            check_optimizer_state(optim[0], keys, optim[1], "convert with --no-optim to leave the optimizer state "
+                                                            "out, or load an earlier iteration")
+        return {"saved": read_saved_config(st, sf.path), "iteration": st["iteration"], "keys": keys,
+                "has_optim": optim is not None, "distributed": optim is not None and optim[1] != sf.path,
+                "scheduler": st.get("opt_param_scheduler"), "rng_state": st.get("rng_state"),
+                "checkpoint_version": st.get("checkpoint_version"),
+                "optim_meta": None if optim is None else _optim_meta(optim[0])}
 
     def _check_consistent(self) -> None:
         ref, ref_path = self.headers[(0, 0)], self.shards[(0, 0)].path
@@ -185,14 +172,7 @@ class ShardedCheckpoint:
     # ---- metadata ---------------------------------------------------------------------------
     def optim_meta(self) -> Optional[dict]:
         """{step, grad_scaler, param_groups} (layout independent), or None without optimizer state."""
-        if not self.has_optim:
-            return None
-        if not self.distributed:
-            return self.headers[(0, 0)]["optim_meta"]
-        if self._distrib_meta is None:  # unpickle distrib_optim.pt once, not per caller
-            self._distrib_meta = _optim_meta(self.optim_files[(0, 0)].state())
-            self.optim_files[(0, 0)].release()
-        return self._distrib_meta
+        return self.headers[(0, 0)]["optim_meta"]
 
     # ---- tensors -------------------------------------------------------------------------------
     def full(self, name: str, kind: str = "param") -> torch.Tensor:

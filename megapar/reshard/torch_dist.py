@@ -17,11 +17,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..atomic import atomic_write_text
-from ..checkpoint.common import (TRACKER, CheckpointError, atomic_torch_save, iter_dir, read_saved_config,
-                                 read_tracker)
+from ..checkpoint.common import (OPTIM_KINDS, TRACKER, CheckpointError, atomic_torch_save, iter_dir,
+                                 read_saved_config, read_tracker)
 from ..checkpoint.dist import (COMMON_FILE, Chunk, Deferred, Entry, common_record, fqn, load_entries, read_common,
                                save_entries)
-from ..checkpoint.layout import OPTIM_KINDS
 from .output import CANONICAL, CHECKPOINT, staged_output
 from .source import _model_order
 

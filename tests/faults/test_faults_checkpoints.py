@@ -245,6 +245,28 @@ def test_first_run_of_a_resumable_job_starts_with_a_note(data, tmp_path):
     assert again.rc == 0 and "successfully loaded checkpoint" in again.output, again.output[-3000:]
 
 
+def test_another_models_optimizer_file_is_refused(data, tmp_path):
+    """distrib_optim.pt of a model with the same layout but two layers, put into a one-layer
+    checkpoint: its extra layers' state would load silently; training's --load and
+    checkpoint_util both refuse it, naming the file and the difference."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    for ck, layers in ((one, "1"), (two, "2")):
+        out = train(data, "--use-distributed-optimizer", "--num-layers", layers, "--save", ck,
+                    cache=tmp_path / "cache")
+        assert out.rc == 0, out.output[-3000:]
+    optim = "iter_0000001/mp_rank_00/distrib_optim.pt"
+    shutil.copy(two / optim, one / optim)
+    expect = [f"checkpoint file {one / optim}: its optimizer state does not match the model",
+              "it holds 28 parameters, the model 16", "not in the model: language_model.encoder.layers.1."]
+    refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--use-distributed-optimizer", "--load", one,
+             "--save", one, "--train-iters", "2", "--data-cache-path", tmp_path / "cache"],
+            fault_class="load", case="--load a checkpoint holding another model's distrib_optim.pt",
+            expect=expect + ["--no-load-optim"], watch=[one], allow_new=[tmp_path / "cache"])
+    refused(reshard(one, tmp_path / "out"), fault_class="load",
+            case="checkpoint_util on a checkpoint holding another model's distrib_optim.pt",
+            expect=expect + ["--no-optim"], watch=[one])
+
+
 def test_atomic_write_follows_the_umask(tmp_path):
     from megapar.atomic import atomic_write_text
     old = os.umask(0o022)
