@@ -8,17 +8,18 @@ a checkpoint, and what to run next. No downloads, no network.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
 from .arguments import DEEPSPEED_CONFIG, Config, ConfigError, config_from_namespace, default_of, parse_flags
 from .errors import USER_ERROR_EXIT, MegaparError
-from .checkpoint import check_load_dir
+from .checkpoint import SaveDirLock, check_finetune_dirs, check_load_dir, check_save_space
 from .initialize import build_run, init_distributed, print_rank0, train_iters
 from .topology import Topology
 from .scalar_writer import build_writer
@@ -49,6 +50,7 @@ def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
         raise ConfigError("give --train-iters or --train-samples (how long to train)")
     cfg = config_from_namespace(given, world_size)
     check_load_dir(cfg.ckpt.load, cfg.ckpt.save)  # a --load that names no checkpoint stops here
+    check_finetune_dirs(cfg.ckpt)                  # a fine-tune never writes over what it loads
     return cfg
 
 
@@ -65,6 +67,25 @@ def on_rank0_for_all(check: Callable[[], object], rank: int) -> None:
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
         raise box[0]
+
+
+@contextlib.contextmanager
+def holding_save_dir(save: Optional[str], rank: int) -> Iterator[None]:
+    """One job per --save directory: rank 0 takes its lock (megapar/checkpoint/guard.py; every rank
+    fails with the same line if another job holds it) and removes it when the run ends -- normally,
+    by an error, Ctrl-C or SIGTERM."""
+    if not save:
+        yield
+        return
+    lock = SaveDirLock(save, shlex.join(sys.argv)) if rank == 0 else None
+    on_rank0_for_all(lambda: lock.acquire(), rank)
+    restore = lock.release_on_sigterm() if lock else lambda: None
+    try:
+        yield
+    finally:
+        restore()
+        if lock:
+            lock.release()
 
 
 def prepare_data(cfg: Config, rank: int) -> None:
@@ -107,6 +128,11 @@ def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None) -> TrainState:
     """Run training in an initialised process group; returns the final TrainState. `argv` (the
     flags as given) lets the closing "train longer" command repeat them."""
     rank, world, device = init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
+    with holding_save_dir(cfg.ckpt.save, rank):
+        return _pretrain(cfg, rank, world, device, argv)
+
+
+def _pretrain(cfg: Config, rank: int, world: int, device, argv: Optional[Sequence[str]]) -> TrainState:
     p = cfg.parallel
     topo = Topology(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
     topo.create_groups(rank)
@@ -127,6 +153,8 @@ def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None) -> TrainState:
         from .data.gpt_dataset import check_datasets
         on_rank0_for_all(lambda: check_datasets(cfg.data.data_path), rank)
     tokenizer = build_tokenizer_for(cfg)
+    if cfg.ckpt.save and train_iters(cfg) > 0:  # before the model is built: a run that cannot save stops here
+        on_rank0_for_all(lambda: check_save_space(cfg, tokenizer.vocab_size), rank)
     run = build_run(cfg, topo, rank, device, tokenizer.vocab_size)
     state = TrainState()
     if cfg.ckpt.load:

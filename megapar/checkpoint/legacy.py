@@ -4,8 +4,8 @@
     DIR/iter_0000600/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
     DIR/iter_0000600/mp_rank_.../distrib_optim.pt          ZeRO-1 optimizer state (full over dp)
 
-Every rank writes into `iter_XXXXXXX.partial/`; after a barrier rank 0 renames it into place
-and then writes the tracker, so a crash mid-save never damages an earlier checkpoint.
+Every rank writes into the iteration's staging folder; when all are done rank 0 renames it into
+place and then writes the tracker (publish.py), so a crash mid-save never damages an earlier checkpoint.
 Optimizer state is keyed by parameter name ({"state": {name: {master_param, exp_avg,
 exp_avg_sq}}, "step", "grad_scaler", "param_groups"}) so any layout can be resharded.
 """
@@ -13,38 +13,35 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import time
 from dataclasses import asdict
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..arguments import ModelConfig
-from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, CheckpointError, atomic_torch_save,
+from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, atomic_torch_save,
                      check_compatible, flatten_model_states, get_rng_state, iter_dir, load_file, nest_model_states,
                      read_saved_config, read_tracker, restore_scheduler, set_rng_state, shard_dir_name)
-from ..atomic import atomic_write_text
+from .publish import published_dir, staged_iteration
 
 
 # ---- save -------------------------------------------------------------------------------------
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
                     model_config: ModelConfig, topo, rank: int, save_optim: bool = True,
                     save_rng: bool = True) -> None:
     """Collective: every rank calls it. `args` is stored as the checkpoint's `args` (it must
-    carry consumed_train_samples), `model_config` as its `model_config` (vocabulary sizes set)."""
+    carry consumed_train_samples), `model_config` as its `model_config` (vocabulary sizes set).
+    Written into the iteration's staging folder and published when every rank is done (publish.py);
+    a failed write raises one CheckpointError on every rank."""
+    with staged_iteration(root, iteration, rank) as staging:
+        _write_shard(staging, iteration, model, optimizer, scheduler, args, model_config, topo, rank, save_optim,
+                     save_rng)
+
+
+def _write_shard(staging: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
+                 model_config: ModelConfig, topo, rank: int, save_optim: bool, save_rng: bool) -> None:
+    """This rank's files of the checkpoint into `staging` (collective: ZeRO gathers over dp)."""
     c = topo.coord(rank)
-    final, staging = iter_dir(root, iteration), iter_dir(root, iteration) + ".partial"
-    if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    _barrier()
     shard = os.path.join(staging, shard_dir_name(c.tp, c.pp, topo.pp))
     distributed = optimizer is not None and optimizer.is_distributed
     # ZeRO-1 gathers its shards over dp (every dp rank takes part); the full optimizer's state is
@@ -66,10 +63,6 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
         if save_rng:
             state["rng_state"] = [get_rng_state()]
         atomic_torch_save(state, os.path.join(shard, MODEL_FILE))
-    _barrier()
-    if rank == 0:
-        _publish(root, final, staging, iteration)
-    _barrier()
 
 
 def model_state_for_save(model, writer: bool) -> Optional[dict[str, torch.Tensor]]:
@@ -107,18 +100,6 @@ def load_model_state(model, flat: dict[str, torch.Tensor], path: str) -> None:
     sharded.load_full({id(params[k]): v for k, v in flat.items() if k in params and id(params[k]) in units})
 
 
-def _publish(root: str, final: str, staging: str, iteration: int) -> None:
-    """Move the finished staging dir into place, then write the tracker (last)."""
-    old = None
-    if os.path.exists(final):
-        old = f"{final}.old.{int(time.time())}"
-        os.replace(final, old)
-    os.replace(staging, final)
-    atomic_write_text(os.path.join(root, TRACKER), str(iteration))
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 # ---- load -------------------------------------------------------------------------------------
 def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelConfig, topo, rank: int,
                     load_optim: bool = True, load_rng: bool = True, finetune: bool = False) -> tuple[int, int]:
@@ -130,8 +111,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
         if rank == 0:
             print(f"> no checkpoint in {root} yet: starting from scratch", flush=True)
         return 0, 0
-    c = topo.coord(rank)
-    shard = os.path.join(iter_dir(root, iteration), shard_dir_name(c.tp, c.pp, topo.pp))
+    c, folder = topo.coord(rank), published_dir(root, iteration)
+    if rank == 0 and folder != iter_dir(root, iteration):
+        print(f"> {iter_dir(root, iteration)} is missing (a re-save of it was stopped): loading the copy it "
+              f"replaced, {folder}", flush=True)
+    shard = os.path.join(folder, shard_dir_name(c.tp, c.pp, topo.pp))
     path = os.path.join(shard, MODEL_FILE)
     if not os.path.isfile(path):
         _explain_missing_shard(root, iteration, path, topo, model_config)
@@ -162,7 +146,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
 def _explain_missing_shard(root: str, iteration, path: str, topo, model_config: ModelConfig) -> None:
     """This rank's shard is missing: if another shard exists, report how its layout or model
     differs from this run (the same message on every rank); else report the missing file."""
-    folder = iter_dir(root, iteration)
+    folder = published_dir(root, iteration)
     present = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     for name in present:
         other = os.path.join(folder, name, MODEL_FILE)

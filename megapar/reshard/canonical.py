@@ -18,7 +18,7 @@ import torch
 
 from ..checkpoint import CheckpointError, SavedConfig, atomic_torch_save, read_saved_config
 from .layout import OPTIM_KINDS
-from .output import CANONICAL, CHECKPOINT, staged_output
+from ..checkpoint.publish import CANONICAL, CHECKPOINT, staged_output
 from .source import load_mmap
 from ..checkpoint.stream import LazyTensor, StreamingSaver
 
@@ -77,7 +77,7 @@ class CanonicalFolder:
 def write_canonical(src, out_dir: str, with_optim: bool = True, force: bool = False, log=print) -> None:
     """Stream `src` (ShardedCheckpoint or CanonicalFolder) into a canonical folder, one
     parameter at a time. Written into a staging folder beside `out_dir`, renamed into place at the
-    end (megapar/reshard/output.py: what `force` may replace)."""
+    end (megapar/checkpoint/publish.py: what `force` may replace)."""
     with staged_output(src, out_dir, force, (CHECKPOINT, CANONICAL)) as staging:
         meta = _write_canonical_files(src, staging, with_optim)
     log(f"wrote canonical checkpoint ({len(meta['specs'])} parameters, iteration {meta['iteration']}) to {out_dir}")

@@ -3,7 +3,7 @@
 Streaming: for every parameter, the full tensor is read once, split for each target TP rank
 and written straight into that rank's open shard file (StreamingSaver), so memory holds a
 few tensors, never the model. Output is staged in a hidden `.<save_dir>.partial.XXXXXXXX` folder
-beside it and renamed into place when complete (megapar/reshard/output.py); the tracker file
+beside it and renamed into place when complete (megapar/checkpoint/publish.py); the tracker file
 is inside it, so a crash never leaves a half checkpoint.
 
 Carried: model weights (vocab re-padded with zero rows for the target tp), optimizer state
@@ -23,7 +23,7 @@ from ..atomic import atomic_write_text
 from ..checkpoint import (CHECKPOINT_VERSION, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, iter_dir,
                           nest_model_states, shard_dir_name)
 from . import retarget
-from .output import CANONICAL, CHECKPOINT, staged_output
+from ..checkpoint.publish import CANONICAL, CHECKPOINT, staged_output
 from .layout import OPTIM_KINDS, chunk_layout, split, stage_keys
 from ..checkpoint.stream import LazyTensor, StreamingSaver
 

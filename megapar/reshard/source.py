@@ -17,7 +17,7 @@ import torch
 
 from ..topology import layer_counts
 from ..checkpoint import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, flatten_model_states,
-                             has_model_state, iter_dir, read_saved_config, read_tracker, shard_dir_name)
+                             has_model_state, published_dir, read_saved_config, read_tracker, shard_dir_name)
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from .layout import HEAD, OPTIM_KINDS, canonical_key, chunk_layout, expected_full_shape, stage_of
 
@@ -87,7 +87,7 @@ class ShardedCheckpoint:
                 raise CheckpointError(f"{os.path.join(root, 'latest_checkpointed_iteration.txt')} is missing; "
                                       f"{root} holds no finished checkpoint (pass --iteration to pick one)")
         self.iteration = iteration
-        self.dir = iter_dir(root, iteration)
+        self.dir = published_dir(root, iteration)
         if not os.path.isdir(self.dir):
             raise CheckpointError(f"checkpoint directory {self.dir} (named by the tracker) does not exist")
         self.tp, self.pp = self._detect_layout()
