@@ -216,7 +216,7 @@ def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]]) 
     valued = {"--load", "--save", "--train-iters", "--train-samples", "--lr-decay-iters"}
     ends_at_zero = (scheduler.min_lr == 0 and scheduler.decay_style != "constant"
                     and scheduler.decay_steps <= train_iters(cfg))
-    switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler"}
+    switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler", "--finetune"}
     if ends_at_zero:
         switches |= {"--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"}
     kept = _without(argv, valued, switches)
@@ -234,8 +234,9 @@ def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]]) 
 
 def resume_command(cfg: Config, argv: Optional[Sequence[str]]) -> str:
     """The command that finishes a run stopped early (signal, --exit-interval, time limit): this
-    run's flags with --load and --save at its checkpoint; the same length and LR schedule."""
-    kept = _without(argv, {"--load", "--save"})
+    run's flags with --load and --save at its checkpoint; the same length and LR schedule. Both
+    continue this run (a fine-tune's too: it resumes from its own checkpoint, without --finetune)."""
+    kept = _without(argv, {"--load", "--save"}, {"--finetune"})
     kept += ["--load", cfg.ckpt.save, "--save", cfg.ckpt.save]
     return f"bash scripts/pretrain_gpt2.sh {shlex.join(kept)}   # resume where this run stopped"
 

@@ -11,8 +11,8 @@ Training (every `--ckpt-format`), into a checkpoint directory DIR:
   --save, or a resume that saves at the iteration it loaded) sets the published copy aside as
   `iter_0000600.old` before renaming the new one in, and removes it only after the tracker is
   written. A kill between those two renames leaves no `iter_0000600`: readers then take the copy
-  set aside (`published_dir`), and the next publish puts it back first, so at every moment the
-  tracker names a complete folder. A failed save (disk full, read-only, a quota) removes its
+  set aside (`published_dir`), and the next publish (of any iteration) puts it back first, so at
+  every moment the tracker names a complete folder. A failed save (disk full, read-only, a quota) removes its
   staging folder and raises one CheckpointError on every rank; the published checkpoints stay.
 
 Conversion tools (tools/checkpoint_util.py, convert_to_hf.py, convert_from_hf.py) never delete
@@ -55,6 +55,10 @@ from .common import DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, CheckpointError, it
 from .guard import LOCK_FILE, lock_note
 
 
+_ASIDE = re.compile(r"^(iter_\d{7}|release)\.old$")
+_STAGING = re.compile(r"^(iter_\d{7}|release)\.partial$")
+
+
 def discard(staging: str) -> None:
     """Remove a staging folder (after a failure, or a leftover of a killed save)."""
     shutil.rmtree(staging, ignore_errors=True)
@@ -87,23 +91,24 @@ def published_dir(root: str, iteration: int | str) -> str:
     return aside if not os.path.exists(final) and os.path.isdir(aside) else final
 
 
-def restore_aside(root: str, iteration: int | str) -> None:
-    """Undo a re-save that stopped between its renames: put the copy set aside back in place.
+def restore_asides(root: str) -> None:
+    """Undo every re-save that stopped between its renames: put each copy set aside back in place.
     A copy set aside beside a published folder is a leftover (its removal was cut short)."""
-    final, aside = iter_dir(root, iteration), aside_dir(root, iteration)
-    if not os.path.isdir(aside):
-        return
-    if os.path.exists(final):
-        discard(aside)
-    else:
-        os.replace(aside, final)
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if not _ASIDE.match(name):
+            continue
+        aside, final = os.path.join(root, name), os.path.join(root, name[:-len(".old")])
+        if os.path.exists(final):
+            discard(aside)
+        else:
+            os.replace(aside, final)
 
 
 def publish_iteration(root: str, staging: str, iteration: int | str) -> None:
     """Rank 0, once every rank's files are in `staging`: rename it into place as the iteration's
     folder, write the tracker, then drop the copy it replaced. A failing tracker write puts the
     previous folder back and leaves the new one in `staging` (the caller removes it)."""
-    restore_aside(root, iteration)
+    restore_asides(root)
     final, aside = iter_dir(root, iteration), aside_dir(root, iteration)
     replaced = _swap_in(staging, final, aside)
     try:
@@ -128,7 +133,7 @@ def staged_iteration(root: str, iteration: int | str, rank: int) -> Iterator[str
     re-raises it, so a bug keeps its traceback); the checkpoints published before stay as they
     were. The block must finish its collectives on every rank (raise after the last one)."""
     staging = staging_dir(root, iteration)
-    _agree(_attempt(lambda: _fresh(staging), rank == 0), root, iteration, staging, rank)
+    _agree(_attempt(lambda: _fresh(root, staging), rank == 0), root, iteration, staging, rank)
     failure = None
     try:
         yield staging
@@ -138,8 +143,12 @@ def staged_iteration(root: str, iteration: int | str, rank: int) -> Iterator[str
     _agree(_attempt(lambda: publish_iteration(root, staging, iteration), rank == 0), root, iteration, staging, rank)
 
 
-def _fresh(staging: str) -> None:
-    discard(staging)   # a killed save's leftover
+def _fresh(root: str, staging: str) -> None:
+    """An empty `staging`, after removing every staging folder a killed save left in `root` (only
+    this job writes there: it holds the directory's lock)."""
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if _STAGING.match(name):
+            discard(os.path.join(root, name))
     os.makedirs(staging)
 
 
