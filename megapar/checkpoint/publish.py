@@ -191,7 +191,8 @@ def _file_system_error(e: BaseException) -> Optional[OSError]:
 
 _FIXES = {errno.EROFS: "make it writable or give another --save",
           errno.EACCES: "fix its permissions or give another --save",
-          errno.EPERM: "fix its permissions or give another --save"}
+          errno.EPERM: "fix its permissions or give another --save",
+          errno.EFBIG: "raise the file size limit (ulimit -f), give another --save, or save less with --no-save-optim"}
 _SPACE = "free space there, give another --save, or save less with --no-save-optim"
 
 
@@ -297,8 +298,9 @@ def _check_not_in_use(out_dir: str) -> None:
     """A training job's --save (its lock file) is never an output to replace, whatever else it holds."""
     owner = lock_note(out_dir)
     if owner is not None:
+        lock = os.path.join(out_dir, LOCK_FILE)
         raise CheckpointError(f"output directory {out_dir} is the --save of a training job ({owner}); choose a new "
-                              f"directory (if that job is no longer running, delete {os.path.join(out_dir, LOCK_FILE)})")
+                              f"directory (if that job is no longer running, delete {lock})")
 
 
 def prepare_output(out_dir: str, force: bool, kinds: Iterable[str], load_dir: str | None = None) -> None:
