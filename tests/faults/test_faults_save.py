@@ -115,8 +115,8 @@ def test_lock_on_another_host_says_how_to_clear_it(data, tmp_path):
 def test_lock_is_released_when_a_signal_stops_the_run(data, trained, tmp_path, sig, rc):
     """Without --exit-signal-handler: SIGTERM still kills the run (as before), Ctrl-C stops it unsaved."""
     ck = tmp_path / "ck"
-    cmd = [sys.executable, "-m", "megapar.pretrain_gpt2", *TINY, *data, "--train-iters", "100000", "--save", str(ck),
-           "--data-cache-path", str(cache_of(trained))]
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--train-iters",
+           "100000", "--save", str(ck), "--data-cache-path", str(cache_of(trained))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     seen = []
@@ -126,8 +126,12 @@ def test_lock_is_released_when_a_signal_stops_the_run(data, trained, tmp_path, s
             assert (ck / LOCK).is_file()
             proc.send_signal(sig)
             break
-    proc.communicate(timeout=60)
-    assert proc.returncode == rc, "".join(seen)[-3000:]
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:   # show where it hangs (faulthandler prints every thread's stack)
+        proc.send_signal(signal.SIGABRT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == rc, ("".join(seen) + out)[-5000:]
     assert not (ck / LOCK).exists()
 
 
