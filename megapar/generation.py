@@ -342,7 +342,7 @@ def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int
     if it is None:
         raise GenerationError(f"--load {load_dir} has no {ck.TRACKER}; it is not a (finished) checkpoint directory "
                               f"-- pass the --save directory of a training run")
-    step_dir = ck.iter_dir(load_dir, it)
+    step_dir = ck.published_dir(load_dir, it)
     if not os.path.isdir(step_dir):
         raise GenerationError(f"checkpoint directory {step_dir} (named by {ck.TRACKER}) is missing")
     if ck.is_dist_checkpoint(step_dir) or _saved_layout(step_dir) != (tp, pp):  # read canonical tensors, reshard

@@ -8,18 +8,19 @@ a checkpoint, and what to run next. No downloads, no network.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
 import time
 from datetime import timedelta
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
 from .arguments import DEEPSPEED_CONFIG, Config, ConfigError, config_from_namespace, default_of, parse_flags
 from .errors import USER_ERROR_EXIT, MegaparError
-from .checkpoint import check_load_dir
+from .checkpoint import SaveDirLock, check_finetune_dirs, check_load_dir, check_save_space
 from .heartbeat import Heartbeat, is_timeout, timeout_error
 from .initialize import build_run, init_distributed, print_rank0, train_iters
 from .pipeline.p2p import current_step
@@ -58,6 +59,7 @@ def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
             parse_data_path(cfg.data.data_path)
         except DatasetError as e:
             raise ConfigError(str(e)) from None
+    check_finetune_dirs(cfg.ckpt)                  # a fine-tune never writes over what it loads
     return cfg
 
 
@@ -74,6 +76,25 @@ def on_rank0_for_all(check: Callable[[], object], rank: int) -> None:
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
         raise box[0]
+
+
+@contextlib.contextmanager
+def holding_save_dir(save: Optional[str], rank: int) -> Iterator[None]:
+    """One job per --save directory: rank 0 takes its lock (megapar/checkpoint/guard.py; every rank
+    fails with the same line if another job holds it) and removes it when the run ends -- normally,
+    by an error, Ctrl-C or SIGTERM."""
+    if not save:
+        yield
+        return
+    lock = SaveDirLock(save, shlex.join(sys.argv)) if rank == 0 else None
+    on_rank0_for_all(lambda: lock.acquire(), rank)
+    restore = lock.release_on_sigterm() if lock else lambda: None
+    try:
+        yield
+    finally:
+        restore()
+        if lock:
+            lock.release()
 
 
 def prepare_data(cfg: Config, rank: int) -> None:
@@ -117,12 +138,19 @@ def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None, state: Optional[
     given, is filled in as training goes). `argv` (the flags as given) lets the closing "train
     longer" command repeat them."""
     rank, world, device = init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
+    with holding_save_dir(cfg.ckpt.save, rank):
+        return _with_groups(cfg, rank, world, device, argv, state if state is not None else TrainState())
+
+
+def _with_groups(cfg: Config, rank: int, world: int, device, argv: Optional[Sequence[str]],
+                 state: TrainState) -> TrainState:
+    """The process groups, a heartbeat, and a collective timeout turned into one line naming the peer."""
     p = cfg.parallel
     topo = Topology(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
     with Heartbeat(rank, world, p.distributed_timeout_minutes) as heartbeat:
         try:
             topo.create_groups(rank, timedelta(minutes=p.distributed_timeout_minutes))
-            return _pretrain(cfg, topo, rank, device, argv, state if state is not None else TrainState())
+            return _pretrain(cfg, topo, rank, device, argv, state)
         except RuntimeError as e:  # a peer that stopped answering: one line naming it, not a traceback
             if not is_timeout(e):
                 raise
@@ -155,6 +183,8 @@ def _pretrain(cfg: Config, topo: Topology, rank: int, device, argv: Optional[Seq
     if train_iters(cfg) > 0:  # token ids the model's embedding table has no row for
         from .data.gpt_dataset import check_token_ids
         on_rank0_for_all(lambda: check_token_ids(cfg.data.data_path, tokenizer.vocab_size), rank)
+    if cfg.ckpt.save and train_iters(cfg) > 0:  # before the model is built: a run that cannot save stops here
+        on_rank0_for_all(lambda: check_save_space(cfg, tokenizer.vocab_size), rank)
     run = build_run(cfg, topo, rank, device, tokenizer.vocab_size)
     if cfg.ckpt.load:
         load(run, state)
@@ -217,7 +247,7 @@ def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]]) 
     valued = {"--load", "--save", "--train-iters", "--train-samples", "--lr-decay-iters"}
     ends_at_zero = (scheduler.min_lr == 0 and scheduler.decay_style != "constant"
                     and scheduler.decay_steps <= train_iters(cfg))
-    switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler"}
+    switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler", "--finetune"}
     if ends_at_zero:
         switches |= {"--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"}
     kept = _without(argv, valued, switches)
@@ -235,8 +265,9 @@ def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]]) 
 
 def resume_command(cfg: Config, argv: Optional[Sequence[str]]) -> str:
     """The command that finishes a run stopped early (signal, --exit-interval, time limit): this
-    run's flags with --load and --save at its checkpoint; the same length and LR schedule."""
-    kept = _without(argv, {"--load", "--save"})
+    run's flags with --load and --save at its checkpoint; the same length and LR schedule. Both
+    continue this run (a fine-tune's too: it resumes from its own checkpoint, without --finetune)."""
+    kept = _without(argv, {"--load", "--save"}, {"--finetune"})
     kept += ["--load", cfg.ckpt.save, "--save", cfg.ckpt.save]
     return f"bash scripts/pretrain_gpt2.sh {shlex.join(kept)}   # resume where this run stopped"
 

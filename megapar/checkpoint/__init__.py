@@ -5,6 +5,8 @@
     dist.py     `--ckpt-format torch_dist`: every rank writes what it owns (torch.distributed.checkpoint),
                 loadable at any layout; `--async-save`
     stream.py   torch.save's zip format written one tensor at a time
+    publish.py  staging folders and publishing (training's iterations, the conversion tools' outputs)
+    guard.py    one job per --save (its lock file), the --finetune rule, the disk checks
 
 `save_checkpoint` writes the format asked for; `load_checkpoint` reads whichever the tracker's
 iteration holds.
@@ -19,9 +21,11 @@ from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, SHAPE_F
                      flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, nest_model_state,
                      nest_model_states, read_saved_config, read_tracker, restore_scheduler, saved_layout_flags,
                      set_rng_state, shard_dir_name)
-from .dist import AsyncSaves, is_dist_checkpoint
 from .common import OPTIM_KINDS, parse_shard_dir, shard_dirs
+from .dist import AsyncSaves, is_dist_checkpoint
 from .legacy import load_model_state
+from .guard import SaveDirLock, check_finetune_dirs, check_save_space
+from .publish import published_dir, publish_iteration, staged_iteration, staging_dir
 
 FORMATS = ("torch", "torch_dist")
 

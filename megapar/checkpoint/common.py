@@ -209,14 +209,15 @@ def set_rng_state(state: dict) -> None:
     get_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def _same_dir(a: str, b: str) -> bool:
+def same_dir(a: str, b: str) -> bool:
+    """Do two paths name the same directory (relative paths, `..` and symlinks resolved)?"""
     return os.path.realpath(os.path.abspath(a)) == os.path.realpath(os.path.abspath(b))
 
 
 def check_load_dir(load: Optional[str], save: Optional[str]) -> None:
     """Before any work: `--load` must name a checkpoint directory, unless it is also `--save`
     (the first run of a resumable job, which starts from scratch). Raises ConfigError."""
-    if not load or (save and _same_dir(load, save)):
+    if not load or (save and same_dir(load, save)):
         return
     fix = (f"give the directory a run saved into (the one holding {TRACKER}), the same directory as --save "
            f"for a job that resumes itself, or drop --load to start from scratch")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import threading
 import warnings
 from dataclasses import asdict, dataclass
@@ -45,8 +44,8 @@ from ..arguments import ModelConfig
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from .layout import HEAD, WORD, canonical_key, chunk_layout
 from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_same_model, get_rng_state,
-                     iter_dir, load_file, read_saved_config, read_tracker, restore_scheduler, set_rng_state)
-from .legacy import _publish
+                     load_file, read_saved_config, read_tracker, restore_scheduler, set_rng_state)
+from .publish import published_dir, staged_iteration
 
 COMMON_FILE = "common.pt"
 FORMAT = "torch_dist"
@@ -349,22 +348,14 @@ def _cause(e: BaseException) -> BaseException:
 
 def _write(root: str, iteration: int, entries: dict[str, Entry], common: dict, group, rank: int,
            announce: bool = False) -> None:
-    """Collective over `group`: every rank's chunks into the staging folder, then rank 0 publishes
-    the folder and the tracker (once DCP has every rank's files complete and synced)."""
-    staging = iter_dir(root, iteration) + ".partial"
-    if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-        atomic_torch_save(common, os.path.join(staging, COMMON_FILE))
-    dist.barrier(group=group)
-    save_entries(entries, staging, group)
-    dist.barrier(group=group)
-    if rank == 0:
-        _publish(root, iter_dir(root, iteration), staging, iteration)
-        if announce:
-            print(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} (in the background)",
-                  flush=True)
-    dist.barrier(group=group)
+    """Collective over `group`: every rank's chunks into the staging folder, published by rank 0
+    (folder, then tracker) once every rank's files are complete and synced (publish.py)."""
+    with staged_iteration(root, iteration, rank, group) as staging:
+        if rank == 0:
+            atomic_torch_save(common, os.path.join(staging, COMMON_FILE))
+        save_entries(entries, staging, group)
+    if rank == 0 and announce:
+        print(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} (in the background)", flush=True)
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
@@ -473,7 +464,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
     """Collective: every rank reads what it owns at this run's layout, whatever the saved layout.
     Returns (iteration, consumed_train_samples); (0, 0) with `finetune`."""
     iteration = read_tracker(root)
-    folder = iter_dir(root, iteration)
+    folder = published_dir(root, iteration)
     common = read_common(folder)
     saved = read_saved_config(common, os.path.join(folder, COMMON_FILE))
     check_same_model(saved, model_config, folder)

@@ -15,8 +15,8 @@ Training's save streams: dp rank 0 of each (tp, pp) position writes its shard as
 come -- the model's one at a time (ZeRO-3 layers gathered one layer at a time), the optimizer
 state one parameter and kind at a time (ZeRO: assembled on the writer from the dp ranks that
 own its parts) -- so no rank holds more than its own shard plus one parameter's state. Every
-rank writes into `iter_XXXXXXX.partial/`; after a barrier rank 0 renames it into place and then
-writes the tracker, so a crash mid-save never damages an earlier checkpoint. Optimizer state is
+rank writes into the iteration's staging folder; when all are done rank 0 renames it into place
+and then writes the tracker (publish.py), so a crash mid-save never damages an earlier checkpoint. Optimizer state is
 keyed by parameter name ({"state": {name: {master_param, exp_avg, exp_avg_sq}}, "step",
 "grad_scaler", "param_groups"}) so any layout can be resharded.
 """
@@ -25,22 +25,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import shutil
-import time
 from contextlib import nullcontext
 from dataclasses import asdict
 from typing import Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..arguments import ModelConfig
-from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, OPTIM_KINDS, TRACKER, CheckpointError,
+from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, OPTIM_KINDS, CheckpointError,
                      check_compatible, flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file,
                      nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
                      shard_dir_name, shard_dirs)
 from .stream import LazyTensor, StreamingSaver
-from ..atomic import atomic_write_text
+from .publish import published_dir, staged_iteration
 
 
 # ---- what a shard's files hold -----------------------------------------------------------------
@@ -83,24 +80,25 @@ def feed(saver: StreamingSaver, stream: Iterator[tuple]) -> None:
 
 
 # ---- save ---------------------------------------------------------------------------------------
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
                     model_config: ModelConfig, topo, rank: int, save_optim: bool = True,
                     save_rng: bool = True) -> None:
     """Collective: every rank calls it. `args` is stored as the checkpoint's `args` (it must
     carry consumed_train_samples), `model_config` as its `model_config` (vocabulary sizes set).
     Data-parallel rank 0 of each (tp, pp) position writes that shard, streamed (module docstring);
-    the other dp ranks take part in the gathers of ZeRO-3 layers and ZeRO optimizer state."""
+    the other dp ranks take part in the gathers of ZeRO-3 layers and ZeRO optimizer state. Written
+    into the iteration's staging folder and published when every rank is done (publish.py); a failed
+    write raises one CheckpointError on every rank."""
+    with staged_iteration(root, iteration, rank) as staging:
+        _stream_shard(staging, iteration, model, optimizer, scheduler, args, model_config, topo, rank, save_optim,
+                      save_rng)
+
+
+def _stream_shard(staging: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
+                  model_config: ModelConfig, topo, rank: int, save_optim: bool, save_rng: bool) -> None:
+    """This rank's part of the save into `staging`: dp rank 0 writes the shard's files, the other
+    dp ranks feed the collectives of its streams."""
     c = topo.coord(rank)
-    final, staging = iter_dir(root, iteration), iter_dir(root, iteration) + ".partial"
-    if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    _barrier()
     writer = c.dp == 0
     with_optim = save_optim and optimizer is not None and (writer or optimizer.is_distributed)
     optim_meta = optimizer.saved_meta() if with_optim else None
@@ -120,10 +118,6 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     else:
         for _ in itertools.chain(model_stream, optim_stream):   # the collectives of the writer's streams
             pass
-    _barrier()
-    if rank == 0:
-        _publish(root, final, staging, iteration)
-    _barrier()
 
 
 def _write_shard(shard: str, obj: dict, dist_obj: Optional[dict], model_stream: Iterator, optim_stream: Iterator):
@@ -167,18 +161,6 @@ def load_model_state(model, flat: dict[str, torch.Tensor], path: str) -> None:
     units = sharded.unit_of()
     model.load_state_dict({k: v for k, v in flat.items() if id(params.get(k)) not in units}, strict=False)
     sharded.load_full({id(params[k]): v for k, v in flat.items() if k in params and id(params[k]) in units})
-
-
-def _publish(root: str, final: str, staging: str, iteration: int) -> None:
-    """Move the finished staging dir into place, then write the tracker (last)."""
-    old = None
-    if os.path.exists(final):
-        old = f"{final}.old.{int(time.time())}"
-        os.replace(final, old)
-    os.replace(staging, final)
-    atomic_write_text(os.path.join(root, TRACKER), str(iteration))
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # ---- load -------------------------------------------------------------------------------------
@@ -251,8 +233,12 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
         if rank == 0:
             print(f"> no checkpoint in {root} yet: starting from scratch", flush=True)
         return 0, 0
-    c = topo.coord(rank)
-    path = os.path.join(iter_dir(root, iteration), shard_dir_name(c.tp, c.pp, topo.pp), MODEL_FILE)
+    c, folder = topo.coord(rank), published_dir(root, iteration)
+    if rank == 0 and folder != iter_dir(root, iteration):
+        print(f"> {iter_dir(root, iteration)} is missing (a re-save of it was stopped): loading the copy it "
+              f"replaced, {folder}", flush=True)
+    shard = os.path.join(folder, shard_dir_name(c.tp, c.pp, topo.pp))
+    path = os.path.join(shard, MODEL_FILE)
     if not os.path.isfile(path):
         _explain_missing_shard(root, iteration, path, topo, model_config)
     state = read_shard(path)
@@ -287,7 +273,7 @@ def _load_optimizer(state: dict, path: str, optimizer) -> None:
 def _explain_missing_shard(root: str, iteration, path: str, topo, model_config: ModelConfig) -> None:
     """This rank's shard is missing: if another shard exists, report how its layout or model
     differs from this run (the same message on every rank); else report the missing file."""
-    folder = iter_dir(root, iteration)
+    folder = published_dir(root, iteration)
     present = shard_dirs(folder)
     for name in present:
         other = os.path.join(folder, name, MODEL_FILE)

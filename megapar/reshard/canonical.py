@@ -18,7 +18,7 @@ import torch
 
 from ..checkpoint.common import (OPTIM_KINDS, CheckpointError, SavedConfig, atomic_torch_save, load_file,
                                  read_saved_config)
-from .output import CANONICAL, CHECKPOINT, staged_output
+from ..checkpoint.publish import CANONICAL, CHECKPOINT, staged_output
 from ..checkpoint.stream import LazyTensor, StreamingSaver
 
 META = "metadata.pt"
@@ -76,7 +76,7 @@ class CanonicalFolder:
 def write_canonical(src, out_dir: str, with_optim: bool = True, force: bool = False, log=print) -> None:
     """Stream `src` (ShardedCheckpoint or CanonicalFolder) into a canonical folder, one
     parameter at a time. Written into a staging folder beside `out_dir`, renamed into place at the
-    end (megapar/reshard/output.py: what `force` may replace)."""
+    end (megapar/checkpoint/publish.py: what `force` may replace)."""
     with staged_output(src, out_dir, force, (CHECKPOINT, CANONICAL)) as staging:
         meta = _write_canonical_files(src, staging, with_optim)
     log(f"wrote canonical checkpoint ({len(meta['specs'])} parameters, iteration {meta['iteration']}) to {out_dir}")

@@ -3,7 +3,7 @@
 Streaming: for every parameter, the full tensor is read once, split for each target TP rank
 and written straight into that rank's open shard file (StreamingSaver), so memory holds a
 few tensors, never the model. Output is staged in a hidden `.<save_dir>.partial.XXXXXXXX` folder
-beside it and renamed into place when complete (megapar/reshard/output.py); the tracker file
+beside it and renamed into place when complete (megapar/checkpoint/publish.py); the tracker file
 is inside it, so a crash never leaves a half checkpoint.
 
 Carried: model weights (vocab re-padded with zero rows for the target tp), optimizer state
@@ -23,7 +23,7 @@ from ..checkpoint.common import (OPTIM_KINDS, SavedConfig, DISTRIB_OPTIM_FILE, M
                                  shard_dir_name)
 from ..checkpoint.legacy import shard_objects
 from . import retarget
-from .output import CANONICAL, CHECKPOINT, staged_output
+from ..checkpoint.publish import CANONICAL, CHECKPOINT, staged_output
 from ..checkpoint.layout import chunk_layout, split, stage_keys
 from ..checkpoint.stream import LazyTensor, StreamingSaver
 

@@ -27,7 +27,7 @@ from ..arguments import DataConfig
 from ..checkpoint.common import SavedConfig
 from . import hf_tokenizer
 from .hf_tokenizer import TokenizerFiles
-from .output import HF, staged_output
+from ..checkpoint.publish import HF, staged_output
 
 _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
 # megapar layer module -> (HF GPT-2 block module, is a linear stored by HF's Conv1D as [in, out])

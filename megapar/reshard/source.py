@@ -17,9 +17,10 @@ import torch
 
 from ..topology import layer_counts
 from ..checkpoint.common import (OPTIM_KINDS, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError,
-                                 flatten_model_states, iter_dir, load_file, read_saved_config, read_tracker,
+                                 flatten_model_states, load_file, read_saved_config, read_tracker,
                                  shard_dir_name, shard_dirs)
 from ..checkpoint.legacy import check_optimizer_state, read_optimizer_state, read_shard
+from ..checkpoint.publish import published_dir
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from ..checkpoint.layout import HEAD, canonical_key, chunk_layout, expected_full_shape, stage_of
 
@@ -78,7 +79,7 @@ class ShardedCheckpoint:
                 raise CheckpointError(f"{os.path.join(root, 'latest_checkpointed_iteration.txt')} is missing; "
                                       f"{root} holds no finished checkpoint (pass --iteration to pick one)")
         self.iteration = iteration
-        self.dir = iter_dir(root, iteration)
+        self.dir = published_dir(root, iteration)
         if not os.path.isdir(self.dir):
             raise CheckpointError(f"checkpoint directory {self.dir} (named by the tracker) does not exist")
         self.tp, self.pp = self._detect_layout()

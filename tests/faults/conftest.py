@@ -13,6 +13,8 @@ from harness import ROWS, table  # noqa: E402
 QUICK = {
     "test_faults_smoke.py": None,                                          # the harness itself: all
     "test_faults_checkpoints.py": {"test_save_dir_containing_the_source_is_refused"},        # data loss
+    "test_faults_save.py": {"test_finetune_into_its_own_load_dir_is_refused",                 # --save safety,
+                            "test_lock_on_another_host_says_how_to_clear_it"},               # the lock
     "test_faults_data.py": {"test_wrong_format_merge_file_in_preprocess",                   # tokenizer files,
                             "test_bad_evaluation_file[malformed JSON line]"},               # OpenWebText steps
     "test_faults_zero.py": {"test_bad_zero_flags_through_the_launcher[param offload below stage 3]"},

@@ -2,7 +2,7 @@
 
 data loss: tools/checkpoint_util.py and tools/convert_to_hf.py never delete what they did not
 write -- a --save-dir that is, contains or lies inside --load-dir is refused, and --force replaces
-only a previous output of the same tool (megapar/reshard/output.py).
+only a previous output of the same tool (megapar/checkpoint/publish.py).
 load: a --load that names no checkpoint stops before any work, unless it is also --save (a
 resumable job's first run: a note, then training from scratch); files are written with the umask.
 """
@@ -332,7 +332,7 @@ def test_kill_during_a_save_resumes_exactly(data, tmp_path, uninterrupted_losses
 def test_output_that_changes_during_a_conversion_is_not_replaced(tmp_path):
     """publish_dir checks the output again just before the rename."""
     from megapar.checkpoint import CheckpointError
-    from megapar.reshard.output import CANONICAL, CHECKPOINT, new_staging, publish_dir
+    from megapar.checkpoint.publish import CANONICAL, CHECKPOINT, new_staging, publish_dir
     out = tmp_path / "out"
     staging = new_staging(str(out))                      # the tool started on an absent --save-dir ...
     (Path(staging) / "metadata.pt").write_bytes(b"new")

@@ -201,3 +201,19 @@ def test_a_run_stopped_early_is_told_how_to_resume():
     cfg = parse(argv + ["--data-path", "x"], 1)
     assert resume_command(cfg, argv).split("   #")[0] == (
         "bash scripts/pretrain_gpt2.sh --train-iters 100 --exit-signal-handler --load b --save b")
+
+
+def test_a_fine_tunes_next_commands_resume_it_without_finetune(tmp_path):
+    """A fine-tune saves into its own --save; continuing it loads that, so --finetune (refused with --save equal
+    to --load) is dropped from both hints."""
+    from megapar.pretrain_gpt2 import parse, resume_command, train_longer_command
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "latest_checkpointed_iteration.txt").write_text("release")
+    ft = str(tmp_path / "ft")
+    argv = ["--train-iters", "100", "--load", str(tmp_path / "base"), "--save", ft, "--finetune", "--seed", "3"]
+    cfg = parse(argv + ["--data-path", "x"], 1)
+    sched = types.SimpleNamespace(min_lr=1e-5, decay_style="cosine", decay_steps=100)
+    for hint in (resume_command(cfg, argv), train_longer_command(cfg, sched, argv)):
+        flags = hint.split("   #")[0].split()[2:]
+        assert "--finetune" not in flags and flags[flags.index("--load") + 1] == ft, hint
+        parse(flags + ["--data-path", "x"], 1)   # the hint itself is accepted

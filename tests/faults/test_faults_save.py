@@ -1,0 +1,402 @@
+"""Nothing a user saved is lost or silently replaced by a training run, faulted for real on CPU.
+
+save dir: one job per --save (a live owner refuses a second job, through the launcher on every
+rank; a dead owner's lock is taken over; another host's lock says how to clear it; the lock goes
+at exit, on an error, Ctrl-C and SIGTERM; the conversion tools never --force over a job's --save);
+--finetune never saves into its --load; --save must be writable and have room for a checkpoint.
+failed save: a file-system error while saving (disk full as a file size limit, read-only) gives
+one line, removes the partial save and leaves the previous checkpoint loadable.
+re-save: publishing an iteration that exists, stopped between any two of its steps (kill -9, or
+the steps run one by one), always leaves a checkpoint that loads (megapar/checkpoint/publish.py).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import ROOT, refused, run
+from test_faults_checkpoints import KILL_AT, MODEL, TINY, data, leftovers, losses, reshard, train, trained  # noqa: F401
+
+sys.path.insert(0, str(ROOT / "tests"))
+from distributed import run_distributed  # noqa: E402
+
+PRETRAIN = ["python", "-m", "megapar.pretrain_gpt2"]
+LOCK = "megapar.lock"
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def cache_of(trained: Path) -> Path:
+    """The data cache the `trained` run built (reusing it writes no index files)."""
+    return trained.parent / "cache"
+
+
+def write_lock(save: Path, host: str, pid: int, started: float | None = None) -> Path:
+    """A lock file as a job on `host` with `pid` would have written it."""
+    save.mkdir(parents=True, exist_ok=True)
+    path = save / LOCK
+    path.write_text(json.dumps({"host": host, "pid": pid, "started": started or time.time() - 60,
+                                "command": "python -m megapar.pretrain_gpt2 --save " + str(save)}))
+    return path
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def held_lock(save: Path):
+    """The save-dir lock, held by this (running) test process."""
+    from megapar.checkpoint import SaveDirLock
+    lock = SaveDirLock(str(save), "pytest: a job that is still running")
+    lock.acquire()
+    return lock
+
+
+# ---- one job per --save ---------------------------------------------------------------------------------
+def test_second_job_on_the_same_save_is_refused(data, trained, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(trained, ck)
+    lock = held_lock(ck)
+    try:
+        refused([*PRETRAIN, *TINY, *data, "--train-iters", "2", "--load", ck, "--save", ck,
+                 "--data-cache-path", cache_of(trained)], fault_class="save dir",
+                case="a second job with the same --save (owner alive, same host)",
+                expect=[f"--save {ck} is in use by another job", f"host {socket.gethostname()}",
+                        f"PID {os.getpid()}", "give another --save"], watch=[ck])
+    finally:
+        lock.release()
+    assert not (ck / LOCK).exists()
+
+
+def test_second_job_through_the_launcher_fails_on_every_rank(data, trained, tmp_path):
+    """tp 2: rank 0 reads the lock, every rank stops with its line (no rank waits for the others)."""
+    ck = tmp_path / "ck"
+    lock = held_lock(ck)
+    try:
+        refused(["bash", "scripts/pretrain_gpt2.sh", "--tensor-parallel", "2", *TINY, *data, "--save", ck,
+                 "--data-cache-path", cache_of(trained)], fault_class="save dir",
+                case="a second job with the same --save through the launcher (tp 2)",
+                expect=["is in use by another job", f"PID {os.getpid()}"], watch=[ck], timeout=120)
+    finally:
+        lock.release()
+
+
+def test_lock_of_a_dead_owner_is_taken_over(data, trained, tmp_path):
+    ck = tmp_path / "ck"
+    write_lock(ck, socket.gethostname(), dead_pid())
+    out = train(data, "--save", ck, cache=cache_of(trained))
+    assert out.rc == 0, out.output[-3000:]
+    assert f"> taking over {ck / LOCK}: its owner is no longer running" in out.output
+    assert sorted(os.listdir(ck)) == ["iter_0000001", TRACKER]  # released at the normal exit
+
+
+def test_lock_on_another_host_says_how_to_clear_it(data, tmp_path):
+    ck = tmp_path / "ck"
+    path = write_lock(ck, "gpu-node-17.example", 4242)
+    refused([*PRETRAIN, *TINY, *data, "--save", ck], fault_class="save dir",
+            case="a --save locked by a job on another host",
+            expect=["in use by another job", "host gpu-node-17.example", "PID 4242",
+                    f"if that job is no longer running, delete {path}"], watch=[tmp_path])
+
+
+@pytest.mark.parametrize("sig,rc", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)])
+def test_lock_is_released_when_a_signal_stops_the_run(data, trained, tmp_path, sig, rc):
+    """Without --exit-signal-handler: SIGTERM still kills the run (as before), Ctrl-C stops it unsaved."""
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--train-iters",
+           "100000", "--save", str(ck), "--data-cache-path", str(cache_of(trained))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if " iteration        2/" in line:
+            assert (ck / LOCK).is_file()
+            proc.send_signal(sig)
+            break
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:   # show where it hangs (faulthandler prints every thread's stack)
+        proc.send_signal(signal.SIGABRT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == rc, ("".join(seen) + out)[-5000:]
+    assert not (ck / LOCK).exists()
+
+
+def test_conversion_never_replaces_a_running_jobs_save(trained, tmp_path):
+    runs = tmp_path / "runs"
+    shutil.copytree(trained, runs / "ck")
+    shutil.copytree(trained, runs / "job")   # a checkpoint directory a job is saving into right now
+    lock = held_lock(runs / "job")
+    try:
+        refused(reshard(runs / "ck", runs / "job", "--force"), fault_class="save dir",
+                case="checkpoint_util --force onto a running training job's --save",
+                expect=["is the --save of a training job", f"PID {os.getpid()}"], watch=[runs])
+    finally:
+        lock.release()
+
+
+# ---- --finetune, and --save's file system ---------------------------------------------------------------
+def test_finetune_into_its_own_load_dir_is_refused(data, tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (tmp_path / "link").symlink_to(ck)
+    refused([*PRETRAIN, *TINY, *data, "--load", ck, "--save", tmp_path / "link", "--finetune"],
+            fault_class="save dir", case="--finetune with --save = --load (through a symlink)",
+            expect=["--finetune with --save", "equal to --load", "give a new --save"], watch=[tmp_path])
+
+
+def test_save_below_a_file_is_refused_at_start(data, tmp_path):
+    (tmp_path / "notes.txt").write_text("the user's notes\n")
+    refused([*PRETRAIN, *TINY, *data, "--save", tmp_path / "notes.txt" / "ck"], fault_class="save dir",
+            case="--save inside a file", expect=["is not writable", "Not a directory"], watch=[tmp_path])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="running as root: chmod does not stop root's writes")
+def test_read_only_save_dir_is_refused_at_start(data, trained, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(trained, ck)
+    ck.chmod(0o555)
+    try:
+        refused([*PRETRAIN, *TINY, *data, "--train-iters", "2", "--load", ck, "--save", ck,
+                 "--data-cache-path", cache_of(trained)], fault_class="save dir",
+                case="a read-only --save", expect=["is not writable", "Permission denied"], watch=[ck])
+    finally:
+        ck.chmod(0o755)
+
+
+def test_checkpoint_size_is_what_a_save_writes(trained):
+    """The disk check's estimate is the tensor bytes of a real checkpoint (model + optimizer)."""
+    from megapar.checkpoint.guard import checkpoint_bytes
+    from megapar.pretrain_gpt2 import parse
+    state = torch.load(trained / MODEL, map_location="cpu", weights_only=False)
+    tensors = [t for t in _tensors(state["model"])] + [t for t in _tensors(state["optimizer"]["state"])]
+    written = sum(t.numel() * t.element_size() for t in tensors)
+    cfg = parse([*TINY, "--data-path", "x"], 1)
+    assert checkpoint_bytes(cfg, 265) == written
+    cfg.ckpt.no_save_optim = True
+    assert checkpoint_bytes(cfg, 265) == sum(t.numel() * t.element_size() for t in _tensors(state["model"]))
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    return [t for v in (tree.values() if isinstance(tree, dict) else ()) for t in _tensors(v)]
+
+
+def test_not_enough_free_space_is_refused_before_the_model_is_built(data, tmp_path):
+    hidden = 8192                                 # 16 B/param (fp32 + optimizer), ~12 h^2 params per layer
+    layers = shutil.disk_usage(tmp_path).free // (16 * 12 * hidden * hidden) + 2
+    shape = ["--num-layers", str(layers), "--hidden-size", str(hidden)]
+    refused([*PRETRAIN, *TINY, *data, *shape, "--save", tmp_path / "ck"], fault_class="save dir",
+            case=f"--save without room for one checkpoint ({layers} layers x hidden {hidden})",
+            expect=[f"--save {tmp_path / 'ck'} has", "free, but one checkpoint of this model needs",
+                    "give another --save", "--no-save-optim"], watch=[tmp_path], timeout=120)
+
+
+FSIZE = '''import resource, runpy, signal, sys
+limit = int(sys.argv[1])
+sys.argv = ["megapar.pretrain_gpt2"] + sys.argv[2:]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit then fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+runpy.run_module("megapar.pretrain_gpt2", run_name="__main__")
+'''
+
+
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(data, trained, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(trained, ck)
+    limit = (ck / MODEL).stat().st_size // 2      # no file as large as a model file fits
+    flags = [*TINY, *data, "--train-iters", "2", "--load", ck, "--save", ck, "--data-cache-path", cache_of(trained)]
+    refused(["python", "-c", FSIZE, str(limit), *flags], fault_class="failed save",
+            case="the file system refuses a write mid-save (file size limit: EFBIG)",
+            expect=[f"saving iteration 2 to {ck} failed", "File too large (EFBIG)", "partial save was removed",
+                    "--no-save-optim"], watch=[ck])
+    resumed = run([*PRETRAIN, *flags])
+    assert resumed.rc == 0 and f"successfully loaded checkpoint from {ck} at iteration 1" in resumed.output, \
+        resumed.output[-3000:]
+    assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000002", TRACKER]
+
+
+def _rank1_fills_the_disk(rank, world, root):
+    """Rank 1's writes fail for real (a file size limit); every rank must raise the same line."""
+    import resource
+    from megapar.checkpoint import CheckpointError, atomic_torch_save, staged_iteration
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    try:
+        with staged_iteration(root, 2, rank) as staging:
+            if rank == 1:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
+            atomic_torch_save(torch.zeros(10_000), os.path.join(staging, f"rank{rank}.pt"))
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    return None
+
+
+def test_a_failed_write_on_one_rank_fails_every_rank_alike(trained, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(trained, ck)
+    lines = run_distributed(_rank1_fills_the_disk, 2, args=(str(ck),))
+    assert lines[0] == lines[1] and lines[0].startswith(f"saving iteration 2 to {ck} failed on rank 1: "
+                                                        f"File too large (EFBIG)"), lines
+    assert sorted(os.listdir(ck)) == ["iter_0000001", TRACKER] and (ck / TRACKER).read_text() == "1"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="running as root: chmod does not stop root's writes")
+def test_read_only_checkpoint_dir_fails_a_save_in_one_line(trained, tmp_path):
+    from megapar.checkpoint import CheckpointError, staged_iteration
+    ck = tmp_path / "ck"
+    shutil.copytree(trained, ck)
+    ck.chmod(0o555)
+    try:
+        with pytest.raises(CheckpointError, match=r"Permission denied \(EACCES\); fix its permissions"):
+            with staged_iteration(str(ck), 2, 0):
+                pass
+    finally:
+        ck.chmod(0o755)
+    assert sorted(os.listdir(ck)) == ["iter_0000001", TRACKER]
+
+
+# ---- re-saving an iteration: stopped at every step ---------------------------------------------------------
+class Stopped(BaseException):
+    """The process 'dies' here (nothing after it runs, no cleanup of ours)."""
+
+
+def _mark(folder: Path, stamp: int | None = None) -> int:
+    """Tell copies of one iteration apart by their model file's modification time (set it with `stamp`)."""
+    path = folder / "mp_rank_00" / "model_optim_rng.pt"
+    if stamp is not None:
+        os.utime(path, (stamp, stamp))
+    return int(path.stat().st_mtime)
+
+
+def _loads(ck: Path) -> None:
+    """Both readers (generation's and resharding's) find a complete iteration 1."""
+    from megapar.generation import load_model_state
+    from megapar.reshard import ShardedCheckpoint
+    saved, flat = load_model_state(str(ck), 1, 1, 0, 0)
+    assert flat and saved.model.num_layers == 1
+    assert ShardedCheckpoint(str(ck)).iteration == 1
+
+
+@pytest.mark.parametrize("stop_at", [1, 2, 3])   # before: setting the old copy aside, the new one in, the tracker
+def test_resave_stopped_at_every_step_stays_loadable(trained, tmp_path, monkeypatch, stop_at):
+    from megapar.checkpoint.publish import publish_iteration, published_dir, staged_iteration, staging_dir
+    ck = tmp_path / "ck"
+    shutil.copytree(trained, ck)
+    new = Path(staging_dir(str(ck), 1))
+    shutil.copytree(trained / "iter_0000001", new)
+    real, calls = os.replace, [0]
+    _mark(new, 1_000_000)
+
+    def replace(src, dst):
+        calls[0] += 1
+        if calls[0] == stop_at:
+            raise Stopped
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(Stopped):
+        publish_iteration(str(ck), str(new), 1)
+    monkeypatch.setattr(os, "replace", real)
+    assert (ck / TRACKER).read_text() == "1"
+    _loads(ck)
+    if stop_at == 2:   # the old copy set aside, the new one not yet in: readers take the old one
+        assert not (ck / "iter_0000001").exists() and published_dir(str(ck), 1) == str(ck / "iter_0000001.old")
+    with staged_iteration(str(ck), 1, 0) as staging:   # the next save of iteration 1 completes and cleans up
+        shutil.copytree(trained / "iter_0000001", staging, dirs_exist_ok=True)
+        _mark(Path(staging), 2_000_000)
+    assert sorted(os.listdir(ck)) == ["iter_0000001", TRACKER]
+    _loads(ck)
+    assert _mark(ck / "iter_0000001") == 2_000_000
+
+
+def test_leftover_copy_beside_a_published_iteration_is_removed(trained, tmp_path):
+    """A kill while the replaced copy was being deleted leaves part of it; the next publish drops it."""
+    from megapar.checkpoint.publish import publish_iteration, published_dir
+    ck = tmp_path / "ck"
+    shutil.copytree(trained, ck)
+    (ck / "iter_0000001.old" / "mp_rank_00").mkdir(parents=True)   # half deleted
+    assert published_dir(str(ck), 1) == str(ck / "iter_0000001")
+    shutil.copytree(trained / "iter_0000001", tmp_path / "new")
+    publish_iteration(str(ck), str(tmp_path / "new"), 1)
+    assert sorted(os.listdir(ck)) == ["iter_0000001", TRACKER]
+
+
+TRACKER_FAILS = '''import os, resource, signal, sys
+from megapar.checkpoint.publish import publish_iteration
+ck, staging = sys.argv[1], sys.argv[2]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))   # renames work, no byte can be written
+try:
+    publish_iteration(ck, staging, 2)
+except OSError as e:
+    print("raised", e.errno)
+'''
+
+
+def test_tracker_write_failing_puts_the_previous_folder_back(trained, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(trained, ck)
+    shutil.copytree(ck / "iter_0000001", ck / "iter_0000002")          # iteration 2 published, unnamed
+    shutil.copytree(trained / "iter_0000001", tmp_path / "new")
+    _mark(ck / "iter_0000002", 1_000_000)
+    _mark(tmp_path / "new", 2_000_000)
+    out = run(["python", "-c", TRACKER_FAILS, ck, tmp_path / "new"])
+    assert out.rc == 0 and f"raised {errno.EFBIG}" in out.stdout, out.output[-3000:]
+    assert (ck / TRACKER).read_text() == "1" and _mark(ck / "iter_0000002") == 1_000_000
+    assert _mark(tmp_path / "new") == 2_000_000 and not leftovers(ck)
+    assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000002", TRACKER]
+
+
+def test_kill_between_the_renames_of_a_resave_resumes(data, trained, tmp_path):
+    """A run started from scratch into a --save that already holds iteration 1 is killed (-9) after
+    setting the old iteration 1 aside and before renaming its own in; the tracker names 1. The
+    next run takes over the dead run's lock, loads the copy set aside, and trains on."""
+    ck = tmp_path / "ck"
+    shutil.copytree(trained, ck)
+    flags = [*TINY, *data, "--data-cache-path", cache_of(trained)]
+    killed = run(["python", "-c", KILL_AT, "iter_0000001", "1", *flags, "--save", ck])
+    assert killed.rc == -9, killed.output[-3000:]
+    assert not (ck / "iter_0000001").exists() and (ck / "iter_0000001.old").is_dir()
+    resumed = run([*PRETRAIN, *flags, "--train-iters", "2", "--load", ck, "--save", ck])
+    assert resumed.rc == 0, resumed.output[-3000:]
+    assert "taking over" in resumed.output and "loading the copy it replaced" in resumed.output
+    assert f"successfully loaded checkpoint from {ck} at iteration 1" in resumed.output
+    assert 2 in losses(resumed.output)
+    assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000002", TRACKER]
+
+
+# ---- what --force may replace: the torch_dist layout --------------------------------------------------------
+def test_torch_dist_checkpoint_is_a_previous_output(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from megapar.checkpoint import CheckpointError
+    from megapar.checkpoint.publish import CHECKPOINT, is_checkpoint_output, prepare_output
+    ck = tmp_path / "ck"
+    it = ck / "iter_0000003"
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(it))   # one process: .metadata + __0_0.distcp
+    torch.save({"args": None}, it / "common.pt")
+    (ck / TRACKER).write_text("3")
+    assert {".metadata", "__0_0.distcp", "common.pt"} <= set(os.listdir(it)) and is_checkpoint_output(str(ck))
+    prepare_output(str(ck), True, (CHECKPOINT,))
+    (it / "notes.txt").write_text("mine")
+    assert not is_checkpoint_output(str(ck))
+    (it / "notes.txt").unlink()
+    write_lock(ck, socket.gethostname(), os.getpid())
+    with pytest.raises(CheckpointError, match="is the --save of a training job"):
+        prepare_output(str(ck), True, (CHECKPOINT,))
