@@ -21,7 +21,7 @@ from ..checkpoint.common import (OPTIM_KINDS, TRACKER, CheckpointError, atomic_t
                                  read_saved_config, read_tracker)
 from ..checkpoint.dist import (COMMON_FILE, Chunk, Deferred, Entry, common_record, fqn, load_entries, read_common,
                                save_entries)
-from .output import CANONICAL, CHECKPOINT, staged_output
+from ..checkpoint.publish import CANONICAL, CHECKPOINT, staged_output
 from .source import _model_order
 
 
@@ -83,7 +83,7 @@ class DistSource:
 
 def write_dist(src, out_dir: str, with_optim: bool = True, force: bool = False, log=print) -> None:
     """Write `src` (any reshard source) as a torch_dist checkpoint in `out_dir` (staged, then moved
-    into place; megapar/reshard/output.py says what `force` may replace)."""
+    into place; megapar/checkpoint/publish.py says what `force` may replace)."""
     with_optim = with_optim and src.has_optim
     kinds = ("param",) + (OPTIM_KINDS if with_optim else ())
     entries = {}
