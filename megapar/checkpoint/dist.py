@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import threading
 import warnings
@@ -33,6 +34,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
@@ -181,7 +183,8 @@ class StateMap:
         self.c, self.tp = c, topo.tp
         self.chunks = chunk_layout(model_config, topo.pp)[c.pp]
         self.vocab = model_config.vocab_size
-        self.sharded = getattr(model, "sharded_params", None) is not None
+        sharded = getattr(model, "sharded_params", None)
+        self.units = sharded.unit_of() if sharded is not None else {}
         self.model, self.optimizer = model, optimizer
 
     def canonical(self, key: str) -> str:
@@ -192,7 +195,7 @@ class StateMap:
     def entries(self, for_save: bool, with_optim: bool) -> dict[str, Entry]:
         """{fqn: Entry}. For a save, each stored element comes from one rank only (replicas skip)."""
         out: dict[str, Entry] = {}
-        groups = [(model_pieces(self.model), not self.sharded)]
+        groups = [(model_pieces(self.model), True)]          # replicated over dp but for ZeRO-3 layers' shards
         if with_optim:
             groups.append((optimizer_pieces(self.optimizer), not self.optimizer.is_distributed))
         for pieces, dp_replicated in groups:
@@ -212,13 +215,12 @@ class StateMap:
             return True
         if tp_partition_dim(key) is None and self.c.tp != 0:
             return True
-        units = self.model.sharded_params.unit_of() if self.sharded else {}
-        return dp_replicated and self.c.dp != 0 and id(param) not in units
+        return dp_replicated and self.c.dp != 0 and id(param) not in self.units
 
 
 # ---- DCP planners over Entries ---------------------------------------------------------------------
 class _SavePlanner(DefaultSavePlanner):
-    """Writes each Entry's chunks; `copies` (async saves) replaces each chunk's tensor with its staged copy."""
+    """Writes each Entry's chunks (a Deferred chunk is made when DCP writes it)."""
 
     def __init__(self, entries: dict[str, Entry]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -226,11 +228,11 @@ class _SavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         items = []
-        for fqn, e in self.entries.items():
+        for key, e in self.entries.items():
             props = TensorProperties(dtype=e.dtype)
             for ch in e.chunks:
                 md = ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=torch.Size(ch.tensor.shape))
-                items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(ch.offsets)), type=WriteItemType.SHARD,
+                items.append(WriteItem(index=MetadataIndex(key, torch.Size(ch.offsets)), type=WriteItemType.SHARD,
                                        tensor_data=TensorWriteData(chunk=md, properties=props,
                                                                    size=torch.Size(e.size))))
         self.plan = SavePlan(items)
@@ -253,16 +255,16 @@ class _LoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         stored = self.metadata.state_dict_metadata
         items = []
-        for fqn, e in self.entries.items():
-            md = stored.get(fqn)
+        for key, e in self.entries.items():
+            md = stored.get(key)
             if not isinstance(md, TensorStorageMetadata):
-                raise CheckpointError(f"torch_dist checkpoint lacks tensor {fqn}; it was saved from another model "
+                raise CheckpointError(f"torch_dist checkpoint lacks tensor {key}; it was saved from another model "
                                       f"(or without optimizer state: load with --no-load-optim)")
             if tuple(md.size) != tuple(e.size):
-                raise CheckpointError(f"torch_dist checkpoint holds {fqn} at shape {tuple(md.size)}, this model "
+                raise CheckpointError(f"torch_dist checkpoint holds {key} at shape {tuple(md.size)}, this model "
                                       f"{tuple(e.size)}; use the checkpoint's model flags")
             local = [ChunkStorageMetadata(offsets=torch.Size(ch.offsets), sizes=ch.tensor.shape) for ch in e.chunks]
-            items += create_read_items_for_chunk_list(fqn, md, local)
+            items += create_read_items_for_chunk_list(key, md, local)
         self.plan = LoadPlan(items)
         return self.plan
 
@@ -306,18 +308,31 @@ def _gather_rng(group, save_rng: bool) -> Optional[list]:
 def save_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
     """DCP-save `entries` (this rank's chunks) into `folder`, collectively over `process_group`
     (None: this process alone). Each file is synced before DCP writes its .metadata."""
-    with _single_process_quiet(process_group):
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), planner=_SavePlanner(entries),
-                 process_group=process_group, no_dist=process_group is None)
+    with _quiet(process_group):
+        try:
+            dcp.save({}, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), planner=_SavePlanner(entries),
+                     process_group=process_group, no_dist=process_group is None)
+        except DCPException as e:   # a BaseException: hand the rank's own error (ENOSPC, ...) to the publisher
+            raise _cause(e) from None
 
 
 @contextlib.contextmanager
-def _single_process_quiet(process_group) -> Iterator[None]:
-    """DCP warns on every single-process call that it assumes one process: that is the intent."""
+def _quiet(process_group) -> Iterator[None]:
+    """DCP logs each failure with its traceback (load_entries turns it into one line instead) and
+    warns on every single-process call that it assumes one process (that is the intent)."""
+    from torch.distributed.checkpoint import logger as dcp_logging
+    log = getattr(dcp_logging, "_dcp_logger", None)
+    level = log.level if log is not None else None
     with warnings.catch_warnings():
         if process_group is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        if log is not None:
+            log.setLevel(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            if log is not None:
+                log.setLevel(level)
 
 
 def load_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
@@ -325,12 +340,12 @@ def load_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
     `process_group`; None: this process alone). One CheckpointError line for a missing tensor, a
     shape that differs, or unreadable files."""
     try:
-        with _single_process_quiet(process_group):
+        with _quiet(process_group):
             dcp.load({}, storage_reader=dcp.FileSystemReader(folder), planner=_LoadPlanner(entries),
                      process_group=process_group, no_dist=process_group is None)
     except CheckpointError:
         raise
-    except Exception as e:  # DCP wraps each rank's failure; name the folder, keep it to one line
+    except (Exception, DCPException) as e:  # DCP wraps each rank's failure (not an Exception): one line
         cause = _cause(e)
         if isinstance(cause, CheckpointError):
             raise cause from None

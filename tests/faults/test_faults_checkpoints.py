@@ -341,3 +341,35 @@ def test_output_that_changes_during_a_conversion_is_not_replaced(tmp_path):
     with pytest.raises(CheckpointError, match="changed during the conversion"):
         publish_dir(staging, str(out), (CHECKPOINT, CANONICAL))
     assert sorted(os.listdir(tmp_path)) == ["out"] and (out / "mine.txt").read_text() == "written meanwhile"
+
+
+# ---- torch_dist: a truncated data file, another model's checkpoint, --async-save without it ---------------
+@pytest.fixture(scope="module")
+def dist_trained(data, tmp_path_factory) -> Path:
+    """A real --ckpt-format torch_dist checkpoint written by one training iteration."""
+    ck = tmp_path_factory.mktemp("dist_trained") / "ck"
+    out = train(data, "--save", ck, "--ckpt-format", "torch_dist", cache=ck.parent / "cache")
+    assert out.rc == 0, out.output[-3000:]
+    return ck
+
+
+def test_truncated_torch_dist_file_is_named(data, dist_trained, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(dist_trained, ck)
+    data_file = ck / "iter_0000001" / "__0_0.distcp"
+    data_file.write_bytes(data_file.read_bytes()[:200])
+    refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--load", ck, "--train-iters", "2"],
+            fault_class="load", case="torch_dist checkpoint with a truncated data file",
+            expect=["torch_dist checkpoint", "iter_0000001", "load an earlier iteration"], watch=[ck])
+
+
+def test_torch_dist_checkpoint_of_another_model_is_refused(data, dist_trained):
+    refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--load", dist_trained, "--train-iters", "2",
+             "--hidden-size", "32"], fault_class="load", case="torch_dist checkpoint of another model shape",
+            expect=["does not match this model", "--hidden-size 16 (checkpoint) vs 32 (run)"], watch=[dist_trained])
+
+
+def test_async_save_without_torch_dist_is_refused(data, tmp_path):
+    refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--save", tmp_path / "ck", "--async-save"],
+            fault_class="load", case="--async-save with the legacy format",
+            expect=["--async-save needs --ckpt-format torch_dist"], watch=[tmp_path])
