@@ -15,6 +15,8 @@ import sys
 import warnings
 from collections import OrderedDict
 
+from typing import Optional
+
 import torch
 import torch.serialization as ser
 
@@ -76,6 +78,38 @@ class _Pickler(pickle.Pickler):
         return None
 
 
+class _Sink:
+    """The file a StreamingSaver writes. torch's zip writer writes again from its destructor (the end
+    of the archive), where a failing write aborts the whole process; so the first failed write (disk
+    full, a file size limit, ...) is kept to be raised by the saver, and every later write is a no-op."""
+
+    def __init__(self, path: str):
+        self.file = open(path, "wb")
+        self.error: Optional[OSError] = None
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        if self.error is None:
+            try:
+                self.file.write(data)
+            except OSError as e:
+                self.error = e
+        return n
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self.file.flush()
+            except OSError as e:
+                self.error = e
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        except OSError as e:
+            self.error = self.error or e
+
+
 class StreamingSaver:
     """with StreamingSaver(path, obj) as s: for t in tensors: s.write_next(t)
     Writes to `path.tmp.<pid>` and renames onto `path` only when every tensor was written."""
@@ -85,15 +119,21 @@ class StreamingSaver:
         self.order: list[LazyTensor] = []
         buf = io.BytesIO()
         _Pickler(buf, self.order).dump(obj)
-        self.writer = torch._C.PyTorchFileWriter(self.tmp, ser.get_crc32_options(), ser._get_storage_alignment())
+        self.sink = _Sink(self.tmp)
+        self.writer = torch._C.PyTorchFileWriter(self.sink, ser.get_crc32_options(), ser._get_storage_alignment())
         data = buf.getvalue()
-        self.writer.write_record("data.pkl", data, len(data))
-        self.writer.write_record(".format_version", "1", 1)
+        self._record("data.pkl", data, len(data))
+        self._record(".format_version", "1", 1)
         align = str(ser._get_storage_alignment())
-        self.writer.write_record(".storage_alignment", align, len(align))
-        self.writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        self._record(".storage_alignment", align, len(align))
+        self._record("byteorder", sys.byteorder, len(sys.byteorder))
         self.next = 0
         self._flush_ready()
+
+    def _record(self, name: str, data, nbytes: int) -> None:
+        self.writer.write_record(name, data, nbytes)
+        if self.sink.error is not None:
+            raise self.sink.error
 
     def pending(self) -> list[LazyTensor]:
         """Placeholders still to be written, in order (real tensors are written automatically)."""
@@ -122,7 +162,7 @@ class StreamingSaver:
         t = t.detach().cpu().contiguous()
         if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
             t = t.clone()
-        self.writer.write_record(f"data/{lazy.key}", t.untyped_storage(), t.numel() * t.element_size())
+        self._record(f"data/{lazy.key}", t.untyped_storage(), t.numel() * t.element_size())
         self.next += 1
 
     def close(self) -> None:
@@ -130,15 +170,24 @@ class StreamingSaver:
             raise RuntimeError(f"{self.path}: {self.remaining()} tensors were never written")
         self.writer.write_end_of_file()
         del self.writer
-        with open(self.tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        self.sink.flush()
+        if self.sink.error is None:
+            try:
+                os.fsync(self.sink.file.fileno())
+            except OSError as e:
+                self.sink.error = e
+        self.sink.close()
+        if self.sink.error is not None:
+            os.remove(self.tmp)
+            raise self.sink.error
         os.replace(self.tmp, self.path)
 
     def abort(self) -> None:
         try:
-            del self.writer
+            del self.writer      # writes the archive's end into the sink (a no-op after a failed write)
         except AttributeError:
             pass
+        self.sink.close()
         if os.path.exists(self.tmp):
             os.remove(self.tmp)
 
