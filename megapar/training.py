@@ -302,7 +302,7 @@ def reserve_saves(run: Run) -> None:
 
 def finish_saves(run: Run) -> None:
     """Wait for the save in flight (--async-save), if any: the run ends only once it is published."""
-    if run.saves is not None and run.saves.thread is not None:
+    if run.saves is not None and run.saves.in_flight:
         print_rank0(f"> waiting for the background save to {run.cfg.ckpt.save} to complete")
         run.saves.wait()
         print_rank0(f"  successfully saved checkpoint to {run.cfg.ckpt.save}")

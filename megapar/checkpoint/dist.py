@@ -453,6 +453,10 @@ class AsyncSaves:
         buf.copy_(ch.tensor, non_blocking=self.pin)
         return buf
 
+    @property
+    def in_flight(self) -> bool:
+        return self.thread is not None
+
     def wait(self) -> None:
         if self.thread is not None:
             self.thread.join()

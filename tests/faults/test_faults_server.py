@@ -360,14 +360,7 @@ def test_tp2_server_stops_cleanly_on_sigterm_or_ctrl_c(tmp_path, gpt2_files, how
 def test_real_server_process_refuses_bad_requests_answers_good_ones_and_stops_on_ctrl_c(tmp_path, gpt2_files):
     """tools/generate_text.py --server end to end: the request threads drive the engine through
     Session.api; Ctrl-C (SIGINT) stops it with exit status 0."""
-    vocab_file, merge_file = gpt2_files
-    cfg = tiny_model_config(["--seq-length", "48"], vocab=50257)
-    ns = cfg.namespace()
-    ns.consumed_train_samples = 0
-    ns.tokenizer_type, ns.vocab_file, ns.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
-    model = GPT2Model(cfg.model, Stage.of(cfg.model.num_layers, 1, 0), 1234).eval()
-    save_checkpoint(str(tmp_path / "ck"), 1, model, None, None, ns, model.cfg, Topology(1, 1, 1), 0,
-                    save_optim=False, save_rng=False)
+    _tiny_checkpoint(tmp_path / "ck", gpt2_files)
     log = tmp_path / "server.log"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "tools/generate_text.py", "--load", str(tmp_path / "ck"), "--server",
