@@ -52,7 +52,9 @@ setup(
     packages=find_packages(include=["megapar", "megapar.*", "data_prep", "data_prep.*"]),
     python_requires=">=3.10",
     install_requires=[l.strip() for l in open("requirements.txt") if l.strip() and not l.startswith("#")],
-    extras_require={"apex": ["apex"], "hf": ["transformers", "safetensors"], "wandb": ["wandb"],
+    # NVIDIA apex is optional and comes from its own repository (PyPI's "apex" is an unrelated project), so it is no
+    # extra here. "hf": transformers reads an exported SentencePiece tokenizer.model through protobuf.
+    extras_require={"hf": ["transformers", "safetensors", "protobuf"], "wandb": ["wandb"],
                     "tensorboard": ["tensorboard"],
                     "fp8": ["torchao>=0.18"]},
     entry_points={"console_scripts": CONSOLE_SCRIPTS},

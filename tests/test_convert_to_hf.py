@@ -2,6 +2,7 @@
 export encodes text as megapar's tokenizer does."""
 import json
 import os
+import sys
 
 from pathlib import Path
 
@@ -132,3 +133,12 @@ def test_tokenizer_options_missing_files_and_no_tokenizer(tmp_path, capsys):
                                "--merge-file", merges]) == 1
     assert "has 265 tokens but the model's vocabulary is 100" in capsys.readouterr().err
 
+
+
+def test_sentencepiece_export_names_protobuf_when_it_is_missing(monkeypatch):
+    from megapar.reshard import hf_tokenizer
+    sp = hf_tokenizer.TokenizerFiles("SentencePieceTokenizer", tokenizer_model="m.model")
+    assert hf_tokenizer.reader_note(sp) is None                          # the dev install brings protobuf
+    monkeypatch.setitem(sys.modules, "google.protobuf", None)             # as if it were not installed
+    assert "pip install protobuf" in hf_tokenizer.reader_note(sp)
+    assert hf_tokenizer.reader_note(hf_tokenizer.TokenizerFiles("GPT2BPETokenizer", "v", "m")) is None

@@ -49,6 +49,9 @@ def main(argv=None) -> int:
         else:
             tokenizer = hf_tokenizer.resolve(src.saved.data, a.vocab_file, a.merge_file, a.tokenizer_model)
         export_hf(src, a.save_dir, DTYPES[a.dtype] if a.dtype else None, force=a.force, tokenizer=tokenizer)
+        note = tokenizer and hf_tokenizer.reader_note(tokenizer)
+        if note:
+            print(note, file=sys.stderr)
     except (MegaparError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

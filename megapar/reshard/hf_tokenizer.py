@@ -103,6 +103,19 @@ def write(files: TokenizerFiles, tok, out_dir: str, max_length: int) -> list[str
     return names + list(CONFIG_FILES)
 
 
+def reader_note(files: TokenizerFiles) -> Optional[str]:
+    """A note when this Python lacks what transformers needs to read the exported files: it reads a
+    SentencePiece tokenizer.model through protobuf (the `hf` extra installs it)."""
+    if files.kind != "SentencePieceTokenizer":
+        return None
+    try:
+        import google.protobuf  # noqa: F401
+    except ImportError:
+        return ("note: AutoTokenizer reads tokenizer.model through protobuf, which this Python lacks: "
+                "pip install protobuf (or pip install -e '.[hf]')")
+    return None
+
+
 def _write_json(path: str, obj: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
