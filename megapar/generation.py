@@ -18,12 +18,13 @@ rows (>= vocab_size) to -inf, samples, and broadcasts the new tokens to every ra
 The host reads a step's tokens back (to see which rows stopped) only after it has queued the next
 step's forward (readback.py), so the GPU does not idle while the host decides; when the last row
 stops, that one forward goes unused.
-Only rank 0 does I/O: `run_leader` (rank 0) and `follow` (others) ship requests to all ranks.
+Only rank 0 does I/O: its `Leader` ships requests to the other ranks, which `follow` them.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -297,28 +298,67 @@ def sync(device: torch.device) -> None:
 
 
 # ---- rank 0 leads, the other ranks follow ----------------------------------------------------
-def run_leader(engine: InferenceEngine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
-    """Rank 0: check the request, send it to the other ranks, generate together."""
-    engine.check_prompts(prompts, params)   # fail before any collective
-    if engine.distributed:
-        dist.broadcast_object_list([("generate", [list(p) for p in prompts], params)], src=0)
-    return engine.generate(prompts, params)
+KEEPALIVE_S = 60.0   # an idle leader pings the followers this often: far below any process group's timeout
 
 
-def stop_followers(engine: InferenceEngine) -> None:
-    if engine.distributed:
-        dist.broadcast_object_list([("stop", None, None)], src=0)
+class Leader:
+    """Rank 0's line to the ranks in `follow`: each command goes out under one lock, so that a
+    generation, a ping and the stop never interleave their collectives. While rank 0 waits for a
+    prompt or a request, the followers wait in a broadcast that would time out with the process
+    group (30 minutes): a thread pings them every `keepalive_s` so that an idle server or prompt
+    can wait for as long as its user does. `group`: the ranks of the model (None: the world)."""
+
+    def __init__(self, engine: InferenceEngine, keepalive_s: float = KEEPALIVE_S, group=None):
+        self.engine, self.group = engine, group
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._pinger: Optional[threading.Thread] = None
+        if engine.distributed:
+            self._pinger = threading.Thread(target=self._keepalive, args=(keepalive_s,), name="keepalive",
+                                            daemon=True)
+            self._pinger.start()
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
+        """Check the request, send it to the other ranks, generate together."""
+        self.engine.check_prompts(prompts, params)   # fail before any collective
+        with self._lock:
+            self._send("generate", [list(p) for p in prompts], params)
+            return self.engine.generate(prompts, params)
+
+    def stop(self) -> None:
+        """Tell the followers to return (once); no command goes out after."""
+        with self._lock:
+            if not self._stopped.is_set():
+                self._stopped.set()
+                self._send("stop")
+        if self._pinger is not None:
+            self._pinger.join()
+
+    def _send(self, cmd: str, prompts=None, params: Optional[SamplingParams] = None) -> None:
+        if self.engine.distributed:
+            dist.broadcast_object_list([(cmd, prompts, params)], src=dist.get_global_rank(self.group, 0)
+                                       if self.group is not None else 0, group=self.group)
+
+    def _keepalive(self, every: float) -> None:
+        if self.engine.device.type == "cuda":      # the current device is per thread
+            torch.cuda.set_device(self.engine.device)
+        while not self._stopped.wait(every):
+            with self._lock:
+                if not self._stopped.is_set():
+                    self._send("ping")
 
 
-def follow(engine: InferenceEngine) -> None:
-    """Ranks other than 0: generate whatever rank 0 asks for, until it says stop."""
+def follow(engine: InferenceEngine, group=None) -> None:
+    """Ranks other than 0: generate whatever rank 0's Leader asks for, until it says stop."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=src, group=group)
         cmd, prompts, params = box[0]
         if cmd == "stop":
             return
-        engine.generate(prompts, params)
+        if cmd == "generate":
+            engine.generate(prompts, params)
 
 
 # ---- loading a checkpoint for inference ------------------------------------------------------

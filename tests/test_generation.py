@@ -15,12 +15,13 @@ import urllib.request
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from distributed import run_distributed
 from gpt_helpers import tiny_model_config
 from megapar.checkpoint import read_saved_config, save_checkpoint
 from megapar.cli import generate_text
-from megapar.generation import (GenerationError, InferenceEngine, SamplingParams, filter_logits,
+from megapar.generation import (GenerationError, InferenceEngine, Leader, SamplingParams, filter_logits, follow,
                                 load_inference_model, mask_padded_vocab, sample, tokenizer_for_checkpoint)
 from megapar.model import GPT2Model, Stage
 from megapar.text_generation_server import make_server, response_for
@@ -182,6 +183,33 @@ def test_tp2_and_pp2_generation_equal_tp1_and_load_on_one_process(tmp_path):
         assert loaded.cfg.padded_vocab_size == 128
         res = engine(loaded).generate(PROMPTS, greedy())
         assert res.tokens == ref.tokens and close(res.logits, ref.logits), name
+
+
+def _idle_leader_body(rank, world, idle_s, timeout_s, keepalive_s):
+    """tp 2 whose rank 0 sits idle for longer than the model group's timeout before each request."""
+    import datetime
+    import time
+    topo = Topology(2, 1, 1)
+    topo.create_groups(rank)
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=timeout_s))  # followers wait on it
+    eng = InferenceEngine(build(2, 1, 0, topo.groups.tp)[0], topo, rank, VOCAB, EOD)
+    if rank != 0:
+        follow(eng, group)
+        return None
+    leader = Leader(eng, keepalive_s=keepalive_s, group=group)
+    tokens = []
+    for _ in range(2):
+        time.sleep(idle_s)
+        tokens.append(leader.generate(PROMPTS, greedy(4)).tokens)
+    leader.stop()
+    return tokens
+
+
+def test_idle_leader_keeps_followers_past_the_group_timeout():
+    """A tp 2 server or prompt left idle longer than the process group's timeout still answers:
+    rank 0's Leader pings the waiting ranks (without the pings rank 1's broadcast times out)."""
+    tokens = run_distributed(_idle_leader_body, 2, args=(3.0, 1.5, 0.3))[0]
+    assert tokens[0] == tokens[1] == engine(build()[0]).generate(PROMPTS, greedy(4)).tokens
 
 
 # ---- server --------------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megapar.errors import MegaparError
-from megapar.generation import (GenerationError, InferenceEngine, SamplingParams, follow,
-                                load_inference_model, run_leader, stop_followers, tokenizer_for_checkpoint)
+from megapar.generation import (GenerationError, InferenceEngine, Leader, SamplingParams, follow,
+                                load_inference_model, tokenizer_for_checkpoint)
 from megapar.initialize import init_distributed
 from megapar.topology import Topology
 
@@ -105,14 +105,14 @@ def sampling_params(a: argparse.Namespace) -> SamplingParams:
 class Session:
     """Rank 0's view: tokenize, generate across all ranks, detokenize, report timing."""
 
-    def __init__(self, engine: InferenceEngine, tokenizer, params: SamplingParams, log=print):
-        self.engine, self.tok, self.params, self.log = engine, tokenizer, params, log
+    def __init__(self, leader: Leader, tokenizer, params: SamplingParams, log=print):
+        self.leader, self.engine, self.tok, self.params, self.log = leader, leader.engine, tokenizer, params, log
 
     def encode(self, text: str) -> list[int]:
         return self.tok.tokenize(text) if text else [self.tok.eod]   # empty = unconditional
 
     def complete(self, texts: list[str], params: Optional[SamplingParams] = None):
-        out = run_leader(self.engine, [self.encode(t) for t in texts], params or self.params)
+        out = self.leader.generate([self.encode(t) for t in texts], params or self.params)
         for note in out.notes:
             self.log(f"> note: {note}")
         self.log(out.timing_line())
@@ -262,7 +262,8 @@ def generate(argv: Optional[Sequence[str]] = None) -> int:
     if params.seed is None and not params.is_greedy and not a.server:   # server: per-request random_seed
         params.seed = int(torch.randint(0, 2**31 - 1, ()).item())
         print(f"> sampling seed {params.seed} (pass --seed to repeat)", file=sys.stderr, flush=True)
-    s = Session(engine, tok, params, log=lambda m: print(m, file=sys.stderr, flush=True))
+    leader = Leader(engine)
+    s = Session(leader, tok, params, log=lambda m: print(m, file=sys.stderr, flush=True))
     try:
         if a.server:
             serve(s, a, limits)
@@ -276,7 +277,7 @@ def generate(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        stop_followers(engine)
+        leader.stop()
     return 0
 
 
