@@ -39,12 +39,29 @@ QUICK = {
 
 def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(os.path.abspath(__file__))
+    by_file: dict[str, list] = {}
     for item in items:  # the hook sees the whole session's items: mark only those of this folder
-        if os.path.dirname(str(item.fspath)) != here:
-            continue
-        quick = QUICK.get(os.path.basename(str(item.fspath)), set())
-        if quick is not None and item.name not in quick and item.originalname not in quick:
-            item.add_marker(pytest.mark.slow)
+        if os.path.dirname(str(item.fspath)) == here:
+            by_file.setdefault(os.path.basename(str(item.fspath)), []).append(item)
+    for name, file_items in by_file.items():
+        quick = QUICK.get(name, set())
+        for item in file_items:
+            if quick is not None and item.name not in quick and item.originalname not in quick:
+                item.add_marker(pytest.mark.slow)
+        _check_quick_names(name, quick, file_items)
+
+
+def _check_quick_names(name: str, quick, file_items: list) -> None:
+    """A renamed test must not leave the quick tier silently: when the whole file was collected,
+    every name QUICK gives it must be one of its tests."""
+    module = file_items[0].module
+    defined = {n for n in dir(module) if n.startswith("test_") and callable(getattr(module, n))}
+    if quick is None or {i.originalname for i in file_items} != defined:
+        return
+    missing = sorted(q for q in quick if not any(q in (i.name, i.originalname) for i in file_items))
+    if missing:
+        raise pytest.UsageError(f"tests/faults/conftest.py: QUICK names {missing} in {name}, which has no such "
+                                f"test: rename them there too")
 
 
 def pytest_terminal_summary(terminalreporter):
