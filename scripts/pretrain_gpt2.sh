@@ -13,7 +13,9 @@
 # megapar.launch before any process starts). On SLURM: scripts/slurm_pretrain_gpt2.sbatch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -c "import torch, megapar" 2>/dev/null || bash scripts/install.sh   # fresh machine
+# fresh machine: install first (find_spec looks for the packages without the seconds an import of torch takes)
+python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('megapar')))" \
+  || bash scripts/install.sh
 
 tp=1; pp=1; nproc=""; launcher=()
 args=("$@"); passthrough=()
@@ -30,7 +32,10 @@ while [ $i -lt ${#args[@]} ]; do
 done
 
 if [ -z "$nproc" ]; then
-  gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  gpus=0   # torch counts the GPUs it may use (CUDA_VISIBLE_DEVICES); without nvidia-smi there are none to count
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  fi
   if [ "$gpus" -gt 0 ]; then nproc="$gpus"
   elif [[ "$tp" =~ ^[0-9]+$ && "$pp" =~ ^[0-9]+$ ]] && [ $((tp * pp)) -gt 0 ]; then nproc=$((tp * pp))
   else nproc=1  # a --tensor-parallel / --pipeline-parallel that is no size: megapar.launch refuses it by name
