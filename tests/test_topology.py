@@ -52,3 +52,19 @@ def test_created_groups_match_arithmetic():
     for rank, got in enumerate(results):
         for kind in ("tp", "dp", "pp", "mp", "embedding"):
             assert got[kind] == t.group_of(kind, rank), (rank, kind)
+
+
+def test_design_doc_lists_every_group_kind():
+    """docs/design.md's table of process groups names exactly the fields of Groups, and its count."""
+    import dataclasses
+    import re
+    from pathlib import Path
+    from megapar.topology import Groups
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    section = doc[doc.index("`Topology` creates"):]
+    section = section[:section.index("\n\n", section.index("| group |"))]
+    listed = re.findall(r"^\| `(\w+)` \|", section, flags=re.M)
+    kinds = [f.name for f in dataclasses.fields(Groups)]
+    assert listed == kinds
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    assert f"creates {words[len(kinds) - 1]} kinds of group" in section
