@@ -11,10 +11,13 @@ import torch
 
 from ckpt_fixtures import VOCAB, save_tiny_checkpoint
 from gpt_helpers import batch, tiny_model_config
+from megapar.fp8 import torchao_quietly
 from megapar.model import GPT2Model, Stage
 from megapar.reshard import load_model_state_for
 
-transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
+with torchao_quietly():  # transformers imports torchao (when installed) with its models
+    transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
+    transformers.GPT2LMHeadModel, transformers.AutoTokenizer
 from megapar.cli import convert_to_hf  # noqa: E402
 
 
@@ -39,6 +42,19 @@ def test_hf_export_matches_megapar_logits(tmp_path, tp, pp):
         got = hf(tokens).logits
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)        # attention kernels differ in rounding
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_hf_export_files_follow_the_umask(tmp_path):
+    """model.safetensors gets the mode of every other file the user creates (save_file alone makes it 0o600)."""
+    save_tiny_checkpoint(str(tmp_path / "ck"), tp=1, pp=1, steps=0)
+    old = os.umask(0o027)
+    try:
+        assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf"),
+                                   "--no-tokenizer"]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()}
+    assert modes == {"config.json": "0o640", "model.safetensors": "0o640"}
 
 
 def test_hf_export_refuses_non_empty_dir(tmp_path, capsys):
