@@ -93,7 +93,9 @@ def test_deterministic_and_cached(tmp_path, capsys):
     assert len(os.listdir(tmp_path / "c1")) == 12  # 2 seeds x 3 splits x 3 arrays
     default = build_train_valid_test_datasets([p], "1,0,0", SEQ, 7, (10, 0, 0))
     assert default[1] is None and default[2] is None
-    assert any(f.startswith("d_train_") for f in os.listdir(tmp_path))  # cached next to the data
+    cache = tmp_path / "d" / "cache" / "GPTDataset_indices"  # Megatron-Core's default: PREFIX/cache/...
+    assert sorted(f.split("_")[-2] for f in os.listdir(cache)) == ["doc", "sample", "shuffle"]
+    assert sorted(os.listdir(tmp_path)) == ["c1", "c2", "d", "d.bin", "d.idx"]  # nothing else beside the data
 
 
 def test_resume_from_consumed_samples(tmp_path):
