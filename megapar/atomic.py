@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -43,6 +44,17 @@ def _create_temp(path: Path) -> tuple[int, Path]:
             return os.open(tmp, flags, 0o666), tmp
         except FileExistsError:
             continue
+
+
+def give_user_file_mode(path: str | os.PathLike) -> None:
+    """Give `path` the permission bits of a file the user creates in its folder (0o666 less the umask):
+    for writers that create their files 0o600 themselves (safetensors' save_file)."""
+    fd, probe = _create_temp(Path(path))
+    os.close(fd)
+    try:
+        os.chmod(path, stat.S_IMODE(os.stat(probe).st_mode))
+    finally:
+        os.unlink(probe)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

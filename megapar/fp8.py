@@ -28,10 +28,13 @@ torchao is optional (`pip install megapar[fp8]`); it is imported only when --fp8
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import logging
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -46,12 +49,36 @@ def torchao_installed() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
-def _import_torchao() -> None:
-    """Import torchao without its C++ extensions: float8 training is Python over torch._scaled_mm,
-    and a wheel's extensions built for another CUDA than torch's only fail to load (or worse)."""
-    import os
+# Loggers whose import-time warnings about torchao say nothing about a run: torchao's own (its C++
+# extensions skipped or failing to load) and torch's pytree (torchao registers Enum classes as pytree
+# constants, which newer torch deprecates).
+TORCHAO_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def torchao_quietly() -> Iterator[None]:
+    """Import torchao (directly, or through transformers, which imports it when installed) inside this
+    block: it loads no C++ extensions (float8 training is Python over torch._scaled_mm, and a wheel's
+    extensions built for another CUDA or Python than this one's only fail to load), and the loggers of
+    TORCHAO_IMPORT_LOGGERS print errors only until the block ends. Every other warning is untouched."""
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-    importlib.import_module("torchao")
+    loggers = [logging.getLogger(name) for name in TORCHAO_IMPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _import_torchao() -> None:
+    """Import the torchao modules this file uses, quietly (torchao_quietly)."""
+    with torchao_quietly():
+        for module in ("torchao", "torchao.float8.config", "torchao.float8.float8_training_tensor",
+                       "torchao.float8.float8_linear", "torchao.float8.float8_utils"):
+            importlib.import_module(module)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")  # + model shape, s
 
 def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
     given = parse_flags(argv)
+    eval_iters_given = "eval_iters" in given
     if not given.get("data_path"):  # the embedded default: fill only what the user did not give
         layers, hidden = (given.get(k, default_of(k)) for k in ("num_layers", "hidden_size"))
         save_dir = f"{EMBEDDED_SAVE}_{layers}l_{hidden}h"
@@ -51,6 +52,9 @@ def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
             given["load"] = save_dir
     if given.get("train_iters") is None and given.get("train_samples") is None:
         raise ConfigError("give --train-iters or --train-samples (how long to train)")
+    if not eval_iters_given and given.get("train_iters"):
+        chosen_eval_iters = given.get("eval_iters", default_of("eval_iters"))
+        given["eval_iters"] = fitting_eval_iters(chosen_eval_iters, given["train_iters"])
     cfg = config_from_namespace(given, world_size)
     check_load_dir(cfg.ckpt.load, cfg.ckpt.save)  # a --load that names no checkpoint stops here
     if cfg.data.data_path:  # blend weights: before any process starts
@@ -61,6 +65,13 @@ def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
             raise ConfigError(str(e)) from None
     check_finetune_dirs(cfg.ckpt)                  # a fine-tune never writes over what it loads
     return cfg
+
+
+def fitting_eval_iters(eval_iters: int, train_iters: int) -> int:
+    """The evaluation size of a run not given --eval-iters: `eval_iters` batches, but no more than a
+    tenth of its training iterations (at least 1), so that evaluating a short run does not take longer
+    than training it. A given --eval-iters is used as it is."""
+    return max(1, min(eval_iters, train_iters // 10))
 
 
 def on_rank0_for_all(check: Callable[[], object], rank: int) -> None:
@@ -216,7 +227,7 @@ def _finish(run, state: TrainState, valid_ds, test_ds) -> None:
     cfg = run.cfg
     for name, ds in (("val", valid_ds), ("test", test_ds)):
         if ds is not None and cfg.log.eval_iters > 0:
-            loss = evaluate(run, ds, cfg.log.eval_iters)
+            loss = evaluate(run, ds, cfg.log.eval_iters, name)
             log_eval(f"validation loss at the end of training for {name} data", loss)
     if cfg.ckpt.save and not (cfg.ckpt.save_interval and state.iteration % cfg.ckpt.save_interval == 0):
         save(run, state)

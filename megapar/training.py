@@ -161,17 +161,26 @@ def _allreduce_embedding_grads(run: Run) -> None:
     dist.all_reduce(weight.main_grad, group=run.topo.groups.embedding)
 
 
-def evaluate(run: Run, dataset, iters: int) -> float:
-    """Mean lm loss over the first `iters` global batches of `dataset` (forward only)."""
+def evaluate(run: Run, dataset, iters: int, split: str = "validation") -> float:
+    """Mean lm loss over the first `iters` global batches of `dataset` (forward only).
+
+    Progress is printed as Megatron's `Evaluating iter i/N` line (with the `split` and the time per
+    batch) after the first batch, every --log-interval batches and after the last, so that a long
+    evaluation is never silent."""
     cfg, losses = run.cfg, []
     run.model.eval()
     schedule = schedule_func(run)
+    start = time.time()
     with torch.no_grad():
         for i in range(iters):
             data = data_iterators(run, dataset, i * cfg.train.global_batch_size)
             sched = schedule_config(run, cfg.num_microbatches, f"evaluation batch {i}")
             logs = schedule(forward_step, data, run.model, sched, forward_only=True)
             losses.append(average_loss(run, logs, sched).item())
+            done = i + 1
+            if done in (1, iters) or done % cfg.log.log_interval == 0:
+                print_rank0(f" Evaluating iter {done}/{iters} ({split} data) | elapsed time per batch (ms): "
+                            f"{1000 * (time.time() - start) / done:.1f}")
     run.model.train()
     return sum(losses) / max(1, len(losses))
 

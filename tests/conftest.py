@@ -6,7 +6,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # `from distributed import run_distributed`
-SHARED_DATA = ROOT.parent / "shared" / "data"
+from data_dirs import GPT2_DIR, SHIPPED, UNSHIPPED  # noqa: E402
 
 
 def pytest_configure(config):
@@ -30,18 +30,28 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """../shared/data (real GPT-2 BPE files and corpora); tests skip when it is absent."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"real test data not found at {SHARED_DATA}")
-    return SHARED_DATA
+def real_data() -> Path:
+    """tests/data: the real GPT-2 BPE files and corpora shipped with megapar."""
+    return SHIPPED
 
 
 @pytest.fixture(scope="session")
-def gpt2_files(shared_data) -> tuple[str, str]:
-    """(vocab_file, merge_file) for GPT-2 BPE."""
-    d = shared_data / "gpt2"
-    return str(d / "encoder.json"), str(d / "vocab.bpe")
+def unshipped_data():
+    """unshipped_data(relative path) -> that path under ../shared/data; the test skips when it is absent
+    (tests/data/SOURCE.md lists what is not shipped and why)."""
+    def find(rel: str) -> Path:
+        path = UNSHIPPED / rel
+        if not path.exists():
+            pytest.skip(f"optional data {rel} is not shipped with megapar (no licence to redistribute it); "
+                        f"put it under {UNSHIPPED} to run this test")
+        return path
+    return find
+
+
+@pytest.fixture(scope="session")
+def gpt2_files() -> tuple[str, str]:
+    """(vocab_file, merge_file) for GPT-2 BPE (OpenAI's originals, shipped in tests/data/gpt2)."""
+    return str(GPT2_DIR / "encoder.json"), str(GPT2_DIR / "vocab.bpe")
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from gpt_helpers import batch
 from megapar.arguments import parse_config
 from megapar.checkpoint import MODEL_FILE, load_checkpoint, read_tracker
 from megapar.cli import convert_from_hf, convert_to_hf
+from megapar.fp8 import torchao_quietly
 from megapar.model import GPT2Model, Stage, set_vocab
 from megapar.reshard.hf_source import canonical_names, megapar_flags
 from megapar.topology import Topology
@@ -62,7 +63,9 @@ def _forward_tp_body(rank, world, root, hf_cfg, pp, tokens):
 def hf_model(tmp_path_factory):
     """A random transformers GPT2LMHeadModel (non-default n_inner and epsilon, every weight
     perturbed so that no bias is zero), saved with save_pretrained; and its logits."""
-    transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
+    with torchao_quietly():  # transformers imports torchao (when installed) with its models
+        transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
+        transformers.GPT2LMHeadModel
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=VOCAB, **HF_CONFIG)
     model = transformers.GPT2LMHeadModel(config).eval()

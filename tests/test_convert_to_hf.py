@@ -11,10 +11,13 @@ import torch
 
 from ckpt_fixtures import VOCAB, save_tiny_checkpoint
 from gpt_helpers import batch, tiny_model_config
+from megapar.fp8 import torchao_quietly
 from megapar.model import GPT2Model, Stage
 from megapar.reshard import load_model_state_for
 
-transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
+with torchao_quietly():  # transformers imports torchao (when installed) with its models
+    transformers = pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
+    transformers.GPT2LMHeadModel, transformers.AutoTokenizer
 from megapar.cli import convert_to_hf  # noqa: E402
 
 
@@ -41,6 +44,19 @@ def test_hf_export_matches_megapar_logits(tmp_path, tp, pp):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_hf_export_files_follow_the_umask(tmp_path):
+    """model.safetensors gets the mode of every other file the user creates (save_file alone makes it 0o600)."""
+    save_tiny_checkpoint(str(tmp_path / "ck"), tp=1, pp=1, steps=0)
+    old = os.umask(0o027)
+    try:
+        assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf"),
+                                   "--no-tokenizer"]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()}
+    assert modes == {"config.json": "0o640", "model.safetensors": "0o640"}
+
+
 def test_hf_export_refuses_non_empty_dir(tmp_path, capsys):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "x").write_text("x")
@@ -57,17 +73,11 @@ from megapar.cli import convert_from_hf  # noqa: E402
 from megapar.data.tokenizer import build_tokenizer  # noqa: E402
 from test_golden_checkpoint import _byte_gpt2_files  # noqa: E402
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # as tests/conftest.py
-GPT2_DIR, CORPORA = SHARED_DATA / "gpt2", SHARED_DATA / "corpora"
-needs_data = pytest.mark.skipif(not (GPT2_DIR / "encoder.json").is_file() or not CORPORA.is_dir(),
-                                reason=f"needs the GPT-2 BPE files and corpora in {SHARED_DATA}")
-
-
-def real_texts() -> list[str]:
+def real_texts(corpora: Path) -> list[str]:
     """Web documents, and paragraphs of a novel and of a play (real text of every kind of character)."""
-    web = [p.read_text() for p in sorted((CORPORA / "webtext_gpt2_sample").glob("*.txt"))]
-    emma = (CORPORA / "gutenberg_emma" / "austen-emma.txt").read_text()[:30000]
-    play = (CORPORA / "tinyshakespeare" / "input.txt").read_text()[:30000]
+    web = [p.read_text() for p in sorted((corpora / "webtext_gpt2_sample").glob("*.txt"))]
+    emma = (corpora / "gutenberg_emma" / "austen-emma.txt").read_text()[:30000]
+    play = (corpora / "tinyshakespeare" / "input.txt").read_text()[:30000]
     return web + emma.split("\n\n")[:200] + [play]
 
 
@@ -79,9 +89,8 @@ def imported_checkpoint(tmp_path, vocab: int, *tokenizer_flags) -> str:
     return str(tmp_path / "ck")
 
 
-@needs_data
-def test_exported_gpt2_tokenizer_encodes_as_megapar(tmp_path, capsys):
-    vocab, merges = GPT2_DIR / "encoder.json", GPT2_DIR / "vocab.bpe"
+def test_exported_gpt2_tokenizer_encodes_as_megapar(tmp_path, capsys, real_data, gpt2_files):
+    vocab, merges = gpt2_files
     ck = imported_checkpoint(tmp_path, 50257, "--vocab-file", vocab, "--merge-file", merges)
     capsys.readouterr()
     assert convert_to_hf.main(["--load-dir", ck, "--save-dir", str(tmp_path / "hf")]) == 0
@@ -90,16 +99,15 @@ def test_exported_gpt2_tokenizer_encodes_as_megapar(tmp_path, capsys):
     ours = build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
     assert len(hf) == 50257 and hf.eos_token_id == ours.eod == 50256
     assert hf("Hello world")["input_ids"] == [15496, 995]
-    for text in real_texts():
+    for text in real_texts(real_data / "corpora"):
         assert hf(text)["input_ids"] == ours.tokenize(text), text[:80]
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["eos_token_id"] == cfg["bos_token_id"] == 50256
 
 
-@needs_data
-def test_exported_sentencepiece_tokenizer_encodes_as_megapar(tmp_path, capsys):
+def test_exported_sentencepiece_tokenizer_encodes_as_megapar(tmp_path, capsys, real_data):
     from megapar.data.train_tokenizer import train_sentencepiece
-    model = train_sentencepiece([str(CORPORA / "tinyshakespeare" / "input.txt")], str(tmp_path / "spm"), 1000)
+    model = train_sentencepiece([str(real_data / "corpora" / "tinyshakespeare" / "input.txt")], str(tmp_path / "spm"), 1000)
     ours = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
     ck = imported_checkpoint(tmp_path, ours.vocab_size, "--tokenizer-model", model)
     capsys.readouterr()
@@ -107,7 +115,7 @@ def test_exported_sentencepiece_tokenizer_encodes_as_megapar(tmp_path, capsys):
     assert "wrote tokenizer: SentencePiece (tokenizer.model, tokenizer_config.json" in capsys.readouterr().out
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert len(hf) == ours.vocab_size and hf.eos_token_id == ours.eod
-    for text in real_texts():   # none starts with whitespace (HF's Llama tokenizer drops one leading space)
+    for text in real_texts(real_data / "corpora"):   # none starts with whitespace (HF's Llama tokenizer drops one leading space)
         assert hf(text)["input_ids"] == ours.tokenize(text), text[:80]
 
 

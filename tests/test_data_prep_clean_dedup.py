@@ -24,8 +24,8 @@ def clean(src, dst, gpt2_files, *extra):
                          "--workers", "1", *extra])["counts"]
 
 
-def test_cleanup_length_threshold_on_webtext_sample(shared_data, gpt2_files, tmp_path):
-    files = sorted((shared_data / "corpora" / "webtext_gpt2_sample").glob("*.txt"))
+def test_cleanup_length_threshold_on_webtext_sample(real_data, gpt2_files, tmp_path):
+    files = sorted((real_data / "corpora" / "webtext_gpt2_sample").glob("*.txt"))
     docs = [{"text": f.read_text(), "url": f.name} for f in files]
     counts = clean(write_jsonl(tmp_path / "in.jsonl", docs), tmp_path / "out.jsonl", gpt2_files)
     assert counts == {"documents": 9, "kept": 8, "removed:too_short": 1}  # 1.txt has 66 tokens
@@ -33,16 +33,17 @@ def test_cleanup_length_threshold_on_webtext_sample(shared_data, gpt2_files, tmp
     assert "1.txt" not in kept and {"0.txt", "5.txt"} <= kept  # 138 and 161 tokens
 
 
-def test_cleanup_language_on_trunc63(shared_data, gpt2_files, tmp_path):
-    src = shared_data / "corpora" / "webtext_gpt2_trunc63" / "webtext.test.jsonl"
+def test_cleanup_language_on_trunc63(unshipped_data, gpt2_files, tmp_path):
+    """The shipped texts are all English: the non-English documents are in this optional corpus."""
+    src = unshipped_data("corpora/webtext_gpt2_trunc63/webtext.test.jsonl")
     counts = clean(src, tmp_path / "out.jsonl", gpt2_files, "--min-tokens", "1", "--workers", "2")
     assert counts == {"documents": 4723, "kept": 4707, "removed:non_english": 16}
     counts63 = clean(src, tmp_path / "out2.jsonl", gpt2_files)  # all are 63 tokens: none reaches 128
     assert counts63["removed:too_short"] == 4707 and "kept" not in counts63
 
 
-def test_cleanup_fixes_unicode_and_counts_bad_lines(shared_data, gpt2_files, tmp_path):
-    emma = (shared_data / "corpora" / "gutenberg_emma" / "austen-emma.txt").read_text()[:3000]
+def test_cleanup_fixes_unicode_and_counts_bad_lines(real_data, gpt2_files, tmp_path):
+    emma = (real_data / "corpora" / "gutenberg_emma" / "austen-emma.txt").read_text()[:3000]
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"text": "The cafÃ© was \ufb01ne &amp; \u201cnice\u201d.\n" + emma}) + "\n"
                    + "not json\n" + json.dumps({"text": "12345"}) + "\n" + json.dumps({"url": "x"}) + "\n")
@@ -53,8 +54,8 @@ def test_cleanup_fixes_unicode_and_counts_bad_lines(shared_data, gpt2_files, tmp
     assert text.startswith('The café was fine & "nice".\n')
 
 
-def test_minhash_estimates_jaccard(shared_data):
-    chunks = corpus_chunks(shared_data / "corpora")[20:60]
+def test_minhash_estimates_jaccard(real_data):
+    chunks = corpus_chunks(real_data / "corpora")[20:60]
     sig = signatures(chunks + [near_copy(c) for c in chunks], permutations(100, 1))
     same = (sig[:40] == sig[40:]).mean(axis=1)
     exact = np.array([jaccard(char_ngrams(c), char_ngrams(near_copy(c))) for c in chunks])
@@ -63,11 +64,12 @@ def test_minhash_estimates_jaccard(shared_data):
 
 
 @pytest.fixture()
-def dup_corpus(shared_data, tmp_path):
-    """trunc63 test split (2 exact-duplicate extra copies) + near copies of 30 Emma/Shakespeare chunks."""
-    lines = (shared_data / "corpora" / "webtext_gpt2_trunc63" / "webtext.test.jsonl").read_text().splitlines()
+def dup_corpus(unshipped_data, real_data, tmp_path):
+    """trunc63 test split (optional data; 2 exact-duplicate extra copies) + near copies of 30 Emma/Shakespeare
+    chunks."""
+    lines = unshipped_data("corpora/webtext_gpt2_trunc63/webtext.test.jsonl").read_text().splitlines()
     docs = [{"text": json.loads(line)["text"], "url": f"web/{i}"} for i, line in enumerate(lines)]
-    chunks = corpus_chunks(shared_data / "corpora")[100:160]
+    chunks = corpus_chunks(real_data / "corpora")[100:160]
     docs += [{"text": c, "url": f"chunk/{i}"} for i, c in enumerate(chunks)]
     docs += [{"text": near_copy(c), "url": f"near/{i}"} for i, c in enumerate(chunks[:30])]
     return write_jsonl(tmp_path / "docs.jsonl", docs), docs

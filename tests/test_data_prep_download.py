@@ -10,8 +10,8 @@ URLS = [f"http://news{i}.example.com/story/{i}.html" for i in range(40)]
 
 
 @pytest.fixture(scope="module")
-def web(shared_data):
-    with FakeWeb(URLS, shared_data / "corpora", slow_s=2.5, big_bytes=300_000) as server:
+def web(real_data):
+    with FakeWeb(URLS, real_data / "corpora", slow_s=2.5, big_bytes=300_000) as server:
         yield server
 
 

@@ -1,4 +1,4 @@
-"""The two optional OpenWebText steps on the shared sample (../shared/data), offline:
+"""The two optional OpenWebText steps on the shipped real text (tests/data), offline:
 cleanup_fix_dataset (the fix-up pass) and filter_ngrams (13-gram task decontamination, with an
 evaluation file made here from a few of the sample's own sentences). Their bad inputs are fault
 cases in tests/faults/test_faults_data.py; the driver runs them in test_data_prep_pipeline.py.
@@ -24,11 +24,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 @pytest.fixture
-def sample_docs(shared_data) -> list[dict]:
+def sample_docs(real_data) -> list[dict]:
     """The 9 WebText sample pages and 12 paragraphs-blocks of Emma, each a document with a url."""
-    pages = sorted((shared_data / "corpora" / "webtext_gpt2_sample").glob("*.txt"))
+    pages = sorted((real_data / "corpora" / "webtext_gpt2_sample").glob("*.txt"))
     docs = [{"text": p.read_text(), "url": f"webtext/{p.name}"} for p in pages]
-    emma = (shared_data / "corpora" / "gutenberg_emma" / "austen-emma.txt").read_text()
+    emma = (real_data / "corpora" / "gutenberg_emma" / "austen-emma.txt").read_text()
     blocks = [b.strip() for b in emma.split("\n\n") if len(b) > 1500][:12]
     return docs + [{"text": b, "url": f"emma/{i}"} for i, b in enumerate(blocks)]
 

@@ -22,29 +22,34 @@ SCRIPT = ROOT / "scripts" / "prepare_openwebtext.sh"
 
 
 @pytest.fixture(scope="module")
-def web(shared_data, tmp_path_factory):
+def dumps(unshipped_data):
+    """The real Pushshift dumps (not shipped: tests/data/SOURCE.md)."""
+    return unshipped_data("openwebtext_urls/pushshift_dumps")
+
+
+@pytest.fixture(scope="module")
+def web(dumps, real_data, tmp_path_factory):
     """The fake web, indexed by the URL list the driver will produce (steps 1-3 are deterministic)."""
     tmp = tmp_path_factory.mktemp("urls")
-    dumps = shared_data / "openwebtext_urls" / "pushshift_dumps"
     extract_urls.main(["--psdir", str(dumps), "--outdir", str(tmp / "u"), "--no-progress"])
     dedup_urls.main(["--input-dir", str(tmp / "u"), "--output-dir", str(tmp / "d"), "--no-progress"])
     blacklist_urls.main([str(tmp / "d"), "--output", str(tmp / "clean.txt"), "--no-progress"])
     urls = (tmp / "clean.txt").read_text().splitlines()
-    with FakeWeb(urls, shared_data / "corpora", slow_s=4.0, big_bytes=300_000) as server:
+    with FakeWeb(urls, real_data / "corpora", slow_s=4.0, big_bytes=300_000) as server:
         yield server
 
 
-def driver_cmd(shared_data, gpt2_files, out, proxy):
-    return ["bash", str(SCRIPT), "--dumps", str(shared_data / "openwebtext_urls" / "pushshift_dumps"),
+def driver_cmd(dumps, gpt2_files, out, proxy):
+    return ["bash", str(SCRIPT), "--dumps", str(dumps),
             "--output", str(out), "--vocab-file", gpt2_files[0], "--merge-file", gpt2_files[1], "--proxy", proxy,
             "--timeout", "2", "--retries", "1", "--backoff", "0.05", "--max-bytes", "200000",
             "--concurrency", "24", "--workers", "2", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
-def full_run(shared_data, gpt2_files, web, tmp_path_factory):
+def full_run(dumps, gpt2_files, web, tmp_path_factory):
     out = tmp_path_factory.mktemp("owt_full")
-    subprocess.run(driver_cmd(shared_data, gpt2_files, out, web.proxy), check=True, cwd=ROOT,
+    subprocess.run(driver_cmd(dumps, gpt2_files, out, web.proxy), check=True, cwd=ROOT,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
 
@@ -79,9 +84,9 @@ def test_end_to_end_counts_and_valid_dataset(full_run):
 
 
 @pytest.mark.slow  # --quick skips it (a second full driver run)
-def test_interrupted_then_resumed_run_matches(shared_data, gpt2_files, web, full_run, tmp_path):
+def test_interrupted_then_resumed_run_matches(dumps, gpt2_files, web, full_run, tmp_path):
     out = tmp_path / "owt"
-    proc = subprocess.Popen(driver_cmd(shared_data, gpt2_files, out, web.proxy), cwd=ROOT, start_new_session=True,
+    proc = subprocess.Popen(driver_cmd(dumps, gpt2_files, out, web.proxy), cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and len(list((out / "download" / "data").glob("*/*.json"))) < 150:
@@ -89,7 +94,7 @@ def test_interrupted_then_resumed_run_matches(shared_data, gpt2_files, web, full
     os.killpg(proc.pid, signal.SIGKILL)  # our own child's process group
     proc.wait()
     assert not (out / "merged.jsonl").exists()
-    subprocess.run(driver_cmd(shared_data, gpt2_files, out, web.proxy), check=True, cwd=ROOT,
+    subprocess.run(driver_cmd(dumps, gpt2_files, out, web.proxy), check=True, cwd=ROOT,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     assert summary(out, "download").get("skipped_done:kept", 0) >= 150
     for name in ("openwebtext.jsonl", "openwebtext_text_document.bin", "openwebtext_text_document.idx"):
@@ -97,8 +102,8 @@ def test_interrupted_then_resumed_run_matches(shared_data, gpt2_files, web, full
     assert not list(out.rglob("*.tmp"))  # no temp files left behind
 
 
-def test_driver_rejects_missing_vocab(shared_data, tmp_path):
-    res = subprocess.run(["bash", str(SCRIPT), "--dumps", str(shared_data), "--output", str(tmp_path),
+def test_driver_rejects_missing_vocab(tmp_path):
+    res = subprocess.run(["bash", str(SCRIPT), "--dumps", str(tmp_path), "--output", str(tmp_path),
                           "--vocab-file", str(tmp_path / "nope.json"), "--merge-file", "x"],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "vocab-file" in res.stderr
@@ -108,7 +113,7 @@ AFTER_CLEANUP = ("near_duplicates.jsonl", "duplicate_groups.jsonl", "deduplicate
                  "openwebtext_text_document.bin", "openwebtext_text_document.idx")
 
 
-def test_driver_runs_the_optional_fix_and_decontamination_steps(shared_data, gpt2_files, web, full_run, tmp_path):
+def test_driver_runs_the_optional_fix_and_decontamination_steps(dumps, gpt2_files, web, full_run, tmp_path):
     """A copy of the full run's output up to cleanup, resumed with --fix-tasks and --decontaminate-with
     (an evaluation file of 20-word passages from three cleaned pages): the new steps run, the
     overlaps are gone from the final corpus, and a re-run skips every step."""
@@ -126,7 +131,7 @@ def test_driver_runs_the_optional_fix_and_decontamination_steps(shared_data, gpt
         leaked.append(doc["text"][spans[len(words) // 2][0]:spans[len(words) // 2 + 19][1]])
     eval_file = tmp_path / "eval.jsonl"
     eval_file.write_text("".join(json.dumps({"text": s}) + "\n" for s in leaked))
-    cmd = [*driver_cmd(shared_data, gpt2_files, out, web.proxy), "--fix-tasks", "remove_512,general_cleaning",
+    cmd = [*driver_cmd(dumps, gpt2_files, out, web.proxy), "--fix-tasks", "remove_512,general_cleaning",
            "--decontaminate-with", str(eval_file)]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     fixed = summary(out, "cleanup_fix_dataset")
@@ -143,11 +148,11 @@ def test_driver_runs_the_optional_fix_and_decontamination_steps(shared_data, gpt
     assert {p: p.read_bytes() for p in out.glob("*.jsonl")} == before
 
 
-def test_driver_refuses_an_optional_step_asked_for_too_late(shared_data, gpt2_files, full_run, tmp_path):
+def test_driver_refuses_an_optional_step_asked_for_too_late(dumps, gpt2_files, full_run, tmp_path):
     """Asking for --fix-tasks on an output whose later steps were done without it would not apply it."""
     out = tmp_path / "owt"
     shutil.copytree(full_run, out, ignore=shutil.ignore_patterns("download"))
-    res = subprocess.run(["bash", str(SCRIPT), "--dumps", str(shared_data / "openwebtext_urls" / "pushshift_dumps"),
+    res = subprocess.run(["bash", str(SCRIPT), "--dumps", str(dumps),
                           "--output", str(out), "--vocab-file", gpt2_files[0], "--merge-file", gpt2_files[1],
                           "--fix-tasks", "remove_512", "--no-progress"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 2 and "error: --fix-tasks was not given when" in res.stderr, res.stderr[-2000:]

@@ -10,8 +10,9 @@ from data_prep.openwebtext.url_rules import megatron_bad_reason
 
 
 @pytest.fixture(scope="module")
-def dumps(shared_data):
-    return shared_data / "openwebtext_urls" / "pushshift_dumps"
+def dumps(unshipped_data):
+    """The real Pushshift dumps (not shipped: tests/data/SOURCE.md)."""
+    return unshipped_data("openwebtext_urls/pushshift_dumps")
 
 
 def test_extract_counts_on_real_dumps(dumps, tmp_path):
@@ -50,8 +51,8 @@ def test_dedup_normalisation_and_month_order(tmp_path):
     assert (out / "RS_2011-02.bz2.deduped.txt").read_text() == "http://new.com/z?q=1&r=2\n"  # unescaped
 
 
-def test_blacklist_reference_counts(shared_data, tmp_path):
-    urls = shared_data / "openwebtext_urls" / "RS_v2_2005-06_07.urls.txt"
+def test_blacklist_reference_counts(unshipped_data, tmp_path):
+    urls = unshipped_data("openwebtext_urls/RS_v2_2005-06_07.urls.txt")
     out = tmp_path / "clean.txt"
     summary = blacklist_urls.main([str(urls), "--output", str(out), "--no-progress"])
     assert summary["counts"] == {"urls": 1182, "kept": 1162, "removed:domain": 10, "removed:extension": 10}

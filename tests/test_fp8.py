@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +18,7 @@ from gpt_helpers import batch, tiny_model_config
 from gpu_runs import SAVE_AT, TRAIN_ITERS, Run, after, assert_close, uses
 from megapar.arguments import ConfigError, config_from_namespace, parse_flags
 
+ROOT = Path(__file__).resolve().parent.parent
 TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not TORCHAO, reason="torchao not installed (pip install -e .[fp8])")
 FP8 = ["--fp8-format", "hybrid", "--bf16", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
@@ -88,6 +94,42 @@ def test_generation_turns_fp8_off():
     cfg = tiny_model_config(["--bf16"]).model
     cfg.fp8_format = "hybrid"
     assert inference_config(cfg, torch.device("cpu")).fp8_format is None
+
+
+QUIET_IMPORTS = """
+import logging, warnings
+from megapar.fp8 import _import_torchao, torchao_quietly
+_import_torchao()
+with torchao_quietly():
+    import transformers
+    transformers.GPT2LMHeadModel, transformers.AutoTokenizer
+logging.getLogger("torchao").warning("a later torchao warning")
+warnings.warn("a warning of megapar's")
+"""
+
+
+def test_torchao_quietly_silences_only_its_loggers_and_only_inside(caplog):
+    from megapar.fp8 import TORCHAO_IMPORT_LOGGERS, torchao_quietly
+    with torchao_quietly():
+        for name in TORCHAO_IMPORT_LOGGERS:
+            logging.getLogger(name).warning("import-time noise")
+        logging.getLogger("megapar").warning("inside, megapar's")
+    logging.getLogger("torchao").warning("after, torchao's")
+    assert [r.getMessage() for r in caplog.records] == ["inside, megapar's", "after, torchao's"]
+
+
+@pytest.mark.slow  # a fresh Python importing torch, torchao and transformers; the test above is the cheap sibling
+@needs_torchao
+def test_torchao_imports_quietly_and_later_warnings_still_show():
+    """torchao's import-time log lines (extensions skipped, torch's pytree deprecation) are silenced,
+    also when transformers imports it; a later warning of any logger, and Python warnings, still print."""
+    pytest.importorskip("transformers", reason="pip install -r requirements-dev.txt")
+    proc = subprocess.run([sys.executable, "-c", QUIET_IMPORTS], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    assert [line for line in lines if "warning" not in line] == [], proc.stderr
+    assert "a later torchao warning" in proc.stderr and "UserWarning: a warning of megapar's" in proc.stderr
 
 
 # ---- the fp8 layers on CPU (torchao's emulation) -------------------------------------------------------

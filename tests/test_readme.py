@@ -4,7 +4,7 @@ Each command line is checked by what it runs:
   * cheap ones run for real: `--help`, tools/estimate_memory.py, tools/plan_layout.py (and the training command
     it prints is checked as below; `--calibrate` needs a GPU: parsed, and the default calibration written to its
     --out for the next command), tools/preprocess_data.py on a small JSON-lines
-    file (with the GPT-2 BPE files from ../shared/data), `python -m megapar.data.validate`, modules that take no
+    file (with the GPT-2 BPE files shipped in tests/data), `python -m megapar.data.validate`, modules that take no
     argparse flags, tools/convert_from_hf.py (on a small random GPT-2 folder when --load-dir does not exist);
   * training (`bash scripts/pretrain_gpt2.sh`, `python -m megapar.pretrain_gpt2`) is parsed and validated by
     megapar.pretrain_gpt2.parse at the world size the launcher would start (tp x pp on CPU), in the block's
@@ -34,9 +34,10 @@ from unittest import mock
 
 import pytest
 
+from data_dirs import GPT2_DIR
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "docs/guide.md"]
-GPT2_DIR = ROOT.parent / "shared" / "data" / "gpt2"
 ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
@@ -216,8 +217,8 @@ def check_gpu_checks(args: list[str], script_text: str, cwd: Path) -> None:
 
 
 def check_preprocess(args: list[str], cwd: Path) -> None:
-    """Run it for real on a small JSON-lines file when the GPT-2 BPE files are available."""
-    if not ((GPT2_DIR / "encoder.json").is_file() and flag_value(args, "--tokenizer-type") == "GPT2BPETokenizer"):
+    """Run it for real on a small JSON-lines file when it uses the GPT-2 BPE tokenizer (files in tests/data)."""
+    if flag_value(args, "--tokenizer-type") != "GPT2BPETokenizer":
         run_python("tools/preprocess_data.py", args, module=False, parse_only=True, cwd=cwd)
         return
     for flag, source in (("--vocab-file", "encoder.json"), ("--merge-file", "vocab.bpe")):

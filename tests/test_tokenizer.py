@@ -1,5 +1,4 @@
-"""Tokenizers: GPT-2 BPE from local files equals tiktoken's gpt2 ranks on real corpora."""
-import base64
+"""Tokenizers: GPT-2 BPE from local files equals tiktoken's gpt2 encoding on real corpora."""
 import json
 
 import pytest
@@ -13,14 +12,13 @@ def gpt2(gpt2_files):
 
 
 @pytest.fixture(scope="module")
-def reference_encoding(shared_data, gpt2):
-    """tiktoken's gpt2 encoding from the pinned gpt2.tiktoken ranks file (offline)."""
+def reference_encoding(gpt2_files, gpt2):
+    """tiktoken's gpt2 encoding, built offline by tiktoken's own loader (not megapar's) from the same files."""
     import tiktoken
-    ranks = {}
-    with open(shared_data / "gpt2" / "gpt2.tiktoken") as f:
-        for line in f:
-            tok, rank = line.split()
-            ranks[base64.b64decode(tok)] = int(rank)
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", "")  # read the files as they are; write no cache
+        ranks = data_gym_to_mergeable_bpe_ranks(gpt2_files[1], gpt2_files[0])
     return tiktoken.Encoding("gpt2-ref", pat_str=gpt2.enc._pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": 50256})
 
@@ -39,18 +37,25 @@ def test_literal_endoftext_is_ordinary_text(gpt2):
     assert gpt2.tokenize("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
 
 
-def test_ids_equal_tiktoken_gpt2_on_real_corpora(shared_data, gpt2, reference_encoding):
-    corpora = shared_data / "corpora"
-    texts = []
-    for name in ("webtext.test.jsonl", "webtext.valid.jsonl"):
-        with open(corpora / "webtext_gpt2_trunc63" / name) as f:
-            texts += [json.loads(line)["text"] for line in f]
-    texts += [p.read_text() for p in sorted((corpora / "webtext_gpt2_sample").glob("*.txt"))]
+def test_ids_equal_tiktoken_gpt2_on_real_corpora(real_data, gpt2, reference_encoding):
+    corpora = real_data / "corpora"
+    texts = [p.read_text() for p in sorted((corpora / "webtext_gpt2_sample").glob("*.txt"))]
     texts.append((corpora / "tinyshakespeare" / "input.txt").read_text())
     texts.append((corpora / "gutenberg_emma" / "austen-emma.txt").read_text())
     for t in texts:
-        ids = gpt2.tokenize(t)
-        assert ids == reference_encoding.encode_ordinary(t)
+        assert gpt2.tokenize(t) == reference_encoding.encode_ordinary(t)
+        assert gpt2.detokenize(gpt2.tokenize(t)) == t
+    assert [len(gpt2.tokenize(t)) for t in texts] == [138, 66, 1024, 1024, 161, 1024, 725, 618, 1024, 338025, 223075]
+
+
+def test_ids_equal_tiktoken_gpt2_on_webtext_trunc63(unshipped_data, gpt2, reference_encoding):
+    """9,447 more web documents, a few of them not English (optional data)."""
+    texts = []
+    for name in ("webtext.test.jsonl", "webtext.valid.jsonl"):
+        with open(unshipped_data(f"corpora/webtext_gpt2_trunc63/{name}")) as f:
+            texts += [json.loads(line)["text"] for line in f]
+    for t in texts:
+        assert gpt2.tokenize(t) == reference_encoding.encode_ordinary(t)
     assert all(gpt2.detokenize(gpt2.tokenize(t)) == t for t in texts[:500])
     assert all(len(gpt2.tokenize(t)) == 63 for t in texts[:100])  # the corpus' own invariant
 

@@ -232,3 +232,41 @@ def test_evaluation_and_saving_are_left_out_of_iteration_times(embedded_data, tm
                                          "--eval-iters", "1", "--save", str(tmp_path / "ck"), "--save-interval", "3"]
     times = run_distributed(_iteration_times_body, 1, args=(argv, str(tmp_path), ["evaluate", "save"]))[0]
     assert len(times) == 6 and max(times) < 1500 and min(times) > max(times) / 20, times
+
+
+def _eval_lines_body(rank, world_size, argv, workdir):
+    import contextlib
+    import io
+    from megapar.pretrain_gpt2 import parse, pretrain
+    out = io.StringIO()
+    os.chdir(workdir)
+    with contextlib.redirect_stdout(out):
+        pretrain(parse(argv, world_size))
+    return [line.strip() for line in out.getvalue().splitlines() if "Evaluating iter" in line]
+
+
+@pytest.mark.slow  # --quick skips it (a training process); the evaluation-size tests below are quick
+def test_evaluation_prints_progress_lines(embedded_data, tmp_path):
+    """Megatron's `Evaluating iter i/N` after the first batch, every --log-interval batches and the last."""
+    from distributed import run_distributed
+    argv = TINY_TRAIN + embedded_data + ["--train-iters", "2", "--eval-iters", "5", "--log-interval", "2"]
+    lines = run_distributed(_eval_lines_body, 1, args=(argv, str(tmp_path)))[0]
+    assert [line.split(" |")[0] for line in lines] == [f"Evaluating iter {i}/5 (val data)" for i in (1, 2, 4, 5)]
+    assert all(float(line.rsplit(": ", 1)[1]) > 0 for line in lines)
+
+
+@pytest.mark.parametrize("flags,eval_iters", [(["--train-iters", "20"], 2),       # a tenth of a short run
+                                              (["--train-iters", "5000"], 10),    # the default for a long one
+                                              (["--train-iters", "5"], 1),        # at least one batch
+                                              (["--train-iters", "20", "--eval-iters", "7"], 7),  # as given
+                                              (["--train-samples", "800"], 10)])
+def test_evaluation_size_fits_the_run_unless_given(flags, eval_iters):
+    from megapar.pretrain_gpt2 import parse
+    assert parse(["--data-path", "d_text_document", *flags], 1).log.eval_iters == eval_iters
+
+
+def test_embedded_default_evaluation_size(tmp_path, monkeypatch):
+    from megapar.pretrain_gpt2 import parse
+    monkeypatch.chdir(tmp_path)
+    assert parse([], 1).log.eval_iters == 4                        # its own size at 300 iterations
+    assert parse(["--train-iters", "20"], 1).log.eval_iters == 2   # a tenth of a shorter run

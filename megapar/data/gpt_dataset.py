@@ -8,9 +8,10 @@
 `--split 949,50,1` splits each dataset's documents into contiguous ranges. A dataset is a
 deterministic map index -> sample that holds at least the requested number of samples; indexing
 past len() wraps around, so training never runs out of data, and resuming at consumed_samples
-gives exactly the next samples. Indices are cached as .npy next to the data (or in cache_dir),
-named by a hash of every input that changes them; with torch.distributed initialised, global
-rank 0 builds them while the other ranks wait at a barrier.
+gives exactly the next samples. Indices are cached as .npy in cache_dir (--data-cache-path) or, as
+Megatron-Core does without it, in PREFIX/cache/GPTDataset_indices/ (a folder named like the data
+prefix, beside its .bin/.idx), named by a hash of every input that changes them; with
+torch.distributed initialised, global rank 0 builds them while the other ranks wait at a barrier.
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def _dist_rank() -> tuple[bool, int]:
 def check_cache_dir(cache_dir: Optional[str]) -> None:
     """A --data-cache-path that is given must be a folder this process can write into (found at
     start by writing a file there, not from permission bits); DatasetError otherwise. Without the
-    flag, indices are cached next to the data, or in the temporary folder when that is read-only."""
+    flag, indices are cached in default_cache_dir, or in the temporary folder when that is read-only."""
     if cache_dir is None:
         return
     try:
@@ -109,15 +110,25 @@ def check_cache_dir(cache_dir: Optional[str]) -> None:
     except OSError as e:
         raise DatasetError(f"--data-cache-path {cache_dir} is not a writable folder ({e.strerror or e}); the dataset "
                            f"indices are cached there: give a writable folder, or drop --data-cache-path to cache "
-                           f"them next to the data") from None
+                           f"them in PREFIX/cache/GPTDataset_indices beside the data") from None
+
+
+def default_cache_dir(prefix: str) -> str:
+    """Where the indices of data PREFIX are cached without --data-cache-path: Megatron-Core's
+    PREFIX/cache/GPTDataset_indices, so a run leaves one folder beside PREFIX.bin/.idx."""
+    return os.path.join(os.path.abspath(prefix), "cache", "GPTDataset_indices")
 
 
 def _cache_dir(prefix: str, cache_dir: Optional[str]) -> str:
-    d = cache_dir or os.path.dirname(os.path.abspath(prefix))
-    os.makedirs(d, exist_ok=True)
-    if not os.access(d, os.W_OK):
+    d = cache_dir or default_cache_dir(prefix)
+    try:
+        os.makedirs(d, exist_ok=True)
+        writable = os.access(d, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
         alt = os.path.join(tempfile.gettempdir(), "megapar_index_cache")
-        _log(f"{d} is not writable; caching dataset indices in {alt} (pass cache_dir to choose)")
+        _log(f"{d} is not writable; caching dataset indices in {alt} (--data-cache-path chooses the folder)")
         os.makedirs(alt, exist_ok=True)
         return alt
     return d

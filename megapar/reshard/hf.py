@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from ..atomic import give_user_file_mode
 from ..arguments import DataConfig
 from ..checkpoint.common import SavedConfig
 from . import hf_tokenizer
@@ -124,6 +125,7 @@ def export_hf(src, out_dir: str, dtype: Optional[torch.dtype] = None, force: boo
         cfg = hf_config(src.saved, tok.eod if tok is not None else None)
         cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).replace("torch.", "")
         save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        give_user_file_mode(os.path.join(staging, "model.safetensors"))  # save_file makes it 0o600
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
         written = hf_tokenizer.write(tokenizer, tok, staging, m.max_position_embeddings) if tok is not None else []

@@ -73,7 +73,7 @@ def test_wrong_format_merge_file_in_training(files, tmp_path):
 
 
 def test_real_gpt2_files_swapped(files, tmp_path, gpt2_files):
-    vocab, merges = gpt2_files  # (encoder.json, vocab.bpe) from ../shared/data: skips where absent
+    vocab, merges = gpt2_files  # (encoder.json, vocab.bpe) shipped in tests/data
     refused(preprocess_cmd(files, tmp_path / "out", vocab=merges, merges=vocab),
             fault_class="tokenizer", case="preprocess: GPT-2's vocab.bpe / encoder.json swapped",
             expect=["--vocab-file", "vocab.bpe", "not valid JSON"], watch=[tmp_path])
