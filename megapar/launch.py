@@ -118,6 +118,30 @@ def training_command(flags: Sequence[object], procs: Processes, why: str = "") -
     return command_line(TRAINING_SCRIPT, [*procs.launcher_flags(), *flags], "; ".join(notes))
 
 
+# scripts/pretrain_gpt2.sh's own flags (it starts torchrun with them; the rest go to training).
+LAUNCHER_FLAGS = (
+    ("--nproc-per-node", "N", "processes on this node; default every visible GPU, else tensor x pipeline "
+                              "parallel size on CPU"),
+    ("--nnodes", "N", "nodes of the job, the same on every node; default 1"),
+    ("--node-rank", "R", "this node's rank: 0 on the --master-addr node, 1 .. N-1 on the others"),
+    ("--master-addr", "HOST", "address of the node with --node-rank 0, the same on every node (with --nnodes > 1)"),
+    ("--master-port", "PORT", "a free TCP port of the --master-addr node, the same on every node"),
+)
+
+
+def add_launcher_flags(parser) -> None:
+    """The launcher's flags as an argument group of `parser` (the script's --help)."""
+    group = parser.add_argument_group("launcher (scripts/pretrain_gpt2.sh: how many processes, on which nodes)")
+    for flag, metavar, help in LAUNCHER_FLAGS:
+        group.add_argument(flag, metavar=metavar, help=help)
+
+
+def print_help() -> None:
+    """scripts/pretrain_gpt2.sh --help: its own flags, then the training flags."""
+    from .arguments import build_parser
+    build_parser(prog=TRAINING_SCRIPT, launcher=True).print_help()
+
+
 class LaunchError(ValueError):
     """A launcher flag the user can fix."""
 
@@ -308,6 +332,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = argv[1:] if generate else argv
     split = argv.index("--") if "--" in argv else len(argv)
     torchrun_args, flags = argv[:split], argv[split + 1:]
+    if not generate and any(a in ("-h", "--help") for a in argv):
+        print_help()
+        return 0
     try:
         check_rendezvous(torchrun_args)
     except LaunchError as e:

@@ -30,14 +30,20 @@ from .scalar_writer import build_writer
 from .training import TrainState, evaluate, finish_saves, load, log_eval, reserve_saves, save, train
 
 EMBEDDED_DIR = os.path.join("data_cache", "embedded")
-EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")  # + model shape, see parse()
+EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")  # + model shape: embedded_save_dir()
+
+
+def embedded_save_dir(layers: Optional[int] = None, hidden: Optional[int] = None) -> str:
+    """Where a run on the embedded default saves (and resumes from) without --save: one folder per
+    model shape, so that a run with other --num-layers/--hidden-size never loads another's."""
+    layers, hidden = layers or default_of("num_layers"), hidden or default_of("hidden_size")
+    return f"{EMBEDDED_SAVE}_{layers}l_{hidden}h"
 
 
 def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
     given = parse_flags(argv)
     if not given.get("data_path"):  # the embedded default: fill only what the user did not give
-        layers, hidden = (given.get(k, default_of(k)) for k in ("num_layers", "hidden_size"))
-        save_dir = f"{EMBEDDED_SAVE}_{layers}l_{hidden}h"
+        save_dir = embedded_save_dir(given.get("num_layers"), given.get("hidden_size"))
         chosen = {"eval_interval": 100, "eval_iters": 4, "save": save_dir, "log_interval": 20}
         ds = given.get(DEEPSPEED_CONFIG)
         if ds is None or ds.gradient_accumulation_steps is None:  # else the DeepSpeed batch triple decides
