@@ -15,6 +15,7 @@ import typing
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
 
+from .errors import OneLineErrorParser
 from .fp8 import FP8_FORMATS, FP8_RECIPES
 from .recipes import expand_recipes
 from .topology import ConfigError, _fail, check_parallel_shape, pipeline_layer_counts
@@ -308,14 +309,6 @@ def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
     group.add_argument(_flag(f.name), *m["aliases"], **kw)
 
 
-class _Parser(argparse.ArgumentParser):
-    """An unknown flag or a value of the wrong type ends in one line `error: ...` (exit 2), not
-    the usage text followed by `prog: error: ...`."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}; see --help for the flags\n")
-
-
 TRAINING_PROG = "python -m megapar.pretrain_gpt2"
 
 
@@ -323,7 +316,7 @@ def build_parser(prog: str = TRAINING_PROG, launcher: bool = False) -> argparse.
     """The pretraining command line, one flag per config field (Megatron's names and aliases).
     `prog` names the command in --help; `launcher` adds scripts/pretrain_gpt2.sh's own flags
     (its --help)."""
-    p = _Parser(prog=prog, usage="%(prog)s [FLAGS]",
+    p = OneLineErrorParser(prog=prog, usage="%(prog)s [FLAGS]",
                 description="megapar GPT-2 pretraining (Megatron-LM compatible flags). Every flag is optional: "
                             "with no --data-path it trains a small GPT-2 on the embedded corpus.",
                 allow_abbrev=False, argument_default=argparse.SUPPRESS)

@@ -232,7 +232,6 @@ class Launch:
         self.flags = list(flags)
         self.leader_stops = leader_stops
         self.handler_on = leader_stops or "--exit-signal-handler" in self.flags
-        self.error_exit = 1 if leader_stops else USER_ERROR_EXIT  # the status the target itself exits with
         self.cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *target, *self.flags]
         self.lock = threading.Lock()
         self.error_seen = False
@@ -307,7 +306,7 @@ class Launch:
         for t in relays:
             t.join(timeout=10)  # a worker left behind would hold the pipes open
         if self.error_seen:
-            return self.error_exit
+            return USER_ERROR_EXIT  # the status the target itself exits with
         if rc != 0 and self._quiet():
             name = signal.Signals(self.signals[-1]).name
             if self.saved_after_signal is not None:

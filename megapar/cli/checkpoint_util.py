@@ -111,7 +111,7 @@ def main(argv=None) -> int:
                           virtual=target_chunks(a, src.saved.model.num_layers, pp))
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     print(f"done in {time.time() - t0:.1f} s")
     return 0
 

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
             print(note, file=sys.stderr)
     except (MegaparError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     return 0
 
 

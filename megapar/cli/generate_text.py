@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megapar.errors import MegaparError
+from megapar.errors import USER_ERROR_EXIT, MegaparError
 from megapar.generation import (GenerationError, InferenceEngine, SamplingParams, follow,
                                 load_inference_model, run_leader, stop_followers, tokenizer_for_checkpoint)
 from megapar.initialize import init_distributed
@@ -269,7 +269,7 @@ def generate(argv: Optional[Sequence[str]] = None) -> int:
         tok = tokenizer_for_checkpoint(saved, a.tokenizer_type, a.vocab_file, a.merge_file, a.tokenizer_model)
     except MegaparError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return USER_ERROR_EXIT
     engine = InferenceEngine(model, topo, rank, model.cfg.vocab_size, tok.eod)
     if rank != 0:
         follow(engine)
@@ -293,7 +293,7 @@ def generate(argv: Optional[Sequence[str]] = None) -> int:
             interactive(s)
     except GenerationError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return USER_ERROR_EXIT
     finally:
         stop_followers(engine)
     return 0

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         result = preprocess(cfg)
     except (PreprocessError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     except (KeyboardInterrupt, Interrupted) as e:
         name = "SIGINT" if isinstance(e, KeyboardInterrupt) else str(e)
         print(f"error: interrupted by {name}; workers stopped and no output written (partial files removed); "
