@@ -20,6 +20,7 @@ import time
 from typing import Optional
 
 from megapar.checkpoint import CheckpointError
+from megapar.errors import USER_ERROR_EXIT
 from megapar.reshard import bounded_heap, open_source
 from megapar.reshard.canonical import write_canonical
 from megapar.reshard.convert import write_sharded

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from megapar.errors import MegaparError
+from megapar.errors import USER_ERROR_EXIT, MegaparError
 from megapar.reshard import bounded_heap, hf_tokenizer, open_source
 from megapar.reshard.hf import export_hf
 

@@ -14,6 +14,7 @@ import sys
 
 from megapar.data.preprocess import Interrupted, PreprocessConfig, PreprocessError, preprocess, request_stop
 from megapar.data.tokenizer import TOKENIZER_TYPES, TokenizerError
+from megapar.errors import USER_ERROR_EXIT
 
 
 def get_args(argv=None) -> argparse.Namespace:

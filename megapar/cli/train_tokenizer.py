@@ -17,6 +17,7 @@ import sys
 import tempfile
 
 from megapar.data.train_tokenizer import train_sentencepiece
+from megapar.errors import USER_ERROR_EXIT
 
 
 def _jsonl_to_text(path: str, keys: list[str], out) -> None:
