@@ -254,10 +254,12 @@ def test_the_next_commands_keep_the_processes_of_the_run(monkeypatch):
                                                 "--tensor-model-parallel-size 2 --load b --save b")
 
 
+@pytest.mark.slow
 def test_a_fine_tune_says_what_it_loaded_and_its_train_longer_command_continues_it(trained, tmp_path):
     """--finetune names the checkpoint and iteration it took the weights from, and that the optimizer and the
     iteration count start afresh; its printed "train longer" command continues the fine-tune from its own
-    --save (not from iteration 0 again)."""
+    --save (not from iteration 0 again). Two runs; test_a_fine_tunes_next_commands_resume_it_without_finetune
+    is the quick check of the command."""
     ft = tmp_path / "ft"
     out = run(TRAIN + trained.base + ["--train-iters", "2", "--load", trained.ck, "--finetune", "--save", ft])
     assert out.rc == 0, out.output[-3000:]
