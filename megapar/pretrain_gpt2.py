@@ -253,7 +253,8 @@ def _continued(cfg: Config, argv: Optional[Sequence[str]], valued: set[str], swi
     switches = switches | {"--finetune"}
     switches |= {"--no-load-optim"} if not cfg.ckpt.no_save_optim else set()
     switches |= {"--no-load-rng"} if not cfg.ckpt.no_save_rng else set()
-    return _without(argv, valued | {"--load", "--save"}, switches) + ["--load", cfg.ckpt.save, "--save", cfg.ckpt.save]
+    kept = _without(argv, valued | {"--load", "--save"}, switches)
+    return kept + ["--load", cfg.ckpt.save, "--save", cfg.ckpt.save]
 
 
 def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]],

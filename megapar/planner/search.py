@@ -248,5 +248,6 @@ def command(req: Request, lay: cost.Layout) -> str:
              "optimizer_cpu_offload", "param_cpu_offload", "recompute_granularity", "recompute_method",
              "recompute_num_layers", "sequence_parallel"]
     given = flags(req, lay)
-    words = [w for name in order + sorted(set(given) - set(order)) if name in given for w in _flag_words(name, given[name])]
+    words = [w for name in order + sorted(set(given) - set(order)) if name in given
+             for w in _flag_words(name, given[name])]
     return training_command(words, procs, "NODE0: the address of node 0" if procs.nodes > 1 else "")

@@ -1,9 +1,9 @@
 """Resuming a training run: the LR schedule it was saved with is kept (a changed one is refused
 unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler says whose settings
 win), a resume at another layout names the flags of the saved layout, the printed "train longer"
-command runs (and keeps the run's processes; a fine-tune's continues the fine-tune), a resume with nothing left to train exits 0 without writing, and the first log line
-comes after the first iteration, with an ETA. Tiny real runs (one process, CPU) on an offline
-byte-level GPT-2 vocabulary and a random corpus."""
+command runs (keeping the run's processes; a fine-tune's continues it), a resume with nothing left
+to train exits 0 without writing, and the first log line comes after the first iteration, with an
+ETA. Tiny real runs (CPU) on an offline byte-level GPT-2 vocabulary and a random corpus."""
 from __future__ import annotations
 
 import re
@@ -201,8 +201,8 @@ def test_train_longer_command_rewrites_the_flags():
     cfg = parse([], 1)                                   # the embedded default: 300 iterations, cosine to 0
     sched = types.SimpleNamespace(min_lr=0.0, decay_style="cosine", decay_steps=300)
     assert train_longer_command(cfg, sched, []).split("   #")[0] == (
-        f"bash scripts/pretrain_gpt2.sh --nproc-per-node 1 --load {cfg.ckpt.save} --save {cfg.ckpt.save} --train-iters 600 "
-        f"--override-opt_param-scheduler")
+        f"bash scripts/pretrain_gpt2.sh --nproc-per-node 1 --load {cfg.ckpt.save} --save {cfg.ckpt.save} "
+        f"--train-iters 600 --override-opt_param-scheduler")
 
 
 def test_a_run_stopped_early_is_told_how_to_resume():
