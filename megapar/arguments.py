@@ -15,6 +15,7 @@ import typing
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
 
+from .errors import OneLineErrorParser
 from .fp8 import FP8_FORMATS, FP8_RECIPES
 from .recipes import expand_recipes
 from .topology import ConfigError, _fail, check_parallel_shape, pipeline_layer_counts
@@ -37,27 +38,32 @@ def arg(default: Any = None, help: Optional[str] = None, *, aliases: Sequence[st
 @dataclass
 class ModelConfig:
     """The model's shape and how it runs; what checkpoints store as `model_config`."""
-    num_layers: int = arg(4)
-    hidden_size: int = arg(256)
-    num_attention_heads: int = arg(8)
-    ffn_hidden_size: Optional[int] = arg(None, "default 4 x --hidden-size")
-    seq_length: int = arg(256)
-    max_position_embeddings: Optional[int] = arg(None, "default --seq-length")
-    make_vocab_size_divisible_by: int = arg(128)
+    num_layers: int = arg(4, "transformer layers")
+    hidden_size: int = arg(256, "width of the embeddings and of every layer")
+    num_attention_heads: int = arg(8, "attention heads per layer (a multiple of the tensor-parallel size)")
+    ffn_hidden_size: Optional[int] = arg(None, "inner width of the MLP; default 4 x --hidden-size")
+    seq_length: int = arg(256, "tokens per training sample")
+    max_position_embeddings: Optional[int] = arg(None, "rows of the position-embedding table; default --seq-length")
+    make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this x the tensor-parallel size")
     padded_vocab_size: Optional[int] = arg(None, cli=False)   # set once the tokenizer is known
     vocab_size: Optional[int] = arg(None, cli=False)          # true (unpadded) vocabulary size
-    hidden_dropout: float = arg(0.1)
-    attention_dropout: float = arg(0.1)
-    layernorm_epsilon: float = arg(1e-5)
-    init_method_std: float = arg(0.02)
+    hidden_dropout: float = arg(0.1, "dropout on the embeddings and the attention and MLP outputs")
+    attention_dropout: float = arg(0.1, "dropout on the attention probabilities")
+    layernorm_epsilon: float = arg(1e-5, "LayerNorm epsilon")
+    init_method_std: float = arg(0.02, "standard deviation of the normal weight initialization")
     attention_backend: str = arg("auto", "flash = torch SDPA (what auto picks), cudnn = SDPA preferring cuDNN "
                                  "attention, fused = csrc softmax, torch = reference",
                                  choices=("auto", "flash", "cudnn", "fused", "torch"))
-    layernorm_impl: str = arg("torch", choices=("torch", "fused"))
-    recompute_granularity: Optional[str] = arg(None, choices=("full", "selective"))
-    recompute_method: Optional[str] = arg(None, "default uniform with --recompute-granularity full",
+    layernorm_impl: str = arg("torch", "torch = torch LayerNorm, fused = csrc kernel (GPUs)",
+                              choices=("torch", "fused"))
+    recompute_granularity: Optional[str] = arg(
+        None, "activation recomputation (less memory, more compute): full = rerun whole layers in the backward, "
+              "selective = only the attention core; default none", choices=("full", "selective"))
+    recompute_method: Optional[str] = arg(None, "with --recompute-granularity full: uniform = every block of "
+                                          "--recompute-num-layers layers, block = only the first "
+                                          "--recompute-num-layers layers of each stage; default uniform",
                                           choices=("uniform", "block"))
-    recompute_num_layers: int = arg(1)
+    recompute_num_layers: int = arg(1, "layers per recomputed block (--recompute-method)")
     torch_compile: bool = arg(False, "torch.compile each transformer layer (fuses LayerNorm, GELU, dropout, "
                                      "residual adds)")
     gradient_accumulation_fusion: bool = arg(
@@ -99,8 +105,10 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = arg(1, aliases=["--tensor-parallel"])
-    pipeline_model_parallel_size: int = arg(1, aliases=["--pipeline-parallel"])
+    tensor_model_parallel_size: int = arg(1, "tensor-parallel size: each layer split over this many GPUs",
+                                          aliases=["--tensor-parallel"])
+    pipeline_model_parallel_size: int = arg(1, "pipeline-parallel size: the layers split into this many stages",
+                                            aliases=["--pipeline-parallel"])
     data_parallel_size: int = arg(1, cli=False)     # derived: world / (tp * pp)
     use_distributed_optimizer: bool = arg(False, "= --zero-stage 1 (Megatron's name)")
     zero_stage: Optional[int] = arg(
@@ -113,8 +121,10 @@ class ParallelConfig:
                                          "of their layer (GPUs)")
     pipeline_schedule: str = arg("1f1b", "1f1b (default) or all-forward-all-backward (reference)",
                                  choices=("1f1b", "afab"))
-    distributed_backend: Optional[str] = arg(None, "default: nccl on GPUs, gloo on CPU", choices=("nccl", "gloo"))
-    distributed_timeout_minutes: float = arg(10.0)
+    distributed_backend: Optional[str] = arg(None, "torch.distributed backend; default nccl on GPUs, gloo on CPU",
+                                             choices=("nccl", "gloo"))
+    distributed_timeout_minutes: float = arg(10.0, "how long a collective waits for a silent peer before "
+                                                                 "the run stops naming it")
     pipeline_hang_diagnostics: bool = arg(
         False, "on GPUs, poll pipeline send/recv against --distributed-timeout-minutes and name the schedule "
                "step, microbatch and operation a rank hangs on (blocks the CPU per transfer; always on with gloo)")
@@ -122,42 +132,53 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = arg(4)
-    global_batch_size: Optional[int] = arg(None, "default --micro-batch-size x data-parallel size")
-    train_iters: Optional[int] = arg(None)
-    train_samples: Optional[int] = arg(None)
-    lr: float = arg(6e-4)
-    min_lr: float = arg(0.0)
-    lr_decay_style: str = arg("cosine", choices=("constant", "linear", "cosine"))
-    lr_decay_iters: Optional[int] = arg(None)
-    lr_warmup_fraction: Optional[float] = arg(None)
-    lr_warmup_iters: int = arg(0)
-    weight_decay: float = arg(0.01)
+    micro_batch_size: int = arg(4, "samples per forward/backward pass on each data-parallel rank")
+    global_batch_size: Optional[int] = arg(None, "samples per optimizer step (gradient accumulation makes up the "
+                                                      "rest); default --micro-batch-size x data-parallel size")
+    train_iters: Optional[int] = arg(None, "optimizer steps to train to (counted from 0: a resume trains up to "
+                                             "it); this or --train-samples is required with --data-path")
+    train_samples: Optional[int] = arg(None, "samples to train on, instead of --train-iters")
+    lr: float = arg(6e-4, "peak learning rate (after warmup)")
+    min_lr: float = arg(0.0, "learning rate at the end of the decay, and after it")
+    lr_decay_style: str = arg("cosine", "shape of the decay from --lr to --min-lr",
+                              choices=("constant", "linear", "cosine"))
+    lr_decay_iters: Optional[int] = arg(None, "iteration where the decay reaches --min-lr; default --train-iters")
+    lr_warmup_fraction: Optional[float] = arg(None, "warmup as a fraction of --lr-decay-iters, instead of "
+                                                        "--lr-warmup-iters")
+    lr_warmup_iters: int = arg(0, "iterations of linear warmup from 0 to --lr")
+    weight_decay: float = arg(0.01, "AdamW weight decay (not on biases and LayerNorm weights)")
     override_opt_param_scheduler: bool = arg(
         False, "on resume, take the LR schedule (--lr, --min-lr, warmup, decay iterations and style, "
                "--weight-decay) from these flags, not from the checkpoint", aliases=["--override-opt_param-scheduler"])
     use_checkpoint_opt_param_scheduler: bool = arg(
         False, "on resume, keep the checkpoint's LR schedule whatever these flags say",
         aliases=["--use-checkpoint-opt_param-scheduler"])
-    clip_grad: float = arg(1.0)
-    adam_beta1: float = arg(0.9)
-    adam_beta2: float = arg(0.999)
-    adam_eps: float = arg(1e-8)
+    clip_grad: float = arg(1.0, "clip the global gradient norm to this (0 = no clipping)")
+    adam_beta1: float = arg(0.9, "Adam beta1")
+    adam_beta2: float = arg(0.999, "Adam beta2")
+    adam_eps: float = arg(1e-8, "Adam epsilon")
     adam_impl: str = arg("auto", "fused: csrc's one-launch AdamW that also writes the bf16/fp16 params (GPUs; "
                                  "JIT-built on first use when not built at install); torch: torch's fused (GPU) / "
                                  "foreach (CPU) AdamW, then a copy into the bf16/fp16 params; auto: fused on GPUs "
                                  "when setup.py built the kernels, else torch", choices=("auto", "torch", "fused"))
-    seed: int = arg(1234)
-    fp16: bool = arg(False, group="mixed precision")
-    bf16: bool = arg(False, group="mixed precision")
+    seed: int = arg(1234, "random seed (weights, dropout, data order)")
+    fp16: bool = arg(False, "float16 weights and activations with loss scaling (fp32 master weights)",
+                     group="mixed precision")
+    bf16: bool = arg(False, "bfloat16 weights and activations (fp32 master weights); the usual choice on "
+                                "GPUs", group="mixed precision")
     loss_scale: Optional[float] = arg(None, "static loss scale (default: dynamic)", group="mixed precision")
-    initial_loss_scale: float = arg(2.0**32, group="mixed precision")
-    min_loss_scale: float = arg(1.0, group="mixed precision")
-    loss_scale_window: int = arg(1000, group="mixed precision")
-    hysteresis: int = arg(2, group="mixed precision")
-    exit_interval: Optional[int] = arg(None, group="logging, evaluation and exit")
-    exit_duration_in_mins: Optional[float] = arg(None, group="logging, evaluation and exit")
-    exit_signal_handler: bool = arg(False, group="logging, evaluation and exit")
+    initial_loss_scale: float = arg(2.0**32, "--fp16: the dynamic loss scale to start from", group="mixed precision")
+    min_loss_scale: float = arg(1.0, "--fp16: the dynamic loss scale never goes below this",
+                                 group="mixed precision")
+    loss_scale_window: int = arg(1000, "--fp16: steps without overflow before the loss scale doubles",
+                                   group="mixed precision")
+    hysteresis: int = arg(2, "--fp16: overflows tolerated before the loss scale halves", group="mixed precision")
+    exit_interval: Optional[int] = arg(None, "save (with --save) and exit at the first iteration that is a "
+                                             "multiple of this", group="logging, evaluation and exit")
+    exit_duration_in_mins: Optional[float] = arg(None, "save (with --save) and exit once the run has trained "
+                                                     "this many minutes", group="logging, evaluation and exit")
+    exit_signal_handler: bool = arg(False, "on SIGTERM or a first Ctrl-C, finish the iteration, save (with "
+                                        "--save) and exit 0", group="logging, evaluation and exit")
     enable_cuda_graph: bool = arg(
         False, "capture the whole training step (forward, backward, gradient reduction, optimizer) as one CUDA "
                "graph and replay it every iteration (removes kernel-launch overhead; GPUs, no pipeline "
@@ -174,24 +195,28 @@ class TrainConfig:
 class DataConfig:
     data_path: list[str] = arg([], "dataset prefixes (PREFIX.bin/.idx), optionally weighted: W1 P1 W2 P2 ...; "
                                    "none = the embedded default corpus")
-    split: str = arg("969,30,1")
-    tokenizer_type: str = arg("GPT2BPETokenizer", ", ".join(TOKENIZER_TYPES))
-    vocab_file: Optional[str] = arg(None)
-    merge_file: Optional[str] = arg(None)
-    tokenizer_model: Optional[str] = arg(None)
-    data_cache_path: Optional[str] = arg(None)
+    split: str = arg("969,30,1", "train,validation,test weights: how each dataset's documents are divided")
+    tokenizer_type: str = arg("GPT2BPETokenizer", "the tokenizer the data was preprocessed with: "
+                              + ", ".join(TOKENIZER_TYPES))
+    vocab_file: Optional[str] = arg(None, "GPT2BPETokenizer: the vocabulary (vocab.json / encoder.json)")
+    merge_file: Optional[str] = arg(None, "GPT2BPETokenizer: the merges (merges.txt / vocab.bpe)")
+    tokenizer_model: Optional[str] = arg(None, "SentencePieceTokenizer / TikTokenizer: the model file")
+    data_cache_path: Optional[str] = arg(None, "where the dataset index files are cached; default next to the data "
+                                                 "(the embedded corpus: data_cache/embedded)")
 
 
 @dataclass
 class CheckpointConfig:
-    save: Optional[str] = arg(None)
-    load: Optional[str] = arg(None)
-    save_interval: Optional[int] = arg(None)
-    no_save_optim: bool = arg(False)
-    no_save_rng: bool = arg(False)
-    no_load_optim: bool = arg(False)
-    no_load_rng: bool = arg(False)
-    finetune: bool = arg(False)
+    save: Optional[str] = arg(None, "checkpoint folder to save to (at --save-interval and at the end); none: "
+                                "nothing is saved")
+    load: Optional[str] = arg(None, "checkpoint folder to resume from (the same as --save continues a run)")
+    save_interval: Optional[int] = arg(None, "save every this many iterations; default only at the end")
+    no_save_optim: bool = arg(False, "save the model weights only (a resume then needs --no-load-optim)")
+    no_save_rng: bool = arg(False, "save no random-number-generator states")
+    no_load_optim: bool = arg(False, "resume without the optimizer state (fresh Adam moments)")
+    no_load_rng: bool = arg(False, "resume without the random-number-generator states")
+    finetune: bool = arg(False, "take only the model weights from --load: a fresh optimizer and LR schedule, "
+                                   "starting at iteration 0 (--save must be another folder)")
     ckpt_format: str = arg("torch", "checkpoint format of saves: torch_dist (every rank writes what it owns; "
                                     "loads at any layout) or torch (Megatron's legacy files, one per tp x pp "
                                     "shard; what Megatron's and Hugging Face's converters read). Loads read "
@@ -203,9 +228,10 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    log_interval: int = arg(10)
-    eval_interval: int = arg(1000)
-    eval_iters: int = arg(10)
+    log_interval: int = arg(10, "print a training line every this many iterations")
+    eval_interval: int = arg(1000, "evaluate on the validation split every this many iterations (0 = only "
+                                    "at the end), and at the end")
+    eval_iters: int = arg(10, "batches per evaluation (0 = no evaluation)")
     tensorboard_dir: Optional[str] = arg(None, "write the training scalars for TensorBoard here (needs the "
                                                "tensorboard package)")
     wandb_project: Optional[str] = arg(None, "also log the training scalars to this Weights & Biases project "
@@ -213,12 +239,13 @@ class LogConfig:
     wandb_exp_name: Optional[str] = arg(None, "the W&B run's name (default: one W&B picks)")
     wandb_save_dir: Optional[str] = arg(None, "where W&B writes the run's files (default: --save/wandb, or "
                                               "./wandb without --save)")
-    timing_log_level: int = arg(0, choices=(0, 1, 2))
+    timing_log_level: int = arg(0, "1 or 2: time the forward-backward, gradient sync and optimizer of each "
+                                     "iteration (on the log line); 0 = no timers", choices=(0, 1, 2))
     profile: bool = arg(False, "torch.profiler over iterations [--profile-step-start, --profile-step-end): rank 0 "
                                "prints the top kernels and writes a Chrome trace (to --tensorboard-dir or the "
                                "working directory)")
-    profile_step_start: int = arg(10)
-    profile_step_end: int = arg(12)
+    profile_step_start: int = arg(10, "--profile: first profiled iteration (0-based)")
+    profile_step_end: int = arg(12, "--profile: the iteration profiling stops before")
 
 
 # Section -> its argument group in --help.
@@ -264,7 +291,7 @@ def _flag(name: str) -> str:
 def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
     m = f.metadata
     shown = f.default_factory() if f.default is MISSING else f.default
-    suffix = f"default: {shown}" if shown not in (None, False, True, []) else None
+    suffix = None if shown is None or isinstance(shown, bool) or shown == [] else f"default: {shown}"
     kw: dict[str, Any] = {"dest": f.name, "help": "; ".join(filter(None, (m["help"], suffix))) or None}
     if hint is bool:
         if f.default is True:
@@ -275,22 +302,27 @@ def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
         kw.update(nargs="*", type=typing.get_args(hint)[0])
     else:
         inner = [a for a in typing.get_args(hint) if a is not type(None)]  # Optional[X] -> X
-        kw.update(type=inner[0] if inner else hint, choices=m["choices"])
+        kind = inner[0] if inner else hint
+        kw.update(type=kind, choices=m["choices"])
+        if m["choices"] is None and kind in (int, float):
+            kw["metavar"] = "N" if kind is int else "X"
     group.add_argument(_flag(f.name), *m["aliases"], **kw)
 
 
-class _Parser(argparse.ArgumentParser):
-    """An unknown flag or a value of the wrong type ends in one line `error: ...` (exit 2), not
-    the usage text followed by `prog: error: ...`."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}; see --help for the flags\n")
+TRAINING_PROG = "python -m megapar.pretrain_gpt2"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The pretraining command line, one flag per config field (Megatron's names and aliases)."""
-    p = _Parser(description="megapar GPT-2 pretraining (Megatron-LM compatible flags)",
+def build_parser(prog: str = TRAINING_PROG, launcher: bool = False) -> argparse.ArgumentParser:
+    """The pretraining command line, one flag per config field (Megatron's names and aliases).
+    `prog` names the command in --help; `launcher` adds scripts/pretrain_gpt2.sh's own flags
+    (its --help)."""
+    p = OneLineErrorParser(prog=prog, usage="%(prog)s [FLAGS]",
+                description="megapar GPT-2 pretraining (Megatron-LM compatible flags). Every flag is optional: "
+                            "with no --data-path it trains a small GPT-2 on the embedded corpus.",
                 allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    if launcher:
+        from .launch import add_launcher_flags
+        add_launcher_flags(p)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for cls, title in SECTIONS.values():
         hints = typing.get_type_hints(cls)

@@ -9,6 +9,8 @@ own name and its old builtin base (ValueError, RuntimeError), so existing `excep
 """
 from __future__ import annotations
 
+import argparse
+
 
 class MegaparError(Exception):
     """A user-caused failure with a one-line message (what is wrong and how to fix it)."""
@@ -16,3 +18,12 @@ class MegaparError(Exception):
 
 # Exit status of a run stopped by a user error (argparse's usage-error status).
 USER_ERROR_EXIT = 2
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """The command-line parser of megapar's tools: an unknown flag, a missing argument or a value of
+    the wrong type ends in one line `error: ...` and USER_ERROR_EXIT, not the usage text followed by
+    `prog: error: ...`."""
+
+    def error(self, message: str):
+        self.exit(USER_ERROR_EXIT, f"error: {message}; see --help for the flags\n")

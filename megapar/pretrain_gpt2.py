@@ -22,6 +22,7 @@ from .arguments import DEEPSPEED_CONFIG, Config, ConfigError, config_from_namesp
 from .errors import USER_ERROR_EXIT, MegaparError
 from .checkpoint import SaveDirLock, check_finetune_dirs, check_load_dir, check_save_space
 from .heartbeat import Heartbeat, is_timeout, timeout_error
+from .launch import Processes, command_line, training_command
 from .initialize import build_run, init_distributed, print_rank0, train_iters
 from .pipeline.p2p import current_step
 from .topology import Topology
@@ -29,15 +30,21 @@ from .scalar_writer import build_writer
 from .training import TrainState, evaluate, finish_saves, load, log_eval, reserve_saves, save, train
 
 EMBEDDED_DIR = os.path.join("data_cache", "embedded")
-EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")  # + model shape, see parse()
+EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")  # + model shape: embedded_save_dir()
+
+
+def embedded_save_dir(layers: Optional[int] = None, hidden: Optional[int] = None) -> str:
+    """Where a run on the embedded default saves (and resumes from) without --save: one folder per
+    model shape, so that a run with other --num-layers/--hidden-size never loads another's."""
+    layers, hidden = layers or default_of("num_layers"), hidden or default_of("hidden_size")
+    return f"{EMBEDDED_SAVE}_{layers}l_{hidden}h"
 
 
 def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
     given = parse_flags(argv)
     eval_iters_given = "eval_iters" in given
     if not given.get("data_path"):  # the embedded default: fill only what the user did not give
-        layers, hidden = (given.get(k, default_of(k)) for k in ("num_layers", "hidden_size"))
-        save_dir = f"{EMBEDDED_SAVE}_{layers}l_{hidden}h"
+        save_dir = embedded_save_dir(given.get("num_layers"), given.get("hidden_size"))
         chosen = {"eval_interval": 100, "eval_iters": 4, "save": save_dir, "log_interval": 20}
         ds = given.get(DEEPSPEED_CONFIG)
         if ds is None or ds.gradient_accumulation_steps is None:  # else the DeepSpeed batch triple decides
@@ -249,38 +256,49 @@ def _without(argv: Optional[Sequence[str]], valued: set[str], switches: frozense
     return kept
 
 
-def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]]) -> str:
-    """The command that trains this run's checkpoint as long again: this run's flags, with --load and
-    --save at the checkpoint and twice the iterations. The resume keeps the saved LR schedule (a
-    changed one is refused) by passing --lr-decay-iters at the old horizon: past it the LR stays at
-    --min-lr. A schedule that ends at LR 0 would train nothing more, so then the schedule is
-    stretched over the longer run instead (--override-opt_param-scheduler: the LR rises again)."""
-    valued = {"--load", "--save", "--train-iters", "--train-samples", "--lr-decay-iters"}
+def _continued(cfg: Config, argv: Optional[Sequence[str]], valued: set[str], switches: set[str]) -> list[str]:
+    """This run's flags (`argv` without `valued` and `switches`) set to continue from its own --save:
+    --load and --save at it, without --finetune (that would restart at iteration 0 with a fresh
+    optimizer, and is refused with --save equal to --load), and loading the optimizer and RNG
+    states unless this run did not save them."""
+    switches = switches | {"--finetune"}
+    switches |= {"--no-load-optim"} if not cfg.ckpt.no_save_optim else set()
+    switches |= {"--no-load-rng"} if not cfg.ckpt.no_save_rng else set()
+    kept = _without(argv, valued | {"--load", "--save"}, switches)
+    return kept + ["--load", cfg.ckpt.save, "--save", cfg.ckpt.save]
+
+
+def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]],
+                         procs: Optional[Processes] = None) -> str:
+    """The command that trains this run's checkpoint as long again: this run's flags and processes
+    (`procs`, default: this run's), continuing from its --save, with twice the iterations. The
+    resume keeps the saved LR schedule (a changed one is refused) by passing --lr-decay-iters at the
+    old horizon: past it the LR stays at --min-lr. A schedule that ends at LR 0 would train nothing
+    more, so then the schedule is stretched over the longer run instead
+    (--override-opt_param-scheduler: the LR rises again)."""
+    valued = {"--train-iters", "--train-samples", "--lr-decay-iters"}
     ends_at_zero = (scheduler.min_lr == 0 and scheduler.decay_style != "constant"
                     and scheduler.decay_steps <= train_iters(cfg))
-    switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler", "--finetune"}
+    switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler"}
     if ends_at_zero:
         switches |= {"--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"}
-    kept = _without(argv, valued, switches)
     total = 2 * max(1, train_iters(cfg))
-    kept += ["--load", cfg.ckpt.save, "--save", cfg.ckpt.save, "--train-iters", str(total)]
+    kept = _continued(cfg, argv, valued, switches) + ["--train-iters", str(total)]
     if ends_at_zero:
         kept.append("--override-opt_param-scheduler")
-        why = f"# train longer: the LR schedule stretched over {total} iterations (it ended at LR 0)"
+        why = f"train longer: the LR schedule stretched over {total} iterations (it ended at LR 0)"
     else:
         kept += ["--lr-decay-iters", str(scheduler.decay_steps)]
-        why = f"# train longer at the saved LR schedule (--min-lr {scheduler.min_lr} after iteration " \
+        why = f"train longer at the saved LR schedule (--min-lr {scheduler.min_lr} after iteration " \
               f"{scheduler.decay_steps})"
-    return f"bash scripts/pretrain_gpt2.sh {shlex.join(kept)}   {why}"
+    return training_command(kept, procs or Processes.of_this_run(), why)
 
 
-def resume_command(cfg: Config, argv: Optional[Sequence[str]]) -> str:
+def resume_command(cfg: Config, argv: Optional[Sequence[str]], procs: Optional[Processes] = None) -> str:
     """The command that finishes a run stopped early (signal, --exit-interval, time limit): this
-    run's flags with --load and --save at its checkpoint; the same length and LR schedule. Both
-    continue this run (a fine-tune's too: it resumes from its own checkpoint, without --finetune)."""
-    kept = _without(argv, {"--load", "--save"}, {"--finetune"})
-    kept += ["--load", cfg.ckpt.save, "--save", cfg.ckpt.save]
-    return f"bash scripts/pretrain_gpt2.sh {shlex.join(kept)}   # resume where this run stopped"
+    run's flags and processes, continuing from its --save; the same length and LR schedule."""
+    return training_command(_continued(cfg, argv, set(), set()), procs or Processes.of_this_run(),
+                            "resume where this run stopped")
 
 
 def _print_next_steps(cfg: Config, scheduler, argv: Optional[Sequence[str]], stopped: bool) -> None:
@@ -289,19 +307,18 @@ def _print_next_steps(cfg: Config, scheduler, argv: Optional[Sequence[str]], sto
     p = cfg.parallel
     other_tp = 2 if p.tensor_model_parallel_size == 1 else 1
     go_on = resume_command(cfg, argv) if stopped else train_longer_command(cfg, scheduler, argv)
+    convert = ["--load-dir", cfg.ckpt.save]
     if cfg.ckpt.ckpt_format == "torch_dist":
-        convert = (f"python tools/checkpoint_util.py --load-dir {cfg.ckpt.save} --save-dir {cfg.ckpt.save}_legacy "
-                   f"--target-tensor-parallel-size {p.tensor_model_parallel_size} --target-pipeline-parallel-size "
-                   f"{p.pipeline_model_parallel_size}   # Megatron's legacy files (torch_dist loads at any layout)")
+        convert = command_line("python tools/checkpoint_util.py", convert + [
+            "--save-dir", f"{cfg.ckpt.save}_legacy", "--target-tensor-parallel-size", p.tensor_model_parallel_size,
+            "--target-pipeline-parallel-size", p.pipeline_model_parallel_size],
+            "Megatron's legacy files (torch_dist loads at any layout)")
     else:
-        convert = (f"python tools/checkpoint_util.py --load-dir {cfg.ckpt.save} --save-dir {cfg.ckpt.save}_tp{other_tp} "
-                   f"--target-tensor-parallel-size {other_tp} --target-pipeline-parallel-size "
-                   f"{p.pipeline_model_parallel_size}")
-    print_rank0(
-        "> next steps:\n"
-        f"    bash scripts/generate_text.sh --load {cfg.ckpt.save}            # sample text from the checkpoint\n"
-        f"    {go_on}\n"
-        f"    {convert}")
+        convert = command_line("python tools/checkpoint_util.py", convert + [
+            "--save-dir", f"{cfg.ckpt.save}_tp{other_tp}", "--target-tensor-parallel-size", other_tp,
+            "--target-pipeline-parallel-size", p.pipeline_model_parallel_size])
+    sample = command_line("bash scripts/generate_text.sh", ["--load", cfg.ckpt.save], "sample text from the checkpoint")
+    print_rank0("> next steps:\n" + "".join(f"    {line}\n" for line in (sample, go_on, convert)).rstrip("\n"))
 
 
 def _leave(code: int, world: int, line: Optional[str] = None) -> None:

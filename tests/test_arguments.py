@@ -127,3 +127,43 @@ def test_a_run_planned_for_gpus_is_checked_as_on_gpus(monkeypatch):
     assert cfg.parallel.param_cpu_offload and cfg.parallel.zero_stage == 3
     with pytest.raises(ConfigError, match="needs --zero-stage 3"):
         config_from_namespace(parse_flags(BASE + ["--param-cpu-offload"]), 2, assume_gpus=True)
+
+
+# ---- --help -------------------------------------------------------------------------------------------
+def test_every_training_flag_has_help_and_shows_its_default():
+    """Each setting says what it does (a new field without help fails here) and --help shows its default
+    where it has one; the usage line names the command."""
+    from dataclasses import MISSING, fields
+
+    from megapar.arguments import SECTIONS, build_parser
+    undocumented = [f.name for cls, _ in SECTIONS.values() for f in fields(cls)
+                    if f.metadata["cli"] and not (f.metadata["help"] or "").strip()]
+    assert not undocumented, f"settings without help text: {undocumented}"
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+    assert all((a.help or "").strip() for a in actions.values()), [d for d, a in actions.items() if not a.help]
+    for cls, _ in SECTIONS.values():
+        for f in fields(cls):
+            default = f.default_factory() if f.default is MISSING else f.default
+            if f.metadata["cli"] and default is not None and not isinstance(default, bool) and default != []:
+                assert f"default: {default}" in actions[f.name].help, (f.name, actions[f.name].help)
+    assert parser.format_usage().startswith("usage: python -m megapar.pretrain_gpt2 ")
+
+
+def test_the_launchers_help_names_the_script_and_its_own_flags():
+    """scripts/pretrain_gpt2.sh --help (through megapar.launch): the script's usage, its launcher flags
+    (processes, nodes), then the training flags; exit 0, nothing started."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megapar.launch import LAUNCHER_FLAGS
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "megapar.launch", "--standalone", "--nproc-per-node", "2", "--",
+                          "--train-iters", "3", "--help"], capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    assert out.stdout.startswith("usage: bash scripts/pretrain_gpt2.sh "), out.stdout[:200]
+    for flag, _, _ in LAUNCHER_FLAGS:
+        assert f"\n  {flag} " in out.stdout, flag
+    assert "--train-iters N" in out.stdout and "--recompute-granularity" in out.stdout
+    assert "launch.py" not in out.stdout

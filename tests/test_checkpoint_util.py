@@ -217,7 +217,7 @@ def test_no_optim_converts_weights_only(ckpts, tmp_path):
 
 # ---- bad input: one message each, naming the file and the problem ------------------------------
 def _fails(capsys, argv, *needles):
-    assert checkpoint_util.main([str(a) for a in argv]) == 1
+    assert checkpoint_util.main([str(a) for a in argv]) == 2
     err = capsys.readouterr().err
     for n in needles:
         assert n in err, err
@@ -364,7 +364,7 @@ def test_target_pipeline_split(tmp_path, capsys):
                        0, f"stage {p}")
     rc = checkpoint_util.main(["--load-dir", str(tmp_path / "uneven"), "--save-dir", str(tmp_path / "bad"),
                                "--target-decoder-last-pipeline-num-layers", "5"])
-    assert rc == 1 and "--decoder-last-pipeline-num-layers 5 must be between 1 and --num-layers 4" in capsys.readouterr().err
+    assert rc == 2 and "--decoder-last-pipeline-num-layers 5 must be between 1 and --num-layers 4" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
 
 

@@ -41,3 +41,17 @@ def test_shim_gives_one_line_errors():
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "compare_losses.py"), "/dev/null", "/dev/null"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_generate_text_help_shows_the_sampling_defaults_and_an_example_that_exists():
+    """--help shows each sampling default, and its first example loads the folder that the training script
+    saves to when run with no flags."""
+    from megapar.cli.generate_text import build_parser
+    from megapar.pretrain_gpt2 import parse
+    text = build_parser().format_help()
+    assert text.startswith("usage: python tools/generate_text.py --load CKPT")
+    for flag, default in (("--temperature", "1.0"), ("--top-k", "0"), ("--top-p", "0.0"), ("--out-seq-length", "128")):
+        block = text[text.index(f"  {flag} "):]
+        assert f"(default: {default})" in " ".join(block.split("\n  --")[0].split()), flag
+    first = next(line for line in text.splitlines() if line.strip().startswith("python tools/generate_text.py"))
+    assert first.split()[3] == parse([], 1).ckpt.save, first

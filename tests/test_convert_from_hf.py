@@ -3,6 +3,7 @@ whose logits are transformers' logits; HF -> megapar -> HF gives the same tensor
 fine-tunes from it; what megapar cannot represent is refused by name."""
 import json
 import os
+import shlex
 
 import pytest
 import torch
@@ -162,7 +163,7 @@ def set_config(folder, **settings) -> None:
 def test_unrepresentable_config_is_refused_by_name(tmp_path, capsys, setting, value, expect):
     write_hf_gpt2(tmp_path / "hf")
     set_config(tmp_path / "hf", **{setting: value})
-    assert convert_from_hf.main(["--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "ck")]) == 1
+    assert convert_from_hf.main(["--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and expect in err and err.count("\n") == 1, err
     assert not (tmp_path / "ck").exists() and sorted(os.listdir(tmp_path)) == ["hf"]
@@ -174,14 +175,14 @@ def test_unrepresentable_config_is_refused_by_name(tmp_path, capsys, setting, va
 ])
 def test_unrepresentable_weights_are_refused(tmp_path, capsys, extra, expect):
     write_hf_gpt2(tmp_path / "hf", extra_tensors=extra)
-    assert convert_from_hf.main(["--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "ck")]) == 1
+    assert convert_from_hf.main(["--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "ck")]) == 2
     assert expect in capsys.readouterr().err and not (tmp_path / "ck").exists()
 
 
 def test_a_tensor_of_the_wrong_shape_is_named(tmp_path, capsys):
     write_hf_gpt2(tmp_path / "hf", n_positions=32)
     set_config(tmp_path / "hf", n_positions=64)
-    assert convert_from_hf.main(["--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "ck")]) == 1
+    assert convert_from_hf.main(["--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "ck")]) == 2
     assert "wpe.weight has shape (32, 32), but config.json implies (64, 32)" in capsys.readouterr().err
 
 
@@ -204,17 +205,28 @@ def _losses(result):
     return [loss for _, loss in result["losses"]]
 
 
-def test_finetuning_an_import_continues_from_its_weights(embedded_data, tmp_path):
-    """Train 8 iterations, export to HF, import at tp 2, fine-tune (--finetune, or --no-load-optim
-    --no-load-rng): the losses equal those of fine-tuning the original checkpoint, and start far below
-    a fresh model's."""
+def _printed_finetune_command(output: str) -> list[str]:
+    line = next(line for line in output.splitlines() if line.strip().startswith("bash scripts/pretrain_gpt2.sh"))
+    return shlex.split(line, comments=True)
+
+
+def test_finetuning_an_import_continues_from_its_weights(embedded_data, tmp_path, capsys):
+    """Train 8 iterations, export to HF, import at tp 2, fine-tune with the command the importer prints (its
+    processes, model and tokenizer flags; or --no-load-optim --no-load-rng instead of --finetune): the losses
+    equal those of fine-tuning the original checkpoint, and start far below a fresh model's."""
     base = TINY_TRAIN + embedded_data + ["--lr", "5e-3"]
     first = run_training(base + ["--train-iters", "8", "--save", str(tmp_path / "ck")])
     assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
     import_hf(tmp_path / "hf", tmp_path / "imported", 2, 1)
+    printed = _printed_finetune_command(capsys.readouterr().out)
+    assert printed[2:4] == ["--nproc-per-node", "2"], printed          # tp 2: two processes, not one
+    data = embedded_data[embedded_data.index("--data-path") + 1]
+    flags = [data if w == "PREFIX" else w for w in printed[4:]]         # a SentencePiece model: --data-path to fill
+    assert flags[flags.index("--load") + 1] == str(tmp_path / "imported") and "--finetune" in flags
     tune = base + ["--train-iters", "2"]
+    from_import = _losses(run_training(flags + TINY_TRAIN + ["--lr", "5e-3", "--train-iters", "2"], 2))
     at_tp2 = tune + ["--tensor-model-parallel-size", "2", "--load", str(tmp_path / "imported")]
-    from_import = _losses(run_training(at_tp2 + ["--finetune"], 2))
     without_optim = _losses(run_training(at_tp2 + ["--no-load-optim", "--no-load-rng"], 2))
     from_original = _losses(run_training(tune + ["--finetune", "--load", str(tmp_path / "ck")]))
     fresh = _losses(first)
@@ -251,6 +263,26 @@ def test_truncated_pytorch_model_bin_is_named(tmp_path, capsys):
     torch.save(tensors, tmp_path / "hf" / "pytorch_model.bin")
     data = (tmp_path / "hf" / "pytorch_model.bin").read_bytes()
     (tmp_path / "hf" / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
-    assert convert_from_hf.main(["--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "ck")]) == 1
+    assert convert_from_hf.main(["--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err
     assert "pytorch_model.bin is truncated or corrupt" in err and err.count("\n") == 1, err
+
+
+def test_the_printed_finetune_command_starts_tp_x_pp_processes_and_runs_on_gpt2_files(tmp_path, capsys):
+    """With the folder's GPT-2 BPE files the command is complete (the embedded corpus, tokenized with them); it
+    names the launcher with tp x pp processes, and its flags parse at that world size."""
+    from megapar.pretrain_gpt2 import parse
+    write_hf_gpt2(tmp_path / "hf")
+    for name in ("vocab.json", "merges.txt"):
+        (tmp_path / "hf" / name).write_text("{}")
+    capsys.readouterr()
+    import_hf(tmp_path / "hf", tmp_path / "ck", 2, 2)
+    out = capsys.readouterr().out
+    words = _printed_finetune_command(out)
+    assert words[:4] == ["bash", "scripts/pretrain_gpt2.sh", "--nproc-per-node", "4"], words
+    assert "PREFIX" not in words and "--data-path" not in words and "# on the embedded corpus" in out
+    cfg = parse(words[4:], 4)
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size) == (2, 2)
+    assert cfg.ckpt.finetune and cfg.ckpt.load == str(tmp_path / "ck") and cfg.ckpt.save == str(tmp_path / "ck") + \
+        "_finetuned"
+    assert cfg.data.vocab_file == str((tmp_path / "hf" / "vocab.json").resolve())

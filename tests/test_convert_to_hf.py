@@ -61,9 +61,9 @@ def test_hf_export_refuses_non_empty_dir(tmp_path, capsys):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "x").write_text("x")
     save_tiny_checkpoint(str(tmp_path / "ck"), tp=1, pp=1, steps=0)
-    assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf")]) == 1
+    assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf")]) == 2
     assert "not empty" in capsys.readouterr().err
-    assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf"), "--force"]) == 1
+    assert convert_to_hf.main(["--load-dir", str(tmp_path / "ck"), "--save-dir", str(tmp_path / "hf"), "--force"]) == 2
     assert "not a previous output" in capsys.readouterr().err and (tmp_path / "hf" / "x").read_text() == "x"
 
 
@@ -123,10 +123,10 @@ def test_tokenizer_options_missing_files_and_no_tokenizer(tmp_path, capsys):
     vocab, merges = _byte_gpt2_files(str(tmp_path))
     ck = imported_checkpoint(tmp_path, 265)          # args name GPT-2 BPE without files
     out = str(tmp_path / "hf")
-    assert convert_to_hf.main(["--load-dir", ck, "--save-dir", out]) == 1
+    assert convert_to_hf.main(["--load-dir", ck, "--save-dir", out]) == 2
     assert "names no GPT-2 BPE --vocab-file to export; pass --vocab-file" in capsys.readouterr().err
     assert convert_to_hf.main(["--load-dir", ck, "--save-dir", out, "--vocab-file", vocab, "--merge-file",
-                               str(tmp_path / "nope.txt")]) == 1
+                               str(tmp_path / "nope.txt")]) == 2
     assert "cannot read --merge-file" in capsys.readouterr().err and not os.path.exists(out)
     assert convert_to_hf.main(["--load-dir", ck, "--save-dir", out, "--no-tokenizer"]) == 0
     assert "warning: --no-tokenizer" in capsys.readouterr().err
@@ -138,7 +138,7 @@ def test_tokenizer_options_missing_files_and_no_tokenizer(tmp_path, capsys):
     assert convert_to_hf.main(["--load-dir", ck, "--save-dir", out, "--force", "--no-tokenizer"]) == 0
     ck100 = imported_checkpoint(tmp_path / "v100", 100)
     assert convert_to_hf.main(["--load-dir", ck100, "--save-dir", str(tmp_path / "hf100"), "--vocab-file", vocab,
-                               "--merge-file", merges]) == 1
+                               "--merge-file", merges]) == 2
     assert "has 265 tokens but the model's vocabulary is 100" in capsys.readouterr().err
 
 

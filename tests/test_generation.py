@@ -283,11 +283,11 @@ def test_cli_modes_and_errors(tmp_path, gpt2_files, monkeypatch, capsys):
     assert generate_text.main(base + ["--num-samples", "3", "--batch-size", "2", "--greedy"]) == 0
     assert capsys.readouterr().out.count("megapar: ") == 3
 
-    assert generate_text.main(["--load", str(tmp_path / "missing")]) == 1
+    assert generate_text.main(["--load", str(tmp_path / "missing")]) == 2
     assert "no such directory" in capsys.readouterr().err
     small_cfg, small_ns = config(vocab=VOCAB, tokenizer=tok_args)    # gpt2 tokenizer, 100-token checkpoint
     save(GPT2Model(small_cfg.model, Stage.of(4, 1, 0), SEED), small_ns, str(tmp_path / "small"))
-    assert generate_text.main(["--load", str(tmp_path / "small")]) == 1
+    assert generate_text.main(["--load", str(tmp_path / "small")]) == 2
     assert "has 50257 tokens but the checkpoint was trained with a vocabulary of 100" in capsys.readouterr().err
     with pytest.raises(GenerationError, match="tokenizer-model"):
         tokenizer_for_checkpoint(read_saved_config({"args": ns}), tokenizer_type="SentencePieceTokenizer",

@@ -202,7 +202,7 @@ LAUNCHER = {"--nnodes", "--node-rank", "--master-addr", "--master-port", "--npro
 
 def training_flags(line: str) -> list[str]:
     """The training flags of a `bash scripts/pretrain_gpt2.sh ...` line (the launcher's own dropped)."""
-    words = shlex.split(line)
+    words = shlex.split(line, comments=True)
     assert words[:2] == ["bash", "scripts/pretrain_gpt2.sh"]
     out, i = [], 2
     while i < len(words):

@@ -113,12 +113,12 @@ def test_cli_worker_error_fails_fast(tmp_path, gpt2_files):
                         "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", gpt2_files[0],
                         "--merge-file", gpt2_files[1], "--workers", "2"], capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode == 1 and "bad.jsonl:2: malformed line" in r.stderr
+    assert r.returncode == 2 and "bad.jsonl:2: malformed line" in r.stderr
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
     r = subprocess.run([sys.executable, TOOL, "--input", str(inp), "--output-prefix", str(tmp_path / "o"),
                         "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "missing.json"),
                         "--merge-file", gpt2_files[1]], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "--vocab-file" in r.stderr and "missing.json" in r.stderr
+    assert r.returncode == 2 and "--vocab-file" in r.stderr and "missing.json" in r.stderr
 
 
 def test_sentencepiece_tokenizer_uses_uint16(tmp_path):

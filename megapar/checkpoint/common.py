@@ -229,6 +229,15 @@ def check_load_dir(load: Optional[str], save: Optional[str]) -> None:
         raise ConfigError(f"--load {load} holds no checkpoint (no {TRACKER}); {fix}")
 
 
+def loaded_line(root: str, iteration: int | str, finetune: bool) -> str:
+    """What rank 0 prints once a checkpoint is loaded: Megatron's line, and for a --finetune what
+    was taken from it (the weights) and what starts afresh."""
+    line = f"  successfully loaded checkpoint from {root} at iteration {iteration}"
+    if finetune:
+        line += " (--finetune: the model weights only; a fresh optimizer and LR schedule, starting at iteration 0)"
+    return line
+
+
 def saved_layout_flags(saved: SavedConfig) -> str:
     """The layout flags of the run that wrote a checkpoint (what a resume at that layout passes)."""
     flags = [f"--tensor-model-parallel-size {saved.parallel.tensor_model_parallel_size}",

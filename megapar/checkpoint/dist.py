@@ -46,7 +46,7 @@ from ..arguments import ModelConfig
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from .layout import HEAD, WORD, canonical_key, chunk_layout
 from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_same_model, get_rng_state,
-                     load_file, read_saved_config, read_tracker, restore_scheduler, set_rng_state)
+                     load_file, loaded_line, read_saved_config, read_tracker, restore_scheduler, set_rng_state)
 from .publish import published_dir, staged_iteration
 
 COMMON_FILE = "common.pt"
@@ -498,10 +498,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
         if scheduler is not None and common["opt_param_scheduler"] is not None:
             restore_scheduler(scheduler, common["opt_param_scheduler"], folder, rank)
     _restore_rng(common, topo, rank, load_rng and not finetune)
+    if rank == 0:
+        print(loaded_line(root, common['iteration'], finetune), flush=True)
     if finetune:
         return 0, 0
-    if rank == 0:
-        print(f"  successfully loaded checkpoint from {root} at iteration {common['iteration']}", flush=True)
     return int(common["iteration"]), int(getattr(common["args"], "consumed_train_samples", 0))
 
 

@@ -34,7 +34,7 @@ import torch
 from ..arguments import ModelConfig
 from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, OPTIM_KINDS, CheckpointError,
                      check_compatible, flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file,
-                     nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
+                     loaded_line, nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
                      shard_dir_name, shard_dirs)
 from .stream import LazyTensor, StreamingSaver
 from .publish import published_dir, staged_iteration
@@ -250,11 +250,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
             restore_scheduler(scheduler, state["opt_param_scheduler"], path, rank)
     if load_rng and not finetune and "rng_state" in state:
         set_rng_state(state["rng_state"][0])
-    if finetune:
-        return 0, 0
     it = 0 if iteration == "release" else int(state["iteration"])
     if rank == 0:
-        print(f"  successfully loaded checkpoint from {root} at iteration {it}", flush=True)
+        print(loaded_line(root, it, finetune), flush=True)
+    if finetune:
+        return 0, 0
     return it, int(getattr(state["args"], "consumed_train_samples", 0))
 
 

@@ -20,6 +20,7 @@ import time
 from typing import Optional
 
 from megapar.checkpoint import CheckpointError
+from megapar.errors import USER_ERROR_EXIT
 from megapar.reshard import bounded_heap, open_source
 from megapar.reshard.canonical import write_canonical
 from megapar.reshard.convert import write_sharded
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
                           virtual=target_chunks(a, src.saved.model.num_layers, pp))
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     print(f"done in {time.time() - t0:.1f} s")
     return 0
 

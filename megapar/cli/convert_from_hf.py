@@ -2,7 +2,8 @@
 
   python tools/convert_from_hf.py --load-dir gpt2_hf --save-dir ckpt_tp2 \\
       --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1
-  then: python -m megapar.pretrain_gpt2 <the model flags it prints> --load ckpt_tp2 --finetune ...
+  then the fine-tune command it prints: bash scripts/pretrain_gpt2.sh --nproc-per-node 2 <the model and
+  tokenizer flags> --load ckpt_tp2 --finetune --save ckpt_tp2_finetuned --train-iters 100
 
 Reads config.json + model.safetensors (or pytorch_model.bin) and writes Megatron's legacy layout
 with the tracker `release` (weights only), through the same writer as tools/checkpoint_util.py.
@@ -13,10 +14,11 @@ import argparse
 import sys
 import time
 
-from megapar.errors import MegaparError
+from megapar.errors import USER_ERROR_EXIT, MegaparError
+from megapar.launch import Processes, training_command
 from megapar.reshard import bounded_heap
 from megapar.reshard.convert import write_sharded
-from megapar.reshard.hf_source import HFFolder, megapar_flags
+from megapar.reshard.hf_source import HFFolder, megapar_flags, tokenizer_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,13 +61,27 @@ def main(argv=None) -> int:
         write_sharded(src, a.save_dir, tp, pp, with_optim=False, force=a.force)
     except (MegaparError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    flags = " ".join(megapar_flags(src.config, a.make_vocab_size_divisible_by))
-    print(f"done in {time.time() - t0:.1f} s; fine-tune it with\n  python -m megapar.pretrain_gpt2 {flags} "
-          f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} --load {a.save_dir} --finetune "
-          f"...")
+        return USER_ERROR_EXIT
+    print(f"done in {time.time() - t0:.1f} s; fine-tune it with\n  {finetune_command(a, src.config)}")
     return 0
 
+
+def finetune_command(a: argparse.Namespace, hf_config: dict) -> str:
+    """The training command that fine-tunes the imported checkpoint: its model and tokenizer flags,
+    tp x pp processes, --finetune (weights only: it has no optimizer state). With GPT-2 BPE files
+    it runs as printed, on the embedded corpus tokenized with them; otherwise it names a --data-path
+    to replace."""
+    tp, pp = a.target_tensor_parallel_size, a.target_pipeline_parallel_size
+    tokenizer = tokenizer_flags(a.load_dir, a.vocab_file, a.merge_file, a.tokenizer_model)
+    flags = [*megapar_flags(hf_config, a.make_vocab_size_divisible_by), "--tensor-model-parallel-size", tp,
+             "--pipeline-model-parallel-size", pp, *tokenizer, "--load", a.save_dir, "--finetune",
+             "--save", f"{a.save_dir.rstrip('/')}_finetuned", "--train-iters", 100]
+    if "--vocab-file" in tokenizer and "--merge-file" in tokenizer:
+        why = "on the embedded corpus; add --data-path PREFIX (tools/preprocess_data.py output) for yours"
+    else:
+        flags += ["--data-path", "PREFIX"]
+        why = "PREFIX: your corpus, tokenized with this tokenizer by tools/preprocess_data.py"
+    return training_command(flags, Processes(tp * pp), why)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from megapar.errors import MegaparError
+from megapar.errors import USER_ERROR_EXIT, MegaparError
 from megapar.reshard import bounded_heap, hf_tokenizer, open_source
 from megapar.reshard.hf import export_hf
 
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
             print(note, file=sys.stderr)
     except (MegaparError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     return 0
 
 

@@ -19,7 +19,8 @@ import argparse
 import sys
 from typing import Optional
 
-from megapar.arguments import ConfigError, _Parser, apply_config_files, build_parser, config_from_namespace
+from megapar.arguments import ConfigError, apply_config_files, build_parser, config_from_namespace
+from megapar.errors import OneLineErrorParser
 from megapar.memory_estimate import (compare_zero, estimate, format_table, host_bytes_per_node, offload_name,
                                      parse_size, verdict, zero_stage)
 from megapar.model import set_vocab
@@ -28,7 +29,7 @@ from megapar.recipes import expand_recipes
 
 def _own_flags(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
     """This tool's flags (the rest are training flags). A bad value ends in one `error:` line."""
-    pre = _Parser(add_help=False, allow_abbrev=False)
+    pre = OneLineErrorParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--world-size", type=int, default=1)
     pre.add_argument("--vocab-size", type=int, default=50257)
     pre.add_argument("--gpus-per-node", type=int, default=None)
@@ -52,7 +53,7 @@ def _check_own(known: argparse.Namespace) -> tuple[int, Optional[float], Optiona
 
 def main(argv=None) -> int:
     known, rest = _own_flags(argv)
-    parser = build_parser()
+    parser = build_parser(prog="python tools/estimate_memory.py")
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     try:

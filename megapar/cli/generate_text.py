@@ -1,10 +1,10 @@
 """Sample text from a megapar/Megatron checkpoint saved at any (tp, pp) layout.
 
-    python tools/generate_text.py --load checkpoints/gpt2_embedded                 # interactive
+    python tools/generate_text.py --load {embedded}   # interactive (after `bash scripts/pretrain_gpt2.sh`)
     python tools/generate_text.py --load CKPT --sample-input-file prompts.txt --sample-output-file out.jsonl
     python tools/generate_text.py --load CKPT --num-samples 8 --top-p 0.9          # unconditional
     python tools/generate_text.py --load CKPT --server --port 5000                  # PUT /api
-    torchrun --nproc-per-node 2 tools/generate_text.py --load CKPT --tensor-model-parallel-size 2
+    bash scripts/generate_text.sh --load CKPT --tensor-model-parallel-size 2       # 2 processes (torchrun)
 
 Interactive mode reads one prompt per line from stdin (a terminal or a pipe) and prints the
 continuation; an empty line, `stop` or end of input ends it. Generated text goes to stdout,
@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megapar.errors import MegaparError
+from megapar.errors import USER_ERROR_EXIT, MegaparError
 from megapar.generation import (GenerationError, InferenceEngine, Leader, SamplingParams, follow,
                                 load_inference_model, tokenizer_for_checkpoint)
 from megapar.initialize import init_distributed
@@ -34,26 +34,41 @@ from megapar.topology import Topology
 GROUP_TIMEOUT_MINUTES = 30  # how long a collective of any group may wait (torch's default)
 
 
-def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written (its example commands); every flag that has a default value shows it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        shown = action.default not in (None, argparse.SUPPRESS) and not isinstance(action.default, bool) and action.help
+        return f"{action.help} (default: %(default)s)" if shown else action.help
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from megapar.pretrain_gpt2 import embedded_save_dir
+    p = argparse.ArgumentParser(prog="python tools/generate_text.py", usage="%(prog)s --load CKPT [FLAGS]",
+                                description=__doc__.format(embedded=embedded_save_dir()),
+                                formatter_class=_HelpFormatter, allow_abbrev=False)
     g = p.add_argument_group("checkpoint and layout")
     g.add_argument("--load", required=True, help="checkpoint directory (a training run's --save)")
-    g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", "--pipeline-parallel", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", "--tensor-parallel", type=int, default=1, metavar="N",
+                   help="tensor-parallel size to run at (any; the checkpoint is resharded on load)")
+    g.add_argument("--pipeline-model-parallel-size", "--pipeline-parallel", type=int, default=1, metavar="N",
+                   help="pipeline-parallel size to run at")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     g.add_argument("--bf16", action="store_true", help="run the model in bfloat16")
     g.add_argument("--fp16", action="store_true", help="run the model in float16 (GPU)")
     g = p.add_argument_group("tokenizer (default: what the checkpoint's args name)")
-    g.add_argument("--tokenizer-type", default=None)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--tokenizer-type", default=None, help="GPT2BPETokenizer, SentencePieceTokenizer or TikTokenizer")
+    g.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocabulary")
+    g.add_argument("--merge-file", default=None, help="GPT-2 BPE merges")
+    g.add_argument("--tokenizer-model", default=None, help="SentencePiece / tiktoken model file")
     g = p.add_argument_group("sampling")
-    g.add_argument("--greedy", action="store_true", help="argmax decoding")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=0.0)
+    sampling = SamplingParams()  # the defaults the server's requests get too
+    g.add_argument("--greedy", action="store_true", help="argmax decoding (ignores the sampling settings)")
+    g.add_argument("--temperature", type=float, default=sampling.temperature,
+                   help="divides the logits before sampling")
+    g.add_argument("--top-k", type=int, default=sampling.top_k, help="sample among the k likeliest tokens (0 = all)")
+    g.add_argument("--top-p", type=float, default=sampling.top_p,
+                   help="sample among the likeliest tokens whose probabilities add up to p (0 = off)")
     g.add_argument("--seed", type=int, default=None, help="makes sampling repeatable")
     g.add_argument("--out-seq-length", type=int, default=128, help="tokens to generate per prompt")
     g.add_argument("--no-stop-on-eod", action="store_true", help="keep going past end-of-document")
@@ -64,13 +79,17 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--sample-output-file", default=None, help=".jsonl: JSON lines; else text (default stdout)")
     g.add_argument("--num-samples", type=int, default=0, help="unconditional samples to generate")
     g.add_argument("--server", action="store_true", help="serve Megatron's PUT /api")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed at start)")
+    g.add_argument("--host", default="127.0.0.1", help="server: the address to listen on")
+    g.add_argument("--port", type=int, default=5000, help="server: the port (0 picks a free one, printed at start)")
     g.add_argument("--request-timeout", type=float, default=30.0,
                    help="server: seconds a client may take to send one request (or sit idle on a "
                         "write) before its connection is closed")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20, help="server: larger request bodies get 413")
-    return p.parse_args(argv)
+    return p
+
+
+def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def setup(a: argparse.Namespace) -> tuple[int, Topology, torch.device]:
@@ -250,7 +269,7 @@ def generate(argv: Optional[Sequence[str]] = None) -> int:
         tok = tokenizer_for_checkpoint(saved, a.tokenizer_type, a.vocab_file, a.merge_file, a.tokenizer_model)
     except MegaparError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return USER_ERROR_EXIT
     engine = InferenceEngine(model, topo, rank, model.cfg.vocab_size, tok.eod)
     if rank != 0:
         follow(engine)
@@ -275,7 +294,7 @@ def generate(argv: Optional[Sequence[str]] = None) -> int:
             interactive(s)
     except GenerationError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return USER_ERROR_EXIT
     finally:
         leader.stop()
     return 0

@@ -27,7 +27,8 @@ import argparse
 import sys
 from typing import Optional
 
-from megapar.arguments import ConfigError, _Parser, build_parser
+from megapar.arguments import ConfigError, build_parser
+from megapar.errors import OneLineErrorParser
 from megapar.memory_estimate import GiB, parse_size
 from megapar.planner import calibration as calibration_
 from megapar.planner import search
@@ -42,7 +43,7 @@ GPU_MEMORY = {"h100": "80GB", "h200": "141GB"}
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(add_help=False, allow_abbrev=False)
+    p = OneLineErrorParser(add_help=False, allow_abbrev=False)
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--global-batch-size",
                  "--gpus"):
         p.add_argument(flag, type=int, default=None)

@@ -14,6 +14,7 @@ import sys
 
 from megapar.data.preprocess import Interrupted, PreprocessConfig, PreprocessError, preprocess, request_stop
 from megapar.data.tokenizer import TOKENIZER_TYPES, TokenizerError
+from megapar.errors import USER_ERROR_EXIT
 
 
 def get_args(argv=None) -> argparse.Namespace:
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
         result = preprocess(cfg)
     except (PreprocessError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     except (KeyboardInterrupt, Interrupted) as e:
         name = "SIGINT" if isinstance(e, KeyboardInterrupt) else str(e)
         print(f"error: interrupted by {name}; workers stopped and no output written (partial files removed); "

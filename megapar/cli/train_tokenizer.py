@@ -17,6 +17,7 @@ import sys
 import tempfile
 
 from megapar.data.train_tokenizer import train_sentencepiece
+from megapar.errors import USER_ERROR_EXIT
 
 
 def _jsonl_to_text(path: str, keys: list[str], out) -> None:
@@ -47,7 +48,8 @@ def main(argv=None) -> int:
         inputs = []
         for i, path in enumerate(args.input):
             if not os.path.isfile(path):
-                raise SystemExit(f"error: --input {path!r} not found")
+                print(f"error: --input {path!r} not found", file=sys.stderr)
+                return USER_ERROR_EXIT
             if ".jsonl" in path or path.endswith(".json"):
                 txt = os.path.join(tmp, f"{i}.txt")
                 with open(txt, "w", encoding="utf-8") as out:

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..atomic import atomic_write
 from ..errors import MegaparError
-from .indexed_dataset import IndexedDataset, IndexedDatasetError
+from .indexed_dataset import DatasetNotFoundError, IndexedDataset, IndexedDatasetError
 from .sample_index import build_blending_indices, build_indices
 
 INDEX_VERSION = 1  # bump when the index algorithm changes
@@ -245,6 +245,8 @@ def check_datasets(data_path: Sequence[str] | str) -> list[dict]:
     for p in prefixes:
         try:
             summary = validate(p)
+        except DatasetNotFoundError as e:
+            raise DatasetNotFoundError(f"--data-path {p}: {e}") from None
         except IndexedDatasetError as e:
             raise IndexedDatasetError(f"--data-path {p}: {e}; rebuild the pair with "
                                       "tools/preprocess_data.py (check it: python -m megapar.data.validate "

@@ -14,6 +14,7 @@ int64 document indices[D]. Size 34 + 12N + 8D. `.bin` is the headerless concaten
 """
 from __future__ import annotations
 
+import glob
 import os
 import struct
 from typing import Iterable, Optional, Sequence
@@ -33,6 +34,29 @@ _COPY_CHUNK = 1 << 22  # elements per streamed chunk in merge()
 
 class IndexedDatasetError(MegaparError, ValueError):
     """A .bin/.idx pair is missing, truncated or corrupt; the message says which file and what."""
+
+
+class DatasetNotFoundError(IndexedDatasetError):
+    """PREFIX.bin or PREFIX.idx does not exist."""
+
+
+def missing_pair(prefix: str, path: str) -> DatasetNotFoundError:
+    """The error for `path`, a missing .bin/.idx of `prefix`, with the prefix the user likely meant:
+    tools/preprocess_data.py writes OUTPUT_PREFIX_<json key>_document.bin/.idx, and a prefix is given
+    without .bin/.idx."""
+    def pair(p: str) -> bool:
+        return os.path.isfile(index_file_path(p)) and os.path.isfile(data_file_path(p))
+
+    if prefix.endswith((".bin", ".idx")) and pair(prefix[:-4]):
+        return DatasetNotFoundError(f"{path} not found; did you mean {prefix[:-4]}? (the prefix, without .bin/.idx)")
+    near = sorted(p[:-len(".idx")] for p in glob.glob(glob.escape(prefix) + "_*_document.idx") if pair(p[:-4]))
+    if near:
+        hint = (f"did you mean {' or '.join(near)}? (tools/preprocess_data.py adds _<json key>_document to its "
+                f"--output-prefix)")
+    else:
+        hint = "a dataset is named by its prefix, without .bin/.idx (tools/preprocess_data.py writes e.g. " \
+               "my-gpt2_text_document.bin/.idx)"
+    return DatasetNotFoundError(f"{path} not found; {hint}")
 
 
 def best_dtype(vocab_size: int) -> np.dtype:
@@ -73,8 +97,7 @@ class IndexedDataset:
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for p in (idx_path, bin_path):
             if not os.path.isfile(p):
-                raise IndexedDatasetError(f"{p} not found; --data-path takes the prefix without .bin/.idx "
-                                          "(e.g. my-gpt2_text_document)")
+                raise missing_pair(prefix, p)
         self._idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
         self.dtype, n, d = _read_header(idx_path, memoryview(self._idx))
         expected = HEADER_SIZE + 12 * n + 8 * d

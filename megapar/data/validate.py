@@ -1,6 +1,6 @@
 """Validator for MMIDIDX .bin/.idx pairs.
 
-    python -m megapar.data.validate PREFIX [PREFIX ...]
+    python -m megapar.data.validate PREFIX [PREFIX ...]     # e.g. my-gpt2_text_document
     python -m megapar.data.validate PREFIX --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
     python -m megapar.data.validate PREFIX --vocab-size 50257 [--sample-tokens 1000000]
 
@@ -10,7 +10,9 @@ lengths, pointer monotonicity and consistency, document indices and the .bin siz
 `check_token_ids(prefix, vocab_size)` also reads the tokens: every id must be below the
 tokenizer's vocabulary size (all of them, or with `sample_tokens` about that many in evenly spaced
 windows, the first and last tokens included). Arrays are checked in bounded chunks, so memory stays
-flat for any dataset size.
+flat for any dataset size. The command prints one `PREFIX: OK {summary}` line per good pair and one
+`error: ...` line per bad one (a missing pair names the prefix that exists, if any); it exits 2 when
+any is bad, as every megapar tool does for a user's mistake.
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from typing import Optional
 
 import numpy as np
 
-from .indexed_dataset import (HEADER_SIZE, IndexedDatasetError, _read_header, data_file_path,
-                              index_file_path)
+from ..errors import USER_ERROR_EXIT, MegaparError, OneLineErrorParser
+from .indexed_dataset import (HEADER_SIZE, IndexedDatasetError, _read_header, data_file_path, index_file_path,
+                              missing_pair)
 
 _CHUNK = 1 << 22
 
@@ -72,7 +75,7 @@ def validate(prefix: str) -> dict:
     idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
     for p in (idx_path, bin_path):
         if not os.path.isfile(p):
-            _fail(p, "file not found")
+            raise missing_pair(prefix, p)
     size = os.path.getsize(idx_path)
     buf = np.memmap(idx_path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     dtype, n, d = _read_header(idx_path, memoryview(buf))
@@ -139,6 +142,8 @@ def check_token_ids(prefix: str, vocab_size: int, sample_tokens: Optional[int] =
 def _vocab_size(a: argparse.Namespace) -> Optional[int]:
     """The vocabulary size the flags name (--vocab-size, or the tokenizer's), or None."""
     if a.vocab_size is not None:
+        if a.vocab_size < 1:
+            raise IndexedDatasetError(f"--vocab-size {a.vocab_size} must be >= 1")
         return a.vocab_size
     if not (a.vocab_file or a.tokenizer_model):
         return None
@@ -147,29 +152,33 @@ def _vocab_size(a: argparse.Namespace) -> Optional[int]:
                            tokenizer_model=a.tokenizer_model).vocab_size
 
 
-def get_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m megapar.data.validate", description="Check .bin/.idx pairs; with a "
-                                "tokenizer (or --vocab-size) also that every token id is in its vocabulary.")
-    p.add_argument("prefixes", nargs="+", metavar="PREFIX")
+def get_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    from .tokenizer import TOKENIZER_TYPES
+
+    p = OneLineErrorParser(prog="python -m megapar.data.validate",
+                           description="Check .bin/.idx pairs; with a tokenizer (or --vocab-size) also that every "
+                                       "token id is in its vocabulary. Exit 0 when every pair is good, 2 otherwise.")
+    p.add_argument("prefixes", nargs="+", metavar="PREFIX",
+                   help="a dataset prefix: PREFIX.bin and PREFIX.idx (what --data-path takes)")
     p.add_argument("--vocab-size", type=int, default=None, help="check every token id is below this")
-    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
-    p.add_argument("--vocab-file", default=None)
-    p.add_argument("--merge-file", default=None)
-    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES,
+                   help="with --vocab-file/--tokenizer-model: the tokenizer whose vocabulary bounds the ids "
+                        "(default GPT2BPETokenizer)")
+    p.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocabulary")
+    p.add_argument("--merge-file", default=None, help="GPT-2 BPE merges")
+    p.add_argument("--tokenizer-model", default=None, help="SentencePiece / tiktoken model file")
     p.add_argument("--sample-tokens", type=int, default=None,
                    help="check about this many tokens in evenly spaced windows instead of all of them")
     return p.parse_args(argv)
 
 
-def main(argv: list[str]) -> int:
-    from ..errors import MegaparError
-
+def main(argv: Optional[list[str]] = None) -> int:
     a = get_args(argv)
     try:
         vocab_size = _vocab_size(a)
     except MegaparError as e:
-        print(f"ERROR {e}", file=sys.stderr)
-        return 1
+        print(f"error: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT
     rc = 0
     for prefix in a.prefixes:
         try:
@@ -182,10 +191,10 @@ def main(argv: list[str]) -> int:
                 summary["token_ids"] = "not checked (give the tokenizer's files or --vocab-size)"
             print(f"{prefix}: OK {summary}")
         except IndexedDatasetError as e:
-            print(f"ERROR {e}", file=sys.stderr)
-            rc = 1
+            print(f"error: {e}", file=sys.stderr)
+            rc = USER_ERROR_EXIT
     return rc
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

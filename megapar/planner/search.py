@@ -13,7 +13,6 @@ sequence parallel). A candidate is rejected, with the reason kept, when
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -241,18 +240,14 @@ def _flag_words(name: str, value: Any) -> list[str]:
 
 def command(req: Request, lay: cost.Layout) -> str:
     """The `bash scripts/pretrain_gpt2.sh ...` line of a layout (on node 0 when it spans nodes)."""
-    words = ["bash", "scripts/pretrain_gpt2.sh"]
-    nodes = -(-req.gpus // req.gpus_per_node)
-    if nodes > 1:
-        words += ["--nnodes", str(nodes), "--node-rank", "0", "--master-addr", "NODE0", "--master-port", "29500"]
-    words += ["--nproc-per-node", str(req.cluster.ranks_per_node)]
+    from ..launch import Processes, training_command
+    procs = Processes(req.cluster.ranks_per_node, -(-req.gpus // req.gpus_per_node))
     order = ["tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
              "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
              "max_position_embeddings", "micro_batch_size", "global_batch_size", "bf16", "zero_stage",
              "optimizer_cpu_offload", "param_cpu_offload", "recompute_granularity", "recompute_method",
              "recompute_num_layers", "sequence_parallel"]
     given = flags(req, lay)
-    for name in order + sorted(set(given) - set(order)):
-        if name in given:
-            words += _flag_words(name, given[name])
-    return " ".join(shlex.quote(w) for w in words)
+    words = [w for name in order + sorted(set(given) - set(order)) if name in given
+             for w in _flag_words(name, given[name])]
+    return training_command(words, procs, "NODE0: the address of node 0" if procs.nodes > 1 else "")

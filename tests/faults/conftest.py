@@ -26,7 +26,8 @@ QUICK = {
                               "test_bad_logger_flags_in_process",                           # W&B flags
                               "test_logger_package_missing_is_refused_before_any_work[--wandb-project-wandb]"},
     "test_faults_resume.py": {"test_train_longer_command_rewrites_the_flags",
-                              "test_a_run_stopped_early_is_told_how_to_resume"},
+                              "test_a_run_stopped_early_is_told_how_to_resume",
+                              "test_the_next_commands_keep_the_processes_of_the_run"},
     "test_faults_hf_import.py": {"test_truncated_safetensors_is_refused"},                 # HF import
     "test_faults_server.py": {"test_random_seed_of_2_63_or_more_is_refused_before_any_rank"},
     "test_faults_interleaved.py": {"test_virtual_stages_need_a_pipeline"},

@@ -193,10 +193,55 @@ def test_validator_checks_token_ids_fully_or_sampled(files, tmp_path):
     assert sampled.rc == 0 and "all < 265 (sampled: 640 of" in sampled.output, sampled.output
     _put_token(files["prefix"], 1000, 300)
     bad = run([*validate, *tokenizer])
-    assert bad.rc == 1 and "token id 300 at token 1000" in bad.output and "Traceback" not in bad.output, bad.output
+    assert bad.rc == 2 and "token id 300 at token 1000" in bad.output and "Traceback" not in bad.output, bad.output
     ROWS.append(Row("data", "validate with the tokenizer: a token id >= the vocabulary (full read)", True, True))
     unchecked = run(validate)
     assert unchecked.rc == 0 and "not checked" in unchecked.output, unchecked.output
+
+
+# ---- naming the data: a prefix without the suffix preprocess_data adds, the validator's command line ---------
+VALIDATE = ["python", "-m", "megapar.data.validate"]
+
+
+def _as_preprocessed(files: dict, tmp_path: Path) -> str:
+    """The corpus renamed as tools/preprocess_data.py names it for --output-prefix TMP/mydata; returns that."""
+    for ext in (".bin", ".idx"):
+        os.rename(files["prefix"] + ext, str(tmp_path / f"mydata_text_document{ext}"))
+    return str(tmp_path / "mydata")
+
+
+def test_data_path_without_the_document_suffix_names_it(files, tmp_path):
+    given = _as_preprocessed(files, tmp_path)
+    out = refused(train_cmd(files, prefix=given), fault_class="data",
+                  case="--data-path mydata whose files are mydata_text_document.bin/.idx",
+                  expect=[f"--data-path {given}", f"did you mean {given}_text_document?"], watch=[tmp_path])
+    assert out.rc == 2
+
+
+@pytest.mark.parametrize("case", ["no argument", "prefix without _text_document", "prefix with .bin",
+                                  "no such prefix", "--vocab-size 0"])
+def test_validator_refuses_bad_input_in_one_line(files, tmp_path, case):
+    """Every mistake: one `error:` line, exit 2 (as every tool); a near miss names the prefix that exists."""
+    given = _as_preprocessed(files, tmp_path)
+    real = given + "_text_document"
+    argv, expect = {
+        "no argument": ([], "the following arguments are required: PREFIX"),
+        "prefix without _text_document": ([given], [f"{given}.idx not found", f"did you mean {real}?"]),
+        "prefix with .bin": ([real + ".bin"], f"did you mean {real}? (the prefix, without .bin/.idx)"),
+        "no such prefix": ([str(tmp_path / "other")], ["other.idx not found", "without .bin/.idx"]),
+        "--vocab-size 0": ([real, "--vocab-size", "0"], "--vocab-size 0 must be >= 1"),
+    }[case]
+    out = refused(VALIDATE + argv, fault_class="data", case=f"validate: {case}", expect=expect, watch=[tmp_path])
+    assert out.rc == 2 and not out.stdout, out.output
+
+
+def test_validator_help_and_a_good_pair(files, tmp_path):
+    real = _as_preprocessed(files, tmp_path) + "_text_document"
+    helped = run(VALIDATE + ["--help"])
+    assert helped.rc == 0 and helped.stdout.startswith("usage: python -m megapar.data.validate"), helped.output
+    assert "PREFIX" in helped.stdout and "--vocab-size" in helped.stdout
+    good = run(VALIDATE + [real])
+    assert good.rc == 0 and good.stdout.startswith(f"{real}: OK "), good.output
 
 
 BLEND_CASES = [("-1", "negative"), ("0", "zero"), ("nan", "not a number")]

@@ -1,9 +1,9 @@
 """Resuming a training run: the LR schedule it was saved with is kept (a changed one is refused
 unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler says whose settings
 win), a resume at another layout names the flags of the saved layout, the printed "train longer"
-command runs, a resume with nothing left to train exits 0 without writing, and the first log line
-comes after the first iteration, with an ETA. Tiny real runs (one process, CPU) on an offline
-byte-level GPT-2 vocabulary and a random corpus."""
+command runs (keeping the run's processes; a fine-tune's continues it), a resume with nothing left
+to train exits 0 without writing, and the first log line comes after the first iteration, with an
+ETA. Tiny real runs (CPU) on an offline byte-level GPT-2 vocabulary and a random corpus."""
 from __future__ import annotations
 
 import re
@@ -104,12 +104,23 @@ def test_a_schedule_flag_says_whose_schedule_continues(trained, flag, decay):
     assert snapshot([trained.ck]) == before
 
 
-def _train_longer(output: str, ck: Path, copy: Path) -> list[str]:
-    """The printed "train longer" command, run with python instead of the torchrun launcher, on `copy`."""
-    line = next(line for line in output.splitlines() if "# train longer" in line)
-    cmd = shlex.split(line.split("#", 1)[0].replace(str(ck), str(copy)))
+def _printed(output: str, comment: str, ck: Path, copy: Path) -> list[str]:
+    """The printed command whose comment starts `comment`, as given (the launcher and its process
+    count included), on `copy` instead of `ck`."""
+    line = next(line for line in output.splitlines() if f"# {comment}" in line)
+    cmd = shlex.split(line.replace(str(ck), str(copy)), comments=True)
     assert cmd[:2] == ["bash", "scripts/pretrain_gpt2.sh"], line
-    return TRAIN + cmd[2:] + ["--log-interval", "1"]
+    return cmd
+
+
+def _train_longer(output: str, ck: Path, copy: Path, as_printed: bool = False) -> list[str]:
+    """The printed "train longer" command on `copy`: as printed, or (cheaper: no torchrun) the training
+    flags it gives to one process, run with python after checking that it asks for one."""
+    cmd = _printed(output, "train longer", ck, copy) + ["--log-interval", "1"]
+    if as_printed:
+        return cmd
+    assert cmd[2:4] == ["--nproc-per-node", "1"], cmd
+    return TRAIN + cmd[4:]
 
 
 def test_printed_train_longer_command_continues_the_schedule(trained, tmp_path):
@@ -185,13 +196,13 @@ def test_train_longer_command_rewrites_the_flags():
     cfg = parse(["--train-iters", "4", "--min-lr", "1e-5", "--save", "b", "--data-path", "x"], 1)
     sched = types.SimpleNamespace(min_lr=1e-5, decay_style="cosine", decay_steps=9)
     assert train_longer_command(cfg, sched, argv).split("   #")[0] == (
-        "bash scripts/pretrain_gpt2.sh --min-lr 1e-5 --use-checkpoint-opt_param-scheduler --seed 3 --load b "
-        "--save b --train-iters 8 --lr-decay-iters 9")
+        "bash scripts/pretrain_gpt2.sh --nproc-per-node 1 --min-lr 1e-5 --use-checkpoint-opt_param-scheduler --seed 3 "
+        "--load b --save b --train-iters 8 --lr-decay-iters 9")
     cfg = parse([], 1)                                   # the embedded default: 300 iterations, cosine to 0
     sched = types.SimpleNamespace(min_lr=0.0, decay_style="cosine", decay_steps=300)
     assert train_longer_command(cfg, sched, []).split("   #")[0] == (
-        f"bash scripts/pretrain_gpt2.sh --load {cfg.ckpt.save} --save {cfg.ckpt.save} --train-iters 600 "
-        f"--override-opt_param-scheduler")
+        f"bash scripts/pretrain_gpt2.sh --nproc-per-node 1 --load {cfg.ckpt.save} --save {cfg.ckpt.save} "
+        f"--train-iters 600 --override-opt_param-scheduler")
 
 
 def test_a_run_stopped_early_is_told_how_to_resume():
@@ -200,7 +211,7 @@ def test_a_run_stopped_early_is_told_how_to_resume():
     argv = ["--train-iters", "100", "--save", "b", "--load=b", "--exit-signal-handler"]
     cfg = parse(argv + ["--data-path", "x"], 1)
     assert resume_command(cfg, argv).split("   #")[0] == (
-        "bash scripts/pretrain_gpt2.sh --train-iters 100 --exit-signal-handler --load b --save b")
+        "bash scripts/pretrain_gpt2.sh --nproc-per-node 1 --train-iters 100 --exit-signal-handler --load b --save b")
 
 
 def test_a_fine_tunes_next_commands_resume_it_without_finetune(tmp_path):
@@ -214,6 +225,67 @@ def test_a_fine_tunes_next_commands_resume_it_without_finetune(tmp_path):
     cfg = parse(argv + ["--data-path", "x"], 1)
     sched = types.SimpleNamespace(min_lr=1e-5, decay_style="cosine", decay_steps=100)
     for hint in (resume_command(cfg, argv), train_longer_command(cfg, sched, argv)):
-        flags = hint.split("   #")[0].split()[2:]
+        flags = hint.split("   #")[0].split()[4:]
         assert "--finetune" not in flags and flags[flags.index("--load") + 1] == ft, hint
         parse(flags + ["--data-path", "x"], 1)   # the hint itself is accepted
+
+
+def test_the_next_commands_keep_the_processes_of_the_run(monkeypatch):
+    """A run of several processes is continued by as many: the launcher's flags come from what torchrun
+    started this process with (its environment), node 0's rendezvous flags for several nodes."""
+    from megapar.launch import Processes
+    from megapar.pretrain_gpt2 import parse, resume_command, train_longer_command
+    argv = ["--train-iters", "100", "--save", "b", "--tensor-model-parallel-size", "2"]
+    cfg = parse(argv + ["--data-path", "x"], 8)
+    sched = types.SimpleNamespace(min_lr=1e-5, decay_style="cosine", decay_steps=100)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    monkeypatch.setenv("MASTER_PORT", "6001")
+    assert Processes.of_this_run() == Processes(4, 2, "10.0.0.7", 6001)
+    for hint in (resume_command(cfg, argv), train_longer_command(cfg, sched, argv)):
+        assert hint.startswith("bash scripts/pretrain_gpt2.sh --nnodes 2 --node-rank 0 --master-addr 10.0.0.7 "
+                               "--master-port 6001 --nproc-per-node 4 --"), hint
+        assert "--tensor-model-parallel-size 2" in hint and hint.endswith("on node 0; the same with --node-rank 1 "
+                                                                          "on the other node"), hint
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resume_command(cfg, argv).startswith("bash scripts/pretrain_gpt2.sh --nproc-per-node 2 --train-iters 100 "
+                                                "--tensor-model-parallel-size 2 --load b --save b")
+
+
+@pytest.mark.slow
+def test_a_fine_tune_says_what_it_loaded_and_its_train_longer_command_continues_it(trained, tmp_path):
+    """--finetune names the checkpoint and iteration it took the weights from, and that the optimizer and the
+    iteration count start afresh; its printed "train longer" command continues the fine-tune from its own
+    --save (not from iteration 0 again). Two runs; test_a_fine_tunes_next_commands_resume_it_without_finetune
+    is the quick check of the command."""
+    ft = tmp_path / "ft"
+    out = run(TRAIN + trained.base + ["--train-iters", "2", "--load", trained.ck, "--finetune", "--save", ft])
+    assert out.rc == 0, out.output[-3000:]
+    assert (f"successfully loaded checkpoint from {trained.ck} at iteration {ITERS} (--finetune: the model weights "
+            f"only; a fresh optimizer and LR schedule, starting at iteration 0)") in out.output
+    assert "training 2 iterations from iteration 0" in out.output, out.output[-3000:]
+    longer = _train_longer(out.output, ft, ft)
+    assert "--finetune" not in longer and longer[longer.index("--load") + 1] == str(ft)
+    again = run(longer)
+    assert again.rc == 0, again.output[-3000:]
+    assert f"successfully loaded checkpoint from {ft} at iteration 2\n" in again.output
+    assert "training 4 iterations from iteration 2" in again.output, again.output[-3000:]
+
+
+@pytest.mark.slow
+def test_a_data_parallel_runs_printed_command_keeps_its_processes(trained, tmp_path):
+    """Two processes (dp 2) through the launcher; its printed "train longer" command, run as printed, starts two
+    again (test_the_next_commands_keep_the_processes_of_the_run is the quick check)."""
+    ck = tmp_path / "ck"
+    launcher = ["bash", "scripts/pretrain_gpt2.sh", "--nproc-per-node", "2"]
+    first = run(launcher + trained.base + ["--train-iters", "2", "--save", ck])
+    assert first.rc == 0, first.output[-3000:]
+    assert "world size 2 = tensor 1 x pipeline 1 x data 2" in first.output
+    longer = _train_longer(first.output, ck, ck, as_printed=True)
+    assert longer[2:4] == ["--nproc-per-node", "2"], longer
+    again = run(longer)
+    assert again.rc == 0, again.output[-3000:]
+    assert "world size 2 = tensor 1 x pipeline 1 x data 2" in again.output
+    assert "training 4 iterations from iteration 2" in again.output, again.output[-3000:]
