@@ -20,7 +20,7 @@ import time
 from typing import Optional
 
 from megapar.checkpoint import CheckpointError
-from megapar.errors import USER_ERROR_EXIT
+from megapar.errors import USER_ERROR_EXIT, OneLineErrorParser
 from megapar.reshard import bounded_heap, open_source
 from megapar.reshard.canonical import write_canonical
 from megapar.reshard.convert import write_sharded
@@ -28,7 +28,7 @@ from megapar.reshard.torch_dist import write_dist
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load-dir", "--load", dest="load_dir", required=True)
     p.add_argument("--save-dir", "--save", dest="save_dir", required=True)
     p.add_argument("--target-tensor-parallel-size", type=int, default=None)

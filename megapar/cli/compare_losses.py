@@ -11,6 +11,8 @@ import argparse
 import re
 import sys
 
+from megapar.errors import OneLineErrorParser
+
 LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ .*?lm loss: ([\d.E+-]+)")
 
 
@@ -20,7 +22,7 @@ def losses(path: str) -> dict[int, float]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("log_a")
     p.add_argument("log_b")
     p.add_argument("--tolerance", type=float, default=0.02, help="max relative difference (bf16: ~1e-2)")

@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from megapar.errors import USER_ERROR_EXIT, MegaparError
+from megapar.errors import USER_ERROR_EXIT, MegaparError, OneLineErrorParser
 from megapar.launch import Processes, training_command
 from megapar.reshard import bounded_heap
 from megapar.reshard.convert import write_sharded
@@ -22,7 +22,7 @@ from megapar.reshard.hf_source import HFFolder, megapar_flags, tokenizer_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load-dir", "--load", dest="load_dir", required=True,
                    help="Hugging Face folder: config.json + model.safetensors or pytorch_model.bin")
     p.add_argument("--save-dir", "--save", dest="save_dir", required=True)

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from megapar.errors import USER_ERROR_EXIT, MegaparError
+from megapar.errors import USER_ERROR_EXIT, MegaparError, OneLineErrorParser
 from megapar.reshard import bounded_heap, hf_tokenizer, open_source
 from megapar.reshard.hf import export_hf
 
@@ -21,7 +21,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load-dir", "--load", dest="load_dir", required=True,
                    help="megapar checkpoint (any tp/pp/dp) or canonical folder")
     p.add_argument("--save-dir", "--save", dest="save_dir", required=True)

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megapar.errors import USER_ERROR_EXIT, MegaparError
+from megapar.errors import USER_ERROR_EXIT, MegaparError, OneLineErrorParser
 from megapar.generation import (GenerationError, InferenceEngine, Leader, SamplingParams, follow,
                                 load_inference_model, tokenizer_for_checkpoint)
 from megapar.initialize import init_distributed
@@ -44,7 +44,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from megapar.pretrain_gpt2 import embedded_save_dir
-    p = argparse.ArgumentParser(prog="python tools/generate_text.py", usage="%(prog)s --load CKPT [FLAGS]",
+    p = OneLineErrorParser(prog="python tools/generate_text.py", usage="%(prog)s --load CKPT [FLAGS]",
                                 description=__doc__.format(embedded=embedded_save_dir()),
                                 formatter_class=_HelpFormatter, allow_abbrev=False)
     g = p.add_argument_group("checkpoint and layout")

@@ -14,11 +14,11 @@ import sys
 
 from megapar.data.preprocess import Interrupted, PreprocessConfig, PreprocessError, preprocess, request_stop
 from megapar.data.tokenizer import TOKENIZER_TYPES, TokenizerError
-from megapar.errors import USER_ERROR_EXIT
+from megapar.errors import USER_ERROR_EXIT, OneLineErrorParser
 
 
 def get_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="JSON-lines file (optionally .gz)")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each line")

@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 from megapar.data.train_tokenizer import train_sentencepiece
-from megapar.errors import USER_ERROR_EXIT
+from megapar.errors import USER_ERROR_EXIT, OneLineErrorParser
 
 
 def _jsonl_to_text(path: str, keys: list[str], out) -> None:
@@ -37,7 +37,7 @@ def _jsonl_to_text(path: str, keys: list[str], out) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
