@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 
+from megapar.data.tokenizer import TokenizerError
 from megapar.data.train_tokenizer import train_sentencepiece
 from megapar.errors import USER_ERROR_EXIT, OneLineErrorParser
 
@@ -57,7 +58,11 @@ def main(argv=None) -> int:
                 inputs.append(txt)
             else:
                 inputs.append(path)
-        model = train_sentencepiece(inputs, args.model_prefix, args.vocab_size, args.model_type)
+        try:
+            model = train_sentencepiece(inputs, args.model_prefix, args.vocab_size, args.model_type)
+        except TokenizerError as e:
+            print(f"error: {e}; pass a larger --vocab-size or more text", file=sys.stderr)
+            return USER_ERROR_EXIT
     print(f"wrote {model}")
     return 0
 

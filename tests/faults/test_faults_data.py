@@ -97,6 +97,14 @@ def test_merges_not_matching_vocab(files, tmp_path, gpt2_files):
             watch=[tmp_path])
 
 
+def test_train_tokenizer_vocab_smaller_than_the_characters(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\n" * 20)
+    refused(["python", "-m", "megapar.cli.train_tokenizer", "--input", text, "--model-prefix", tmp_path / "spm",
+             "--vocab-size", "5"], fault_class="tokenizer", case="train_tokenizer --vocab-size below its characters",
+            expect=["SentencePiece cannot train", "5 vs", "pass a larger --vocab-size"], watch=[tmp_path])
+
+
 def test_bad_sentencepiece_model(files, tmp_path):
     bad = tmp_path / "tok.model"
     bad.write_bytes(b"not a protobuf \x00\x01\x02" * 10)
