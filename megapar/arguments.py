@@ -15,12 +15,12 @@ import typing
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
 
+from .data.tokenizer import TOKENIZER_TYPES
 from .errors import OneLineErrorParser
 from .fp8 import FP8_FORMATS, FP8_RECIPES
 from .recipes import expand_recipes
 from .topology import ConfigError, _fail, check_parallel_shape, pipeline_layer_counts
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "TikTokenizer")
 
 
 def arg(default: Any = None, help: Optional[str] = None, *, aliases: Sequence[str] = (),

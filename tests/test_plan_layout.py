@@ -15,6 +15,7 @@ from megapar.arguments import ConfigError, config_from_namespace, parse_flags
 from megapar.memory_estimate import GiB, estimate, host_bytes_per_node
 from megapar.model import set_vocab
 from megapar.planner import calibration, cost, search
+from megapar.launch import LAUNCHER_FLAGS
 
 H100 = calibration.H100
 SMALL = dict(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=512, global_batch_size=64)
@@ -197,7 +198,7 @@ def test_bad_calibration_files_are_refused(tmp_path, content, match):
 
 
 # ---- the command ---------------------------------------------------------------------------------
-LAUNCHER = {"--nnodes", "--node-rank", "--master-addr", "--master-port", "--nproc-per-node"}
+LAUNCHER = {flag for flag, _, _ in LAUNCHER_FLAGS}   # scripts/pretrain_gpt2.sh's own flags
 
 
 def training_flags(line: str) -> list[str]:

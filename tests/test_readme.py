@@ -35,6 +35,7 @@ from unittest import mock
 import pytest
 
 from data_dirs import GPT2_DIR
+from megapar.launch import LAUNCHER_FLAGS as LAUNCHER_SCRIPT_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "docs/guide.md"]
@@ -155,7 +156,7 @@ def check_training(args: list[str], world_size: int, cwd: Path | None = None) ->
         os.chdir(old_cwd)
 
 
-LAUNCHER_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port")
+LAUNCHER_FLAGS = tuple(flag for flag, _, _ in LAUNCHER_SCRIPT_FLAGS)   # scripts/pretrain_gpt2.sh's own
 
 
 def check_pretrain_script(args: list[str], script_text: str, cwd: Path | None = None) -> None:
