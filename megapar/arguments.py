@@ -111,6 +111,10 @@ class ParallelConfig:
         False, "fp32 master weights, Adam moments and the Adam step on the CPU (GPUs; --zero-stage >= 1)")
     param_cpu_offload: bool = arg(False, "--zero-stage 3: parameter shards live in CPU memory, fetched ahead "
                                          "of their layer (GPUs)")
+    grad_reduce_dtype: str = arg("fp32", "the dtype gradients are summed over data parallelism in: fp32 "
+                                         "(Megatron's), or bf16 / fp16 (half the bytes on the wire; DeepSpeed's "
+                                         "communication_data_type); the fp32 gradient buffers stay",
+                                 choices=("fp32", "bf16", "fp16"))
     pipeline_schedule: str = arg("1f1b", "1f1b (default) or all-forward-all-backward (reference)",
                                  choices=("1f1b", "afab"))
     distributed_backend: Optional[str] = arg(None, "default: nccl on GPUs, gloo on CPU", choices=("nccl", "gloo"))
@@ -132,6 +136,9 @@ class TrainConfig:
     lr_decay_iters: Optional[int] = arg(None)
     lr_warmup_fraction: Optional[float] = arg(None)
     lr_warmup_iters: int = arg(0)
+    lr_warmup_style: str = arg("linear", "the warmup's shape after n steps: linear, --lr x n / warmup (Megatron's); "
+                                         "log, --lr x ln(n) / ln(warmup) (DeepSpeed's WarmupLR default)",
+                               choices=("linear", "log"))
     weight_decay: float = arg(0.01)
     override_opt_param_scheduler: bool = arg(
         False, "on resume, take the LR schedule (--lr, --min-lr, warmup, decay iterations and style, "
@@ -213,6 +220,8 @@ class LogConfig:
     wandb_exp_name: Optional[str] = arg(None, "the W&B run's name (default: one W&B picks)")
     wandb_save_dir: Optional[str] = arg(None, "where W&B writes the run's files (default: --save/wandb, or "
                                               "./wandb without --save)")
+    csv_log_dir: Optional[str] = arg(None, "also append each training scalar to DIR/<name>.csv (step,value rows; "
+                                           "DeepSpeed's csv_monitor layout)")
     timing_log_level: int = arg(0, choices=(0, 1, 2))
     profile: bool = arg(False, "torch.profiler over iterations [--profile-step-start, --profile-step-end): rank 0 "
                                "prints the top kernels and writes a Chrome trace (to --tensorboard-dir or the "
@@ -672,8 +681,9 @@ def _check_loggers(ns: argparse.Namespace) -> None:
                       f"NAME or drop {_flag(flag)}")
     elif not ns.wandb_project.strip():
         _fail("--wandb-project is empty; name the W&B project, e.g. --wandb-project gpt2")
-    if ns.wandb_save_dir is not None and os.path.exists(ns.wandb_save_dir) and not os.path.isdir(ns.wandb_save_dir):
-        _fail(f"--wandb-save-dir {ns.wandb_save_dir} is a file, not a folder; give a folder for the W&B run files")
+    for flag, folder in (("--wandb-save-dir", ns.wandb_save_dir), ("--csv-log-dir", ns.csv_log_dir)):
+        if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
+            _fail(f"{flag} {folder} is a file, not a folder; give a folder for the run's log files")
     for flag, value, package in (("--tensorboard-dir", ns.tensorboard_dir, "tensorboard"),
                                  ("--wandb-project", ns.wandb_project, "wandb")):
         if value is not None and importlib.util.find_spec(package) is None:
