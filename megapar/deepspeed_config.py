@@ -344,6 +344,8 @@ def _resolved(key: str, dests: tuple[str, ...], cfg) -> str:
     if not dests:
         return "not acted on"
     ns = vars(cfg.namespace())
+    if dests == ("lr_decay_iters",) and ns["lr_decay_iters"] is None:
+        return "no --lr-decay-iters (the decay ends with the run)"
     return ", ".join(_as_flag(d, ns[d]) for d in dests)
 
 
@@ -823,7 +825,7 @@ def resolve_batch(s: DeepSpeedSettings, micro: Optional[int], global_batch: Opti
     return micro, micro * gas * dp
 
 
-# ---- the key table and the command-line tool -------------------------------------------------------
+# ---- the key table (docs/guide.md) -----------------------------------------------------------------
 def key_table() -> str:
     """docs/guide.md's table of every key: honoured (what it becomes), noted (why), refused."""
     rows = [f"| `{k}` | honoured | {v} |" for k, v in HONOURED.items()]
@@ -838,48 +840,6 @@ def key_table() -> str:
     return "\n".join(["| key | class | megapar |", "|---|---|---|", *rows])
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """`megapar-ds-config FILE [--world-size N] [megapar flags]`: what the config becomes."""
-    from .arguments import ConfigError, _Parser, build_parser, config_from_namespace
-    from .recipes import expand_recipes
-
-    pre = _Parser(prog="megapar-ds-config", description="Print what a DeepSpeed config becomes in megapar: "
-                  "the flags it sets, what each \"auto\" resolves to, the keys noted and those refused; no run "
-                  "starts. Other arguments are megapar's training flags (the command line you would train with).")
-    pre.add_argument("config", metavar="FILE", help="a DeepSpeed ds_config.json")
-    pre.add_argument("--world-size", type=int, default=1, help="processes (GPUs) of the run, for the batch triple")
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv == ["--table"]:  # docs/guide.md's table
-        print(key_table())
-        return 0
-    known, rest = pre.parse_known_args(argv)
-    try:
-        if known.world_size < 1:
-            raise ConfigError(f"--world-size {known.world_size} must be >= 1")
-        given = vars(build_parser().parse_args(expand_recipes(rest)))
-        given.pop("deepspeed", None)
-        s = apply(known.config, given, strict=False)
-        if s.problems:
-            for line in s.summary():
-                print(line)
-            for problem in s.problems:
-                print(f"> refused: {problem}")
-            return 2
-        from .arguments import DEEPSPEED_CONFIG
-        given[DEEPSPEED_CONFIG] = s
-        cfg = config_from_namespace(given, known.world_size, assume_gpus=True)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for line in s.summary(cfg):
-        print(line)
-    print(f"> megapar: tensor {cfg.parallel.tensor_model_parallel_size} x pipeline "
-          f"{cfg.parallel.pipeline_model_parallel_size} x data {cfg.parallel.data_parallel_size}; global batch "
-          f"{cfg.train.global_batch_size} = micro batch {cfg.train.micro_batch_size} x {cfg.num_microbatches} "
-          f"microbatches x data {cfg.parallel.data_parallel_size}")
-    return 0
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m megapar.deepspeed_config: the megapar-ds-config tool
+    from .cli.ds_config import main
     sys.exit(main())
