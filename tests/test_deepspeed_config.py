@@ -577,6 +577,8 @@ def test_ds_config_tool_lists_every_refusal(tmp_path, capsys):
     from megapar.cli.ds_config import main
     path = write(tmp_path, {"optimizer": {"type": "Lamb"}, "zero_optimisation": {"stage": 2}})
     assert main([path]) == 2
-    out = capsys.readouterr().out
-    assert "> refused: optimizer.type: \"Lamb\"" in out
-    assert "> refused: unknown key zero_optimisation: did you mean zero_optimization?" in out
+    out, err = capsys.readouterr()
+    assert out.startswith(f"> --deepspeed-config {path} set: ")
+    assert err.count("\n") == 1 and err.startswith(f"error: {path}: ")
+    assert 'optimizer.type: "Lamb" is not supported' in err
+    assert "unknown key zero_optimisation: did you mean zero_optimization?" in err

@@ -6,8 +6,8 @@
 
 Prints the lines a run prints at start (megapar/deepspeed_config.py): the flags the config sets, what
 each "auto" resolves to with these training flags at this world size, the keys accepted without
-acting on them; then the layout and batch. A config megapar refuses gets every refusal on its own
-`> refused:` line and exit status 2; other bad input one `error:` line.
+acting on them; then the layout and batch. A config megapar refuses ends, after what was read, in
+the one `error:` line a run would end with (every refusal, joined by "; "), exit status 2.
 """
 import sys
 from typing import Optional
@@ -37,12 +37,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         given = vars(build_parser().parse_args(expand_recipes(rest)))
         given.pop("deepspeed", None)
         s = apply(known.config, given, strict=False)
-        if s.problems:
+        if s.problems:  # what was read, then every refusal in the one error line a run would end with
             for line in s.summary():
                 print(line)
-            for problem in s.problems:
-                print(f"> refused: {problem}")
-            return 2
+            s.check()
         given[DEEPSPEED_CONFIG] = s
         cfg = config_from_namespace(given, known.world_size, assume_gpus=True)
     except ConfigError as e:
