@@ -303,7 +303,8 @@ class DeepSpeedSettings:
         self.noted.setdefault(key, why)
 
     def problem(self, message: str) -> None:
-        self.problems.append(message)
+        if message not in self.problems:  # a key read by two sections is reported once
+            self.problems.append(message)
 
     def check(self) -> None:
         """One ConfigError naming every problem found, if any."""
@@ -468,8 +469,7 @@ def _refuse(s: DeepSpeedSettings, key: str, value: Any, why: str, fix: str) -> N
 # ---- the sections ---------------------------------------------------------------------------------
 def _simple(s: DeepSpeedSettings, raw: dict) -> None:
     """The KEY_TO_FLAG keys: one flag each; absent ones with DeepSpeed's default (DEFAULTS)."""
-    fp16 = raw.get("fp16") if isinstance(raw.get("fp16"), dict) else {}
-    fp16_on = fp16.get("enabled") in (True, AUTO)
+    fp16_on = _fp16_on(raw)
     for key, (dest, kind) in KEY_TO_FLAG.items():
         *parents, name = key.split(".")
         obj = raw
@@ -482,6 +482,11 @@ def _simple(s: DeepSpeedSettings, raw: dict) -> None:
             s.set(key, dest, v)
         elif name not in obj and key in DEFAULTS:
             s.set(f"{key} (absent: DeepSpeed's default)", dest, kind(DEFAULTS[key]), default=True)
+
+
+def _fp16_on(raw: dict) -> bool:
+    """Whether DeepSpeed's fp16 may be on: `fp16.enabled` true or "auto" (absent: off)."""
+    return isinstance(raw.get("fp16"), dict) and raw["fp16"].get("enabled") in (True, AUTO)
 
 
 def _top(s: DeepSpeedSettings, raw: dict) -> None:
@@ -515,7 +520,7 @@ def _top(s: DeepSpeedSettings, raw: dict) -> None:
 
 def _precision(s: DeepSpeedSettings, raw: dict) -> None:
     """fp16 {enabled, loss_scale, initial_scale_power, ...}, bf16 / bfloat16 {enabled}."""
-    on = isinstance(raw.get("fp16"), dict) and raw["fp16"].get("enabled") in (True, AUTO)
+    on = _fp16_on(raw)
     fp16 = _section(s, raw, "fp16", "", FP16_KEYS, note=on)
     enabled = _value(s, fp16, "enabled", "fp16.", bool, ("fp16",))
     if enabled is not None:
