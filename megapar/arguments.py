@@ -136,6 +136,7 @@ class TrainConfig:
     lr_decay_iters: Optional[int] = arg(None)
     lr_warmup_fraction: Optional[float] = arg(None)
     lr_warmup_iters: int = arg(0)
+    lr_warmup_init: float = arg(0.0, "the LR the warmup starts from")
     lr_warmup_style: str = arg("linear", "the warmup's shape after n steps: linear, --lr x n / warmup (Megatron's); "
                                          "log, --lr x ln(n) / ln(warmup) (DeepSpeed's WarmupLR default)",
                                choices=("linear", "log"))
@@ -516,6 +517,9 @@ def validate(ns: argparse.Namespace, world_size: int, assume_gpus: bool = False)
         _fail("--train-iters and --train-samples were both given; choose one")
     if ns.lr_warmup_fraction is not None and ns.lr_warmup_iters:
         _fail("--lr-warmup-fraction and --lr-warmup-iters were both given; choose one")
+    if ns.lr_warmup_init > ns.lr:
+        _fail(f"--lr-warmup-init {ns.lr_warmup_init:g} is above --lr {ns.lr:g}: the warmup rises from it to --lr; "
+              f"lower it")
     if ns.override_opt_param_scheduler and ns.use_checkpoint_opt_param_scheduler:
         _fail("--override-opt_param-scheduler (take the LR schedule from the flags) and "
               "--use-checkpoint-opt_param-scheduler (take the checkpoint's) were both given; choose one")
@@ -557,7 +561,7 @@ _FLOAT_RANGES = {
     "attention_dropout": (0.0, 1.0, True, False), "adam_beta1": (0.0, 1.0, True, False),
     "adam_beta2": (0.0, 1.0, True, False), "adam_eps": (0.0, None, False, None),
     "layernorm_epsilon": (0.0, None, False, None), "init_method_std": (0.0, None, False, None),
-    "lr_warmup_fraction": (0.0, 1.0, True, True), "loss_scale": (0.0, None, False, None),
+    "lr_warmup_fraction": (0.0, 1.0, True, True), "lr_warmup_init": (0.0, None, True, None), "loss_scale": (0.0, None, False, None),
     "initial_loss_scale": (0.0, None, False, None), "min_loss_scale": (0.0, None, False, None),
     "exit_duration_in_mins": (0.0, None, False, None), "distributed_timeout_minutes": (0.0, None, False, None),
 }

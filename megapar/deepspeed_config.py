@@ -87,10 +87,10 @@ HONOURED: dict[str, str] = {
     "scheduler.params.warmup_type": "`--lr-warmup-style` log (absent: DeepSpeed's log) or linear",
     "scheduler.params.warmup_num_steps": "`--lr-warmup-iters` (absent: DeepSpeed's 1000; at least 2 with log)",
     "scheduler.params.warmup_max_lr": "`--lr` (absent: DeepSpeed's 0.001)",
-    "scheduler.params.warmup_min_lr": "0 (megapar warms up from 0; others refused); WarmupDecayLR: `--min-lr 0`",
+    "scheduler.params.warmup_min_lr": "`--lr-warmup-init` (absent: DeepSpeed's 0); WarmupDecayLR: also `--min-lr`",
     "scheduler.params.total_num_steps": "`--lr-decay-iters`",
     "scheduler.params.cos_min_ratio": "`--min-lr` = ratio × `--lr` (absent: DeepSpeed's 0.0001)",
-    "scheduler.params.warmup_min_ratio": "0 (megapar warms up from 0; others refused)",
+    "scheduler.params.warmup_min_ratio": "`--lr-warmup-init` = ratio × `--lr` (absent: DeepSpeed's 0)",
     "scheduler.params.last_batch_iteration": "-1 (others refused: megapar resumes the schedule from its checkpoint)",
     "zero_optimization": "true: `--zero-stage 1`, false: `--zero-stage 0` (DeepSpeed's legacy boolean)",
     "zero_optimization.stage": "`--zero-stage`",
@@ -626,42 +626,36 @@ def _scheduler(s: DeepSpeedSettings, raw: dict, cli: dict[str, Any]) -> None:
         _warmup_lr_range(s, params, source, absent, decays=kind == "WarmupDecayLR")
 
 
-def _warmup_starts_at_zero(s: DeepSpeedSettings, params: dict, name: str) -> None:
-    """warmup_min_lr / warmup_min_ratio other than 0 cannot be honoured: megapar warms up from LR 0."""
-    key = "scheduler.params."
-    low = _value(s, params, name, key, float, ("min_lr",) if name == "warmup_min_lr" else ())
-    if low:
-        _refuse(s, key + name, low, "is not supported: megapar's warmup starts at LR 0",
-                "use 0 (the nearest supported value)")
-
-
 def _warmup_lr_range(s: DeepSpeedSettings, params: dict, source: dict[str, str], absent: set[str],
                      decays: bool) -> None:
-    """WarmupLR / WarmupDecayLR: from warmup_min_lr (must be 0) up to warmup_max_lr (= --lr); the
-    decay goes back to warmup_min_lr, i.e. --min-lr 0."""
+    """WarmupLR / WarmupDecayLR: from warmup_min_lr (--lr-warmup-init) up to warmup_max_lr (--lr);
+    the decay goes back to warmup_min_lr (--min-lr)."""
     key = "scheduler.params."
-    _warmup_starts_at_zero(s, params, "warmup_min_lr")
+    low = _value(s, params, "warmup_min_lr", key, float, ("lr_warmup_init", "min_lr") if decays else
+                 ("lr_warmup_init",))
+    if low is not None:
+        s.set(source["warmup_min_lr"], "lr_warmup_init", low, default="warmup_min_lr" in absent)
+        if decays:
+            s.set(source["warmup_min_lr"], "min_lr", low, default="warmup_min_lr" in absent)
     high = _value(s, params, "warmup_max_lr", key, float, ("lr",))
     if high is not None:
         s.set(source["warmup_max_lr"], "lr", high, default="warmup_max_lr" in absent)
-    if decays and params["warmup_min_lr"] != AUTO:
-        s.set(source["warmup_min_lr"], "min_lr", 0.0, default="warmup_min_lr" in absent)
 
 
 def _cosine(s: DeepSpeedSettings, params: dict, source: dict[str, str], absent: set[str],
             cli: dict[str, Any]) -> None:
-    """WarmupCosineLR: ratios of the optimizer's lr; --min-lr = cos_min_ratio x --lr."""
+    """WarmupCosineLR: ratios of the optimizer's lr: --lr-warmup-init = warmup_min_ratio x --lr,
+    --min-lr = cos_min_ratio x --lr."""
     from .arguments import default_of
 
     key = "scheduler.params."
-    _warmup_starts_at_zero(s, params, "warmup_min_ratio")
-    ratio = _value(s, params, "cos_min_ratio", key, float, ("min_lr",))
-    if ratio is not None:
-        if not 0 <= ratio <= 1:
-            _refuse(s, key + "cos_min_ratio", ratio, "is out of range", "use a ratio in [0, 1]")
-            return
-        lr = s.flags.get("lr", cli.get("lr", default_of("lr")))
-        s.set(source["cos_min_ratio"], "min_lr", ratio * lr, default="cos_min_ratio" in absent)
+    lr = s.flags.get("lr", cli.get("lr", default_of("lr")))
+    for name, dest in (("warmup_min_ratio", "lr_warmup_init"), ("cos_min_ratio", "min_lr")):
+        ratio = _value(s, params, name, key, float, (dest,))
+        if ratio is not None and not 0 <= ratio <= 1:
+            _refuse(s, key + name, ratio, "is out of range", "use a ratio in [0, 1]")
+        elif ratio is not None:
+            s.set(source[name], dest, ratio * lr, default=name in absent)
 
 
 def _offload(s: DeepSpeedSettings, zero: dict, name: str, dest: str) -> None:

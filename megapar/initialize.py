@@ -157,7 +157,7 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
     return OptimizerParamScheduler(optimizer, t.lr, t.min_lr, warmup, decay, t.lr_decay_style, t.weight_decay,
                                    override_opt_param_scheduler=t.override_opt_param_scheduler,
                                    use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
-                                   warmup_style=t.lr_warmup_style)
+                                   warmup_style=t.lr_warmup_style, warmup_init=t.lr_warmup_init)
 
 
 def checkpoint_args(run: Run, consumed_samples: int) -> argparse.Namespace:

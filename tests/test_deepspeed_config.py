@@ -75,12 +75,19 @@ def refused(tmp_path, config, *fragments: str, extra=(), world: int = 1) -> str:
      {"zero_stage": 3, "param_cpu_offload": True, "optimizer_cpu_offload": False}),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
                                                    "warmup_num_steps": 100, "warmup_type": "linear"}}},
-     {"lr_decay_style": "constant", "lr": 1e-3, "lr_warmup_iters": 100, "lr_warmup_style": "linear"}),
+     {"lr_decay_style": "constant", "lr": 1e-3, "lr_warmup_iters": 100, "lr_warmup_style": "linear",
+      "lr_warmup_init": 0.0}),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 2e-4,
                                                         "warmup_num_steps": 10, "warmup_type": "linear",
                                                         "total_num_steps": 1000}}},
      {"lr_decay_style": "linear", "lr": 2e-4, "lr_warmup_iters": 10, "lr_decay_iters": 1000, "min_lr": 0.0,
-      "lr_warmup_style": "linear"}),
+      "lr_warmup_style": "linear", "lr_warmup_init": 0.0}),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 2e-4,
+                                                        "total_num_steps": 1000}}},
+     {"lr_decay_style": "linear", "lr": 2e-4, "lr_decay_iters": 1000, "min_lr": 1e-5, "lr_warmup_init": 1e-5}),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+      "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 500, "warmup_min_ratio": 0.1}}},
+     {"lr": 1e-3, "lr_decay_style": "cosine", "lr_decay_iters": 500, "lr_warmup_init": 1e-4}),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
       "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 500, "warmup_num_steps": 50,
                                                          "warmup_type": "linear", "cos_min_ratio": 0.1}}},
@@ -269,11 +276,11 @@ def test_two_keys_for_one_flag_must_agree(tmp_path):
     ({"scheduler": {"type": "OneCycle", "params": {}}}, ['scheduler.type: "OneCycle"', "WarmupLR, WarmupDecayLR"]),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "exp"}}},
      ['scheduler.params.warmup_type: "exp" is not a warmup DeepSpeed knows', 'use "log" or "linear"']),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-5, "warmup_type": "linear"}}},
-     ["scheduler.params.warmup_min_lr: 1e-05", "use 0 (the nearest supported value)"]),
-    ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_type": "linear",
-                                                         "warmup_min_ratio": 0.1}}},
-     ["scheduler.params.warmup_min_ratio: 0.1", "use 0"]),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 2e-3, "warmup_max_lr": 1e-3}}},
+     ["--lr-warmup-init 0.002 is above --lr 0.001", "(set by scheduler.params.warmup_min_lr, "
+      "scheduler.params.warmup_max_lr in"]),
+    ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_min_ratio": 1.5}}},
+     ["scheduler.params.warmup_min_ratio: 1.5 is out of range", "use a ratio in [0, 1]"]),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_type": "linear"}}},
      ["WarmupDecayLR needs scheduler.params.total_num_steps"]),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear", "total_num_steps": 5}}},
@@ -304,7 +311,7 @@ def test_absent_keys_take_deepspeeds_defaults(tmp_path):
     got = flags_of(tmp_path, {"fp16": {"enabled": True}, "scheduler": {"type": "WarmupLR"}}, defaults=True)
     assert got == {"fp16": True, "initial_loss_scale": 2.0**16, "loss_scale_window": 1000, "hysteresis": 2,
                    "min_loss_scale": 1.0, "log_interval": 10, "lr_decay_style": "constant", "lr_warmup_style": "log",
-                   "lr_warmup_iters": 1000, "lr": 0.001}
+                   "lr_warmup_iters": 1000, "lr": 0.001, "lr_warmup_init": 0.0}
     assert "fp16.initial_scale_power (absent: DeepSpeed's default)" in settings_of(
         tmp_path, {"fp16": {"enabled": True}}).origin.values()
     # fp16 off (or its `enabled` left out: DeepSpeed's default is off): no loss-scale defaults
@@ -352,6 +359,17 @@ def test_log_warmup_follows_deepspeeds_formula(tmp_path):
     for n, lr in expected.items():
         assert lrs[n] == pytest.approx(lr, abs=1e-8), (n, lrs[n])
     assert all(a <= b for a, b in zip(lrs[:11], lrs[1:11]))
+
+
+def test_log_warmup_from_warmup_min_lr_decays_back_to_it(tmp_path):
+    """warmup_min_lr 1e-4: lr = 1e-4 + 9e-4 x ln(n) / ln(10) during the warmup (by hand, n = 2:
+    1e-4 + 9e-4 x 0.30103 = 3.70927e-4), and WarmupDecayLR's floor at step 30 is 1e-4."""
+    cfg = config_of(tmp_path, {"scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 10, "total_num_steps": 30}}},
+        "--train-iters", "40")
+    lrs = _lrs(cfg, 35)
+    for n, lr in {0: 1e-4, 1: 1e-4, 2: 3.70927e-4, 10: 1e-3, 20: 5.5e-4, 30: 1e-4, 34: 1e-4}.items():
+        assert lrs[n] == pytest.approx(lr, abs=1e-9), (n, lrs[n])
 
 
 def test_linear_warmup_is_unchanged(tmp_path):
@@ -441,7 +459,7 @@ def test_every_problem_of_a_config_in_one_message(tmp_path):
         "zero_optimization": {"stage": 5, "overlap_com": True, "offload_param": {"device": "nvme"}},
         "fp16": {"enabled": "yes"},
         "curriculum_learning": {"enabled": True},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-5, "warmup_num_steps": "many"}},
+        "scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 5, "warmup_num_steps": "many"}},
     }, extra=["--micro-batch-size", "2"])
     parts = message.split(": ", 1)[1].split("; ")
     expected = ["unknown key train_batch_sise: did you mean train_batch_size?",
@@ -451,7 +469,7 @@ def test_every_problem_of_a_config_in_one_message(tmp_path):
                 "zero_optimization.stage: 5 is not a ZeRO stage",
                 'zero_optimization.offload_param.device: "nvme" is not supported',
                 'scheduler.params.warmup_num_steps "many" must be an integer',
-                "scheduler.params.warmup_min_lr: 1e-05 is not supported",
+                "scheduler.params.last_batch_iteration: 5 is not supported",
                 "curriculum_learning.enabled: true is not supported"]
     for fragment in expected:
         assert sum(fragment in p for p in parts) == 1, (fragment, parts)
