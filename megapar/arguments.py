@@ -136,10 +136,10 @@ class TrainConfig:
     lr_decay_iters: Optional[int] = arg(None)
     lr_warmup_fraction: Optional[float] = arg(None)
     lr_warmup_iters: int = arg(0)
-    lr_warmup_init: float = arg(0.0, "the LR the warmup starts from")
-    lr_warmup_style: str = arg("linear", "the warmup's shape after n steps: linear, --lr x n / warmup (Megatron's); "
-                                         "log, --lr x ln(n) / ln(warmup) (DeepSpeed's WarmupLR default)",
-                               choices=("linear", "log"))
+    lr_warmup_init: float = arg(0.0, "the LR the warmup starts from (it rises to --lr)")
+    lr_warmup_style: str = arg("linear", "the warmup's shape: after n steps it has risen n / warmup of the way "
+                                         "(linear, Megatron's) or ln(n) / ln(warmup) of it (log, DeepSpeed's "
+                                         "WarmupLR default)", choices=("linear", "log"))
     weight_decay: float = arg(0.01)
     override_opt_param_scheduler: bool = arg(
         False, "on resume, take the LR schedule (--lr, --min-lr, warmup, decay iterations and style, "
@@ -561,7 +561,8 @@ _FLOAT_RANGES = {
     "attention_dropout": (0.0, 1.0, True, False), "adam_beta1": (0.0, 1.0, True, False),
     "adam_beta2": (0.0, 1.0, True, False), "adam_eps": (0.0, None, False, None),
     "layernorm_epsilon": (0.0, None, False, None), "init_method_std": (0.0, None, False, None),
-    "lr_warmup_fraction": (0.0, 1.0, True, True), "lr_warmup_init": (0.0, None, True, None), "loss_scale": (0.0, None, False, None),
+    "lr_warmup_fraction": (0.0, 1.0, True, True), "lr_warmup_init": (0.0, None, True, None),
+    "loss_scale": (0.0, None, False, None),
     "initial_loss_scale": (0.0, None, False, None), "min_loss_scale": (0.0, None, False, None),
     "exit_duration_in_mins": (0.0, None, False, None), "distributed_timeout_minutes": (0.0, None, False, None),
 }
