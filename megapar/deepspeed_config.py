@@ -100,6 +100,9 @@ HONOURED: dict[str, str] = {
     "zero_optimization.cpu_offload": "`--optimizer-cpu-offload` (DeepSpeed's older spelling)",
     "zero_optimization.cpu_offload_param": "`--param-cpu-offload` (DeepSpeed's older spelling)",
     "pipeline.stages": "`--pipeline-model-parallel-size` (\"auto\": the command line decides)",
+    "tensor_parallel.autotp_size": "`--tensor-model-parallel-size` (DeepSpeed's AutoTP)",
+    "sequence_parallel_size": "1 (DeepSpeed-Ulysses above 1 is refused: megapar's --sequence-parallel splits "
+                              "activations over tensor parallelism)",
     "tensorboard.enabled": "`--tensorboard-dir output_path/job_name`",
     "tensorboard.output_path": "(see enabled; absent: the working directory)",
     "tensorboard.job_name": "(see enabled; absent: DeepSpeedJobName)",
@@ -133,6 +136,7 @@ NOTED: dict[str, str] = {
     "zero_force_ds_cpu_optimizer": "megapar steps offloaded optimizer state with its own CPU AdamW",
     "memory_breakdown": "megapar logs memory after its first iterations anyway",
     "dump_state": "megapar prints its settings at start",
+    "elastic_checkpoint": "megapar's torch_dist checkpoints load at any data-parallel size",
     "prescale_gradients": "megapar divides gradients by the data-parallel size before it reduces them",
     "gradient_predivide_factor": "the reduced gradient is the same average however the division is split",
     "disable_allgather": _OWN_COMMS,
@@ -162,6 +166,7 @@ NOTED: dict[str, str] = {
     "csv_monitor.*": "not used while csv_monitor.enabled is false",
     "flops_profiler.*": "megapar's --profile prints the top kernels and writes a Chrome trace instead",
     "pipeline.*": "megapar splits layers evenly over --pipeline-model-parallel-size stages",
+    "tensor_parallel.*": "megapar's tensor parallelism is Megatron's, fixed by --tensor-model-parallel-size",
     "zero_optimization.overlap_comm": _OWN_COMMS,
     "zero_optimization.contiguous_gradients": "megapar's gradients always live in contiguous fp32 buffers",
     "zero_optimization.reduce_scatter": "megapar reduce-scatters gradients at --zero-stage >= 1, all-reduces at 0",
@@ -722,8 +727,21 @@ def _flops_profiler(s: DeepSpeedSettings, raw: dict) -> None:
             s.noted.pop(f"flops_profiler.{k}", None)
 
 
-def _pipeline(s: DeepSpeedSettings, raw: dict) -> None:
-    """pipeline {stages, ...}: stages is --pipeline-model-parallel-size; the rest noted."""
+def _layout(s: DeepSpeedSettings, raw: dict) -> None:
+    """tensor_parallel {autotp_size}: --tensor-model-parallel-size; sequence_parallel_size (Ulysses):
+    1 only; pipeline {stages, ...}: stages is --pipeline-model-parallel-size; the rest noted."""
+    tp = _section(s, raw, "tensor_parallel", "", {"autotp_size", "tp_overlap_comm", "partition_config"})
+    size = _value(s, tp, "autotp_size", "tensor_parallel.", int, ("tensor_model_parallel_size",))
+    if size is not None:
+        s.noted.pop("tensor_parallel.autotp_size", None)
+        s.set("tensor_parallel.autotp_size", "tensor_model_parallel_size", size)
+    ulysses = _value(s, raw, "sequence_parallel_size", "", int)
+    if ulysses is not None and ulysses != 1:
+        _refuse(s, "sequence_parallel_size", ulysses, "is not supported (megapar has no DeepSpeed-Ulysses sequence "
+                "parallelism)", "use 1; --tensor-model-parallel-size with --sequence-parallel splits long sequences' "
+                "activations instead")
+    elif ulysses == 1:
+        s.note("sequence_parallel_size", "1: no sequence parallelism asked for")
     sec = _section(s, raw, "pipeline", "", {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
                                             "pipe_partitioned", "grad_partitioned", "use_reentrant"})
     stages = _value(s, sec, "stages", "pipeline.", int, ("pipeline_model_parallel_size",))
@@ -776,7 +794,7 @@ def read(path: str, cli: dict[str, Any], strict: bool = True) -> DeepSpeedSettin
     _scheduler(s, raw, cli)
     _monitors(s, raw)
     _flops_profiler(s, raw)
-    _pipeline(s, raw)
+    _layout(s, raw)
     _noted_sections(s, raw)
     if strict:
         s.check()

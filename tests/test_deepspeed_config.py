@@ -240,6 +240,8 @@ def test_two_keys_for_one_flag_must_agree(tmp_path):
     ({"sparse_attention": {"mode": "fixed", "block": 16}}, ["sparse_attention is not supported"]),
     ({"aio": {"block_size": 1048576, "queue_depth": 8}}, ["aio tunes NVMe offload", "drop the aio section"]),
     ({"communication_data_type": "fp8"}, ['communication_data_type: "fp8" is not a dtype', '"bf16"']),
+    ({"sequence_parallel_size": 4}, ["sequence_parallel_size: 4 is not supported (megapar has no DeepSpeed-Ulysses",
+                                     "--sequence-parallel"]),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
      ["fp16.fp16_master_weights_and_grads: true is not supported (megapar keeps fp32 masters"]),
     ({"tensorboard": {"enabled": True, "outputpath": "tb"}},
@@ -401,7 +403,8 @@ NOTHING_ASKED = {
     "flops_profiler": {"enabled": False, "profile_step": 1, "module_depth": -1, "top_modules": 1, "detailed": True},
     "curriculum_learning": {"enabled": False, "curriculum_type": "seqlen"},
     "comms_logger": {"enabled": False}, "checkpoint": {"tag_validation": "Warn"},
-    "data_types": {"grad_accum_dtype": "fp32"}, "wall_clock_breakdown": False,
+    "data_types": {"grad_accum_dtype": "fp32"}, "wall_clock_breakdown": False, "sequence_parallel_size": 1,
+    "elastic_checkpoint": False,
     "my_comment": "DeepSpeed ignores top-level keys it does not know",
 }
 
@@ -414,7 +417,8 @@ def test_keys_that_ask_for_nothing_are_noted_on_one_line(tmp_path):
     for key in ("prescale_gradients", "dump_state", "comms_config", "monitor_config",
                 "zero_optimization.elastic_checkpoint", "activation_checkpointing.partition_activations",
                 "activation_checkpointing.cpu_checkpointing", "tensorboard.output_path", "flops_profiler.detailed",
-                "curriculum_learning.curriculum_type", "my_comment", "checkpoint.tag_validation"):
+                "curriculum_learning.curriculum_type", "my_comment", "checkpoint.tag_validation",
+                "sequence_parallel_size", "elastic_checkpoint"):
         assert key in s.noted, key
     assert "--sequence-parallel" in s.noted["activation_checkpointing.partition_activations"]
     assert "--recompute-granularity" in s.noted["activation_checkpointing.synchronize_checkpoint_boundary"]
@@ -439,6 +443,7 @@ def test_the_legacy_boolean_zero_optimization(tmp_path, legacy, stage):
     ({"communication_data_type": "fp16"}, {"grad_reduce_dtype": "fp16"}),
     ({"communication_data_type": "fp32"}, {"grad_reduce_dtype": "fp32"}),
     ({"pipeline": {"stages": 2, "partition": "parameters"}}, {"pipeline_model_parallel_size": 2}),
+    ({"tensor_parallel": {"autotp_size": 2}}, {"tensor_model_parallel_size": 2}),
     ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, {"zero_stage": 2, "optimizer_cpu_offload": True}),
 ])
 def test_sections_megapar_has_set_its_flags(tmp_path, config, expected):
