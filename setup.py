@@ -41,7 +41,7 @@ ext_modules, cmdclass = _cuda_extensions()
 
 # The user tools (megapar/cli/); `python tools/<tool>.py` runs the same main.
 CLI_TOOLS = ["checkpoint_util", "convert_to_hf", "convert_from_hf", "generate_text", "preprocess_data",
-             "train_tokenizer", "estimate_memory", "compare_losses", "plan_layout"]
+             "train_tokenizer", "estimate_memory", "compare_losses", "plan_layout", "ds_config"]
 CONSOLE_SCRIPTS = [f"megapar-{t.replace('_', '-')}=megapar.cli.{t}:main" for t in CLI_TOOLS]
 
 setup(

@@ -119,6 +119,10 @@ class ParallelConfig:
         False, "fp32 master weights, Adam moments and the Adam step on the CPU (GPUs; --zero-stage >= 1)")
     param_cpu_offload: bool = arg(False, "--zero-stage 3: parameter shards live in CPU memory, fetched ahead "
                                          "of their layer (GPUs)")
+    grad_reduce_dtype: str = arg("fp32", "the dtype gradients are summed over data parallelism in: fp32 "
+                                         "(Megatron's), or bf16 / fp16 (half the bytes on the wire; DeepSpeed's "
+                                         "communication_data_type); the fp32 gradient buffers stay",
+                                 choices=("fp32", "bf16", "fp16"))
     pipeline_schedule: str = arg("1f1b", "1f1b (default) or all-forward-all-backward (reference)",
                                  choices=("1f1b", "afab"))
     distributed_backend: Optional[str] = arg(None, "torch.distributed backend; default nccl on GPUs, gloo on CPU",
@@ -145,7 +149,11 @@ class TrainConfig:
     lr_decay_iters: Optional[int] = arg(None, "iteration where the decay reaches --min-lr; default --train-iters")
     lr_warmup_fraction: Optional[float] = arg(None, "warmup as a fraction of --lr-decay-iters, instead of "
                                                         "--lr-warmup-iters")
-    lr_warmup_iters: int = arg(0, "iterations of linear warmup from 0 to --lr")
+    lr_warmup_iters: int = arg(0, "iterations of warmup from --lr-warmup-init to --lr")
+    lr_warmup_init: float = arg(0.0, "the LR the warmup starts from (it rises to --lr)")
+    lr_warmup_style: str = arg("linear", "the warmup's shape: after n steps it has risen n / warmup of the way "
+                                         "(linear, Megatron's) or ln(n) / ln(warmup) of it (log, DeepSpeed's "
+                                         "WarmupLR default)", choices=("linear", "log"))
     weight_decay: float = arg(0.01, "AdamW weight decay (not on biases and LayerNorm weights)")
     override_opt_param_scheduler: bool = arg(
         False, "on resume, take the LR schedule (--lr, --min-lr, warmup, decay iterations and style, "
@@ -239,6 +247,8 @@ class LogConfig:
     wandb_exp_name: Optional[str] = arg(None, "the W&B run's name (default: one W&B picks)")
     wandb_save_dir: Optional[str] = arg(None, "where W&B writes the run's files (default: --save/wandb, or "
                                               "./wandb without --save)")
+    csv_log_dir: Optional[str] = arg(None, "also append each training scalar to DIR/<name>.csv (step,value rows; "
+                                           "DeepSpeed's csv_monitor layout)")
     timing_log_level: int = arg(0, "1 or 2: time the forward-backward, gradient sync and optimizer of each "
                                      "iteration (on the log line); 0 = no timers", choices=(0, 1, 2))
     profile: bool = arg(False, "torch.profiler over iterations [--profile-step-start, --profile-step-end): rank 0 "
@@ -539,6 +549,9 @@ def validate(ns: argparse.Namespace, world_size: int, assume_gpus: bool = False)
         _fail("--train-iters and --train-samples were both given; choose one")
     if ns.lr_warmup_fraction is not None and ns.lr_warmup_iters:
         _fail("--lr-warmup-fraction and --lr-warmup-iters were both given; choose one")
+    if ns.lr_warmup_init > ns.lr:
+        _fail(f"--lr-warmup-init {ns.lr_warmup_init:g} is above --lr {ns.lr:g}: the warmup rises from it to --lr; "
+              f"lower it")
     if ns.override_opt_param_scheduler and ns.use_checkpoint_opt_param_scheduler:
         _fail("--override-opt_param-scheduler (take the LR schedule from the flags) and "
               "--use-checkpoint-opt_param-scheduler (take the checkpoint's) were both given; choose one")
@@ -580,7 +593,8 @@ _FLOAT_RANGES = {
     "attention_dropout": (0.0, 1.0, True, False), "adam_beta1": (0.0, 1.0, True, False),
     "adam_beta2": (0.0, 1.0, True, False), "adam_eps": (0.0, None, False, None),
     "layernorm_epsilon": (0.0, None, False, None), "init_method_std": (0.0, None, False, None),
-    "lr_warmup_fraction": (0.0, 1.0, True, True), "loss_scale": (0.0, None, False, None),
+    "lr_warmup_fraction": (0.0, 1.0, True, True), "lr_warmup_init": (0.0, None, True, None),
+    "loss_scale": (0.0, None, False, None),
     "initial_loss_scale": (0.0, None, False, None), "min_loss_scale": (0.0, None, False, None),
     "exit_duration_in_mins": (0.0, None, False, None), "distributed_timeout_minutes": (0.0, None, False, None),
 }
@@ -704,8 +718,9 @@ def _check_loggers(ns: argparse.Namespace) -> None:
                       f"NAME or drop {_flag(flag)}")
     elif not ns.wandb_project.strip():
         _fail("--wandb-project is empty; name the W&B project, e.g. --wandb-project gpt2")
-    if ns.wandb_save_dir is not None and os.path.exists(ns.wandb_save_dir) and not os.path.isdir(ns.wandb_save_dir):
-        _fail(f"--wandb-save-dir {ns.wandb_save_dir} is a file, not a folder; give a folder for the W&B run files")
+    for flag, folder in (("--wandb-save-dir", ns.wandb_save_dir), ("--csv-log-dir", ns.csv_log_dir)):
+        if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
+            _fail(f"{flag} {folder} is a file, not a folder; give a folder for the run's log files")
     for flag, value, package in (("--tensorboard-dir", ns.tensorboard_dir, "tensorboard"),
                                  ("--wandb-project", ns.wandb_project, "wandb")):
         if value is not None and importlib.util.find_spec(package) is None:

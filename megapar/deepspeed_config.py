@@ -1,34 +1,50 @@
-"""`--deepspeed-config ds_config.json`: a DeepSpeed JSON config mapped onto megapar's flags.
+"""`--deepspeed-config ds_config.json`: a DeepSpeed JSON config read as DeepSpeed reads it, onto megapar's flags.
 
     bash scripts/pretrain_gpt2.sh --deepspeed --deepspeed_config ds_config.json [megapar flags]
+    megapar-ds-config ds_config.json [--world-size N] [megapar flags]     # what it becomes, without a run
 
 The config is read once, before validation, where `arguments.parse_flags` expands recipes, so
-training, the launcher (which validates at the world size it will start) and
-tools/estimate_memory.py all take it. Each key either sets a flag (KEY_TO_FLAG, the table in
-docs/guide.md), is accepted but not acted on (NOT_ACTED_ON: megapar has no such knob; the keys are
-printed once, with why), or is refused with one ConfigError naming the key path and a fix.
+training, the launcher (which validates at the world size it will start), tools/estimate_memory.py
+and `megapar-ds-config` all take it. Every key DeepSpeed reads falls in one class (the tables below,
+and the table in docs/guide.md, which `key_table()` writes):
+  * honoured (HONOURED): it sets megapar flags;
+  * noted (NOTED, and the sections of SWITCHED while switched off): accepted and listed on one
+    start-up line with why -- it only shapes how DeepSpeed schedules memory or communication, it
+    is at DeepSpeed's default, it is switched off, or DeepSpeed itself ignores it;
+  * refused: megapar cannot honour it (another optimizer, a switched-on SWITCHED section, ...).
+Keys neither DeepSpeed nor megapar know are refused inside sections (DeepSpeed does too), with
+"did you mean" for a near miss; at the top level DeepSpeed ignores them, and so does megapar
+(noted) unless they are a near miss of a known key.
 
 Rules:
-  * `"auto"` means "not set here": the command line's flag, or megapar's default, applies;
-  * a key absent from the config sets nothing, except inside `scheduler.params`, where DeepSpeed's
-    defaults define the schedule (warmup_num_steps 1000, warmup_type "log", ...);
-  * a flag set both on the command line and in the config must have the same value;
+  * `"auto"` means "not set here": the command line's flag, or megapar's default, applies; the
+    start-up lines say what each one became;
+  * a key absent from the config takes DeepSpeed's default where DeepSpeed's differs from
+    megapar's or defines the feature (DEFAULTS, and the scheduler's params): a flag given on the
+    command line wins over such a default;
+  * a flag set on the command line and by a key of the config must have the same value;
   * the batch triple train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps
     x data-parallel size needs the world size: `resolve_batch` completes it in
-    `arguments.config_from_namespace`.
+    `arguments.config_from_namespace`;
+  * every problem of a config is reported at once, in one ConfigError.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .topology import _fail
 
 AUTO = "auto"
+GUIDE = "docs/guide.md (Coming from DeepSpeed)"
 
+# ---- the key tables -------------------------------------------------------------------------------
 # key path -> (flag dest, type) for the keys that map one to one.
 KEY_TO_FLAG: dict[str, tuple[str, type]] = {
     "train_batch_size": ("global_batch_size", int),
@@ -41,57 +57,189 @@ KEY_TO_FLAG: dict[str, tuple[str, type]] = {
     "optimizer.params.lr": ("lr", float),
     "optimizer.params.eps": ("adam_eps", float),
     "optimizer.params.weight_decay": ("weight_decay", float),
-    "zero_optimization.stage": ("zero_stage", int),
 }
 
-# Accepted, not acted on: key path -> why.
-_OWN_COMMS = "megapar schedules its own gradient and parameter communication, per layer, without buckets"
-NOT_ACTED_ON: dict[str, str] = {
+# Keys that set megapar flags: key path -> what they become (the docs table's text).
+HONOURED: dict[str, str] = {
+    "train_batch_size": "`--global-batch-size`",
+    "train_micro_batch_size_per_gpu": "`--micro-batch-size`",
+    "gradient_accumulation_steps": "train_batch_size = micro × steps × dp: any two give the third at the "
+                                   "world size; all three must agree",
+    "gradient_clipping": "`--clip-grad`",
+    "steps_per_print": "`--log-interval` (absent: DeepSpeed's 10)",
+    "wall_clock_breakdown": "true: `--timing-log-level 1`",
+    "communication_data_type": "`--grad-reduce-dtype` (fp32, bf16, fp16; absent: fp32)",
+    "fp16.enabled": "`--fp16`",
+    "fp16.loss_scale": "0: dynamic scaling; else `--loss-scale`",
+    "fp16.initial_scale_power": "`--initial-loss-scale 2^p` (absent: DeepSpeed's 16)",
+    "fp16.loss_scale_window": "`--loss-scale-window` (absent: DeepSpeed's 1000)",
+    "fp16.hysteresis": "`--hysteresis` (absent: DeepSpeed's 2)",
+    "fp16.min_loss_scale": "`--min-loss-scale` (absent: DeepSpeed's 1)",
+    "bf16.enabled": "`--bf16` (also spelt `bfloat16`)",
+    "optimizer.type": "Adam, AdamW (any case): megapar's AdamW",
+    "optimizer.params.lr": "`--lr`",
+    "optimizer.params.betas": "`--adam-beta1`, `--adam-beta2`",
+    "optimizer.params.eps": "`--adam-eps`",
+    "optimizer.params.weight_decay": "`--weight-decay` (decoupled, as DeepSpeed's Adam unless adam_w_mode is false)",
+    "optimizer.params.adam_w_mode": "true: decoupled decay (megapar's AdamW); false with a weight decay: refused",
+    "optimizer.params.bias_correction": "true: as megapar's AdamW; false: refused",
+    "scheduler.type": "WarmupLR, WarmupDecayLR, WarmupCosineLR: `--lr-decay-style` constant, linear, cosine",
+    "scheduler.params.warmup_type": "`--lr-warmup-style` log (absent: DeepSpeed's log) or linear",
+    "scheduler.params.warmup_num_steps": "`--lr-warmup-iters` (absent: DeepSpeed's 1000; at least 2 with log)",
+    "scheduler.params.warmup_max_lr": "`--lr` (absent: DeepSpeed's 0.001)",
+    "scheduler.params.warmup_min_lr": "`--lr-warmup-init` (absent: DeepSpeed's 0); WarmupDecayLR: also `--min-lr`",
+    "scheduler.params.total_num_steps": "`--lr-decay-iters`",
+    "scheduler.params.cos_min_ratio": "`--min-lr` = ratio × `--lr` (absent: DeepSpeed's 0.0001)",
+    "scheduler.params.warmup_min_ratio": "`--lr-warmup-init` = ratio × `--lr` (absent: DeepSpeed's 0)",
+    "scheduler.params.last_batch_iteration": "-1 (others refused: megapar resumes the schedule from its checkpoint)",
+    "zero_optimization": "true: `--zero-stage 1`, false: `--zero-stage 0` (DeepSpeed's legacy boolean)",
+    "zero_optimization.stage": "`--zero-stage`",
+    "zero_optimization.offload_optimizer.device": "cpu / none: `--optimizer-cpu-offload` on / off (nvme refused)",
+    "zero_optimization.offload_optimizer.ratio": "1.0 (a partial offload is refused)",
+    "zero_optimization.offload_param.device": "cpu / none: `--param-cpu-offload` on / off (nvme refused)",
+    "zero_optimization.cpu_offload": "`--optimizer-cpu-offload` (DeepSpeed's older spelling)",
+    "zero_optimization.cpu_offload_param": "`--param-cpu-offload` (DeepSpeed's older spelling)",
+    "pipeline.stages": "`--pipeline-model-parallel-size` (\"auto\": the command line decides)",
+    "tensor_parallel.autotp_size": "`--tensor-model-parallel-size` (DeepSpeed's AutoTP)",
+    "sequence_parallel_size": "1 (DeepSpeed-Ulysses above 1 is refused: megapar's --sequence-parallel splits "
+                              "activations over tensor parallelism)",
+    "tensorboard.enabled": "`--tensorboard-dir output_path/job_name`",
+    "tensorboard.output_path": "(see enabled; absent: the working directory)",
+    "tensorboard.job_name": "(see enabled; absent: DeepSpeedJobName)",
+    "wandb.enabled": "`--wandb-project project`",
+    "wandb.project": "(see enabled; absent: deepspeed)",
+    "csv_monitor.enabled": "`--csv-log-dir output_path/job_name` (a CSV file per scalar, as DeepSpeed's)",
+    "csv_monitor.output_path": "(see enabled; absent: the working directory)",
+    "csv_monitor.job_name": "(see enabled; absent: DeepSpeedJobName)",
+    "flops_profiler.enabled": "`--profile` of one step (megapar logs TFLOP/s every `--log-interval` anyway)",
+    "flops_profiler.profile_step": "`--profile-step-start p --profile-step-end p+1` (absent: DeepSpeed's 1)",
+}
+
+# Absent keys that take DeepSpeed's default (fp16's only while fp16 is on): key path -> value.
+DEFAULTS: dict[str, Any] = {
+    "steps_per_print": 10,
+    "fp16.initial_scale_power": 16,
+    "fp16.loss_scale_window": 1000,
+    "fp16.hysteresis": 2,
+    "fp16.min_loss_scale": 1.0,
+}
+
+# Accepted, not acted on: key path -> why (section.* : every key of the section).
+_OWN_COMMS = "megapar schedules its own gradient and parameter communication, per layer"
+_NVME = "an NVMe setting; megapar offloads to CPU memory only"
+_RECOMPUTE = ("--recompute-granularity / --checkpoint-activations switch recompute on, as Megatron-DeepSpeed's "
+              "flags do")
+_STAGE3 = "stage 3 gathers exactly one layer ahead and frees it after use"
+_SAVE = "checkpoints are megapar's own layout; tools/convert_to_hf.py writes full weights"
+NOTED: dict[str, str] = {
     "zero_allow_untested_optimizer": "megapar has one optimizer, AdamW",
+    "zero_force_ds_cpu_optimizer": "megapar steps offloaded optimizer state with its own CPU AdamW",
     "memory_breakdown": "megapar logs memory after its first iterations anyway",
+    "dump_state": "megapar prints its settings at start",
+    "elastic_checkpoint": "megapar's torch_dist checkpoints load at any data-parallel size",
+    "prescale_gradients": "megapar divides gradients by the data-parallel size before it reduces them",
+    "gradient_predivide_factor": "the reduced gradient is the same average however the division is split",
+    "disable_allgather": _OWN_COMMS,
+    "sparse_gradients": "megapar's embeddings have dense gradients",
+    "seq_parallel_communication_data_type": "sequence-parallel activations are communicated in the model's dtype",
+    "graph_harvesting": "megapar captures CUDA graphs with --enable-cuda-graph",
+    "dataloader_drop_last": "megapar's data loader reads whole global batches",
+    "comms_logger.*": "megapar times its communication with --timing-log-level 2",
+    "timers.*": "megapar logs throughput every --log-interval",
+    "checkpoint.*": "megapar's checkpoints load at any parallel layout and are checked on load",
+    "data_types.grad_accum_dtype": "megapar accumulates gradients in fp32",
+    "compile.*": "megapar uses torch.compile where --use-inductor asks for it",
     "optimizer.params.torch_adam": "--adam-impl chooses the AdamW implementation",
+    "optimizer.params.amsgrad": "false only: megapar's AdamW has no AMSGrad",
+    "fp16.fp16_master_weights_and_grads": "false only: megapar keeps fp32 masters and gradients",
+    "fp16.consecutive_hysteresis": "false only: megapar refills --hysteresis only when the scale grows",
+    "fp16.auto_cast": "false only: megapar keeps the whole model in fp16 with fp32 masters",
+    "bf16.immediate_grad_update": "megapar adds each microbatch's gradient to its fp32 buffer at once",
+    "activation_checkpointing.*": _RECOMPUTE,
+    "activation_checkpointing.partition_activations": "megapar's --sequence-parallel (tensor parallel > 1) splits "
+                                                      "the activations over the tensor-parallel ranks",
+    "activation_checkpointing.cpu_checkpointing": "megapar keeps recomputed layers' inputs on the GPU",
+    "tensorboard.*": "not used while tensorboard.enabled is false",
+    "wandb.*": "not used while wandb.enabled is false",
+    "wandb.group": "megapar has no W&B group flag: set WANDB_RUN_GROUP",
+    "wandb.team": "megapar has no W&B entity flag: set WANDB_ENTITY",
+    "csv_monitor.*": "not used while csv_monitor.enabled is false",
+    "flops_profiler.*": "megapar's --profile prints the top kernels and writes a Chrome trace instead",
+    "pipeline.*": "megapar splits layers evenly over --pipeline-model-parallel-size stages",
+    "tensor_parallel.*": "megapar's tensor parallelism is Megatron's, fixed by --tensor-model-parallel-size",
     "zero_optimization.overlap_comm": _OWN_COMMS,
-    "zero_optimization.contiguous_gradients": "megapar's gradients always live in contiguous fp32 buffers "
-                                              "(one flat buffer; per-layer buckets and one shard at stages 2-3)",
+    "zero_optimization.contiguous_gradients": "megapar's gradients always live in contiguous fp32 buffers",
     "zero_optimization.reduce_scatter": "megapar reduce-scatters gradients at --zero-stage >= 1, all-reduces at 0",
     "zero_optimization.reduce_bucket_size": _OWN_COMMS,
     "zero_optimization.allgather_partitions": "megapar all-gathers updated parameters at --zero-stage 1-2",
     "zero_optimization.allgather_bucket_size": _OWN_COMMS,
+    "zero_optimization.use_multi_rank_bucket_allreduce": _OWN_COMMS,
     "zero_optimization.round_robin_gradients": _OWN_COMMS,
+    "zero_optimization.load_from_fp32_weights": "megapar always restores the fp32 masters from its checkpoint",
+    "zero_optimization.elastic_checkpoint": "megapar's torch_dist checkpoints load at any data-parallel size",
+    "zero_optimization.legacy_stage1": "megapar has one stage-1 implementation",
     "zero_optimization.sub_group_size": "megapar steps each rank's whole optimizer shard at once",
-    "zero_optimization.stage3_prefetch_bucket_size": "stage 3 prefetches exactly the next layer",
-    "zero_optimization.stage3_max_live_parameters": "stage 3 holds at most two gathered layers",
-    "zero_optimization.stage3_max_reuse_distance": "stage 3 gathers each layer again for its backward",
-    "zero_optimization.stage3_param_persistence_threshold": "stage 3 shards every transformer layer's "
-                                                           "parameters and keeps the others whole",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "checkpoints are megapar's own layout; "
-                                                                   "tools/convert_to_hf.py writes full weights",
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "checkpoints are megapar's own layout; "
-                                                                  "tools/convert_to_hf.py writes full weights",
+    "zero_optimization.cpu_offload_use_pin_memory": "offloaded state is always in pinned CPU memory",
     "zero_optimization.ignore_unused_parameters": "every GPT-2 parameter gets a gradient",
+    "zero_optimization.memory_efficient_linear": _STAGE3,
+    "zero_optimization.override_module_apply": _STAGE3,
+    "zero_optimization.pipeline_loading_checkpoint": _STAGE3,
+    "zero_optimization.mics_shard_size": _OWN_COMMS,
+    "zero_optimization.mics_hierarchical_params_gather": _OWN_COMMS,
+    "zero_optimization.zero_hpz_partition_size": _OWN_COMMS,
+    "zero_optimization.zero_quantized_weights": "megapar communicates parameters in full precision",
+    "zero_optimization.zero_quantized_nontrainable_weights": "every GPT-2 parameter is trained",
+    "zero_optimization.zero_quantized_gradients": "--grad-reduce-dtype sets the gradients' communication dtype",
+    "zero_optimization.zeropp_loco_param": "megapar communicates parameters in full precision",
+    "zero_optimization.log_trace_cache_warnings": _STAGE3,
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": _SAVE,
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": _SAVE,
+    "zero_optimization.gather_16bit_weights_on_model_save": _SAVE,
+    **{f"zero_optimization.{p}{k}": _STAGE3 for p in ("", "stage3_") for k in (
+        "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
+        "max_reuse_distance", "module_granularity_threshold", "use_all_reduce_for_fetch_params")},
 }
-_OFFLOAD_NOT_ACTED_ON = {
-    "pin_memory": "offloaded masters and gradients are always in pinned CPU memory (the Adam moments, never "
-                  "copied, are not pinned)",
-    "buffer_count": "an NVMe setting; megapar offloads to CPU memory only",
-    "buffer_size": "an NVMe setting; megapar offloads to CPU memory only",
-    "max_in_cpu": "an NVMe setting; megapar offloads to CPU memory only",
-    "nvme_path": "megapar offloads to CPU memory only",
-    "fast_init": "an NVMe setting; megapar offloads to CPU memory only",
-}
-NOT_ACTED_ON.update({f"zero_optimization.{offload}.{k}": why for offload in ("offload_optimizer", "offload_param")
-                     for k, why in _OFFLOAD_NOT_ACTED_ON.items()})
+_OFFLOAD_NOTED = {"pin_memory": "offloaded state is always in pinned CPU memory", "buffer_count": _NVME,
+                  "buffer_size": _NVME, "max_in_cpu": _NVME, "nvme_path": _NVME, "fast_init": _NVME,
+                  "pipeline_read": _NVME, "pipeline_write": _NVME, "pipeline": _NVME}
+NOTED.update({f"zero_optimization.{o}.{k}": why for o in ("offload_optimizer", "offload_param")
+              for k, why in _OFFLOAD_NOTED.items()})
+# Values at which a "false only" key above asks for nothing.
+NOTED_ONLY_AT = {k: False for k, why in NOTED.items() if why.startswith("false only")}
 
-# What each section may hold (anything else is an unknown key).
-TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-            "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "bfloat16",
-            "optimizer", "scheduler", "zero_optimization", "zero_allow_untested_optimizer", "memory_breakdown"}
-FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
-             "consecutive_hysteresis", "auto_cast"}
-OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction"}
-ZERO_KEYS = {"stage", "offload_optimizer", "offload_param"} | {
-    k.split(".", 1)[1] for k in NOT_ACTED_ON if k.startswith("zero_optimization.") and k.count(".") == 1}
-OFFLOAD_KEYS = {"device", "ratio"} | set(_OFFLOAD_NOT_ACTED_ON)
+# Top-level sections DeepSpeed switches with `enabled` (absent: off), which megapar cannot honour
+# when on: name -> what to do instead. Off, every key of theirs is noted.
+SWITCHED: dict[str, str] = {
+    "amp": "use --bf16 or --fp16 (megapar's mixed precision)",
+    "curriculum_learning": "megapar trains at one --seq-length over shuffled data; drop the section",
+    "data_efficiency": "megapar trains at one --seq-length over shuffled data; drop the section",
+    "progressive_layer_drop": "megapar trains every layer every step; drop the section",
+    "eigenvalue": "megapar does not compute Hessian eigenvalues; drop the section",
+    "quantize_training": "megapar trains in bf16/fp16 with fp32 masters (fp8: --fp8-format); drop the section",
+    "sparse_attention": "megapar's attention is dense (--attention-backend); drop the section",
+    "elasticity": "give --global-batch-size and --micro-batch-size for the world size you launch",
+    "autotuning": "megapar-plan-layout suggests a layout; drop the section",
+    "hybrid_engine": "megapar trains only; drop the section",
+    "nebula": "megapar writes checkpoints to --save; drop the section",
+    "comet": "megapar logs to TensorBoard (tensorboard), W&B (wandb) or CSV (csv_monitor)",
+    "compression_training": "megapar does not compress models; drop the section",
+    "weight_quantization": "megapar trains unquantized weights; drop the section",
+    "moe": "megapar trains dense GPT-2 models; drop the section",
+}
+ON_WHEN_GIVEN = {"sparse_attention", "compression_training", "weight_quantization"}  # no `enabled`: on when given
+# Top-level keys DeepSpeed reads but ignores: name -> why (noted).
+IGNORED_BY_DEEPSPEED: dict[str, str] = {
+    "comms_config": "DeepSpeed ignores it",
+    "monitor_config": "DeepSpeed ignores it (it reads tensorboard, wandb and csv_monitor)",
+}
+
+OPTIMIZER_TYPES = {"adam", "adamw"}
+REFUSED_OPTIMIZERS = {  # lower-cased type -> why
+    "onebitadam": "1-bit Adam compresses its communication, which changes the update",
+    "zerooneadam": "0/1 Adam compresses its communication, which changes the update",
+    "onebitlamb": "1-bit LAMB is another optimizer",
+    "lamb": "LAMB is another optimizer",
+}
 SCHEDULERS = {  # type -> its params (DeepSpeed's defaults; None: required)
     "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log",
                  "last_batch_iteration": -1},
@@ -101,42 +249,89 @@ SCHEDULERS = {  # type -> its params (DeepSpeed's defaults; None: required)
                        "cos_min_ratio": 0.0001, "warmup_type": "log", "last_batch_iteration": -1},
 }
 DECAY_STYLE = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
-# Where an unknown key has a megapar flag, the error names it.
-HINTS = {"activation_checkpointing": "use --recompute-granularity full (or selective)",
-         "tensorboard": "use --tensorboard-dir", "flops_profiler": "use --profile",
-         "checkpoint": "use --save / --load", "amp": "use --bf16 or --fp16"}
+MONITOR_DEFAULTS = {"output_path": "", "job_name": "DeepSpeedJobName", "project": "deepspeed"}
+REDUCE_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+                 "bf16": "bf16", "bfloat16": "bf16"}
+
+# What each section may hold (anything else is an unknown key).
+FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+             "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"}
+OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad"}
+OFFLOAD_KEYS = {"device", "ratio"} | set(_OFFLOAD_NOTED)
+MONITOR_KEYS = {"tensorboard": {"enabled", "output_path", "job_name"},
+                "wandb": {"enabled", "group", "team", "project"},
+                "csv_monitor": {"enabled", "output_path", "job_name"}}
+ACTIVATION_KEYS = {"partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                   "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
+FLOPS_KEYS = {"enabled", "profile_step", "module_depth", "top_modules", "detailed", "output_file",
+              "recompute_fwd_factor"}
+
+
+def _section_keys(section: str) -> set[str]:
+    """The keys of `section` the tables name (one level down)."""
+    prefix = section + "."
+    return {k[len(prefix):].split(".")[0] for k in (*HONOURED, *NOTED) if k.startswith(prefix)} - {"*"}
+
+
+ZERO_KEYS = _section_keys("zero_optimization")
+TOP_KEYS = ({k.split(".")[0] for k in (*HONOURED, *NOTED)} | set(SWITCHED) | set(IGNORED_BY_DEEPSPEED)
+            | {"fp16", "bf16", "bfloat16", "optimizer", "scheduler", "aio"})
 
 
 @dataclass
 class DeepSpeedSettings:
     """What a DeepSpeed config set: flag values (dest -> value, with the key each came from), the
-    gradient accumulation steps (resolved at world size by `resolve_batch`) and the keys accepted
-    but not acted on."""
+    gradient accumulation steps (resolved at world size by `resolve_batch`), the keys accepted but
+    not acted on, the keys left "auto" (with the flags they would set) and the problems found."""
     path: str
     flags: dict[str, Any] = field(default_factory=dict)
     origin: dict[str, str] = field(default_factory=dict)       # dest -> key path
+    defaulted: set[str] = field(default_factory=set)           # dests set by DeepSpeed's default for an absent key
     gradient_accumulation_steps: Optional[int] = None
-    not_acted_on: list[str] = field(default_factory=list)      # key paths
+    noted: dict[str, str] = field(default_factory=dict)        # key path -> why
+    autos: dict[str, tuple[str, ...]] = field(default_factory=dict)   # key path -> the flags it leaves open
+    problems: list[str] = field(default_factory=list)
 
-    def set(self, key: str, dest: str, value: Any) -> None:
-        """Set flag `dest` from `key`; two keys that set one flag must agree."""
+    def set(self, key: str, dest: str, value: Any, default: bool = False) -> None:
+        """Set flag `dest` from `key` (`default`: DeepSpeed's default for an absent key); two keys
+        that set one flag must agree."""
         if dest in self.flags and not _same(self.flags[dest], value):
-            _fail(f"{self.path}: {self.origin[dest]} (= {_as_flag(dest, self.flags[dest])}) and {key} "
-                  f"(= {_as_flag(dest, value)}) differ; make them equal or drop one")
-        self.flags[dest] = value
-        self.origin.setdefault(dest, key)
+            self.problem(f"{self.origin[dest]} (= {_as_flag(dest, self.flags[dest])}) and {key} "
+                         f"(= {_as_flag(dest, value)}) differ; make them equal or drop one")
+            return
+        if dest not in self.flags:
+            self.flags[dest], self.origin[dest] = value, key
+            if default:
+                self.defaulted.add(dest)
 
-    def summary(self) -> list[str]:
-        """The lines rank 0 prints at start: the flags set, and what was accepted but not acted on."""
-        shown = [_as_flag(d, v) for d, v in self.flags.items()]
+    def note(self, key: str, why: str) -> None:
+        self.noted.setdefault(key, why)
+
+    def problem(self, message: str) -> None:
+        if message not in self.problems:  # a key read by two sections is reported once
+            self.problems.append(message)
+
+    def check(self) -> None:
+        """One ConfigError naming every problem found, if any."""
+        if self.problems:
+            _fail(f"{self.path}: " + "; ".join(self.problems))
+
+    def summary(self, cfg=None) -> list[str]:
+        """The lines rank 0 prints at start: the flags set, what each "auto" became (from `cfg`,
+        the resolved Config) and, on one line, the keys accepted but not acted on."""
+        shown = [_as_flag(d, v) + (" (DeepSpeed's default)" if d in self.defaulted else "")
+                 for d, v in self.flags.items()]
         line = f"> --deepspeed-config {self.path} set: {', '.join(shown) or 'nothing'}"
         if self.gradient_accumulation_steps is not None:
             line += f" (gradient_accumulation_steps {self.gradient_accumulation_steps})"
         lines = [line]
-        if self.not_acted_on:
+        if self.autos and cfg is not None:
+            lines.append(f"> --deepspeed-config {self.path} \"auto\": " + ", ".join(
+                f"{key} -> {_resolved(key, dests, cfg)}" for key, dests in self.autos.items()))
+        if self.noted:
             by_reason: dict[str, list[str]] = {}
-            for k in self.not_acted_on:
-                by_reason.setdefault(NOT_ACTED_ON[k], []).append(k)
+            for k, why in self.noted.items():
+                by_reason.setdefault(why, []).append(k)
             why = "; ".join(f"{', '.join(keys)} ({reason})" for reason, keys in by_reason.items())
             lines.append(f"> --deepspeed-config {self.path}: accepted, not acted on: {why}")
         return lines
@@ -146,6 +341,18 @@ class DeepSpeedSettings:
         keys = [key for dest, key in self.origin.items()
                 if re.search(re.escape(f"--{dest.replace('_', '-')}") + r"(?![\w-])", message)]
         return f"{message} (set by {', '.join(keys)} in {self.path})" if keys else message
+
+
+def _resolved(key: str, dests: tuple[str, ...], cfg) -> str:
+    """What an "auto" key became in the resolved Config `cfg`."""
+    if key == "gradient_accumulation_steps":
+        return str(cfg.num_microbatches)
+    if not dests:
+        return "not acted on"
+    ns = vars(cfg.namespace())
+    if dests == ("lr_decay_iters",) and ns["lr_decay_iters"] is None:
+        return "no --lr-decay-iters (the decay ends with the run)"
+    return ", ".join(_as_flag(d, ns[d]) for d in dests)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -200,29 +407,52 @@ def load_json(path: str) -> dict[str, Any]:
 
 
 # ---- typed access with key paths ------------------------------------------------------------------
-def _section(path: str, parent: dict, name: str, prefix: str, allowed: set[str]) -> dict[str, Any]:
-    """The object under `name` ({} when absent or null), after refusing keys not in `allowed`."""
+def _unknown(s: DeepSpeedSettings, key: str, name: str, allowed: set[str]) -> None:
+    """Refuse the unknown key `key` (its last part `name`), naming a near miss among `allowed`."""
+    near = difflib.get_close_matches(name, sorted(allowed), n=1, cutoff=0.75)
+    hint = (f"did you mean {key[: -len(name)]}{near[0]}?" if near else
+            f"remove it ({GUIDE} lists the keys megapar reads)")
+    s.problem(f"unknown key {key}: {hint}")
+
+
+def _section(s: DeepSpeedSettings, parent: dict, name: str, prefix: str, allowed: set[str],
+             note: bool = True) -> dict[str, Any]:
+    """The object under `name` ({} when absent, null or not an object), after refusing keys not in
+    `allowed` and (`note`) noting those NOTED lists."""
     key = f"{prefix}{name}"
     sec = parent.get(name)
     if sec is None:
         return {}
     if not isinstance(sec, dict):
-        _fail(f"{path}: {key} must be a JSON object, not {json.dumps(sec)}; see docs/guide.md (Coming from DeepSpeed)")
-    _check_keys(path, sec, key + ".", allowed)
+        s.problem(f"{key} must be a JSON object, not {json.dumps(sec)}")
+        return {}
+    for k, v in sec.items():
+        if k not in allowed:
+            _unknown(s, f"{key}.{k}", k, allowed)
+        elif note and not isinstance(v, dict):
+            _note_if_listed(s, f"{key}.{k}", v)
     return sec
 
 
-def _check_keys(path: str, obj: dict, prefix: str, allowed: set[str]) -> None:
-    for k in obj:
-        if k not in allowed:
-            hint = HINTS.get(f"{prefix}{k}", "remove it; docs/guide.md (Coming from DeepSpeed) lists the keys "
-                                             "megapar reads")
-            _fail(f"{path}: unknown key {prefix}{k}: megapar does not read it; {hint}")
+def _note_if_listed(s: DeepSpeedSettings, key: str, value: Any) -> None:
+    """Note `key` if NOTED lists it (or its section with `.*`); a "false only" key set to another
+    value is refused."""
+    why = NOTED.get(key) or NOTED.get(key.rsplit(".", 1)[0] + ".*")
+    if why is None:
+        return
+    if key in NOTED_ONLY_AT and value not in (NOTED_ONLY_AT[key], None, AUTO):
+        s.problem(f"{key}: {json.dumps(value)} is not supported ({why.split(': ', 1)[1]}); set it to "
+                  f"{json.dumps(NOTED_ONLY_AT[key])} or drop it")
+        return
+    s.note(key, why)
 
 
-def _value(path: str, obj: dict, name: str, prefix: str, kind: type) -> Any:
-    """obj[name] checked to be of `kind`; None when absent or "auto"."""
+def _value(s: DeepSpeedSettings, obj: dict, name: str, prefix: str, kind: type, dests: tuple[str, ...] = ()) -> Any:
+    """obj[name] checked to be of `kind`; None when absent, "auto" (recorded with the flags `dests`
+    it leaves open) or of the wrong type (a problem)."""
     v = obj.get(name)
+    if v == AUTO:
+        s.autos[prefix + name] = dests
     if v is None or v == AUTO:
         return None
     ok = (isinstance(v, bool) if kind is bool else
@@ -232,65 +462,97 @@ def _value(path: str, obj: dict, name: str, prefix: str, kind: type) -> Any:
         v, ok = int(v), True
     if not ok:
         want = {bool: "true or false", float: "a number", int: "an integer", str: "a string"}.get(kind, str(kind))
-        _fail(f"{path}: {prefix}{name} {json.dumps(v)} must be {want} (or \"auto\")")
+        s.problem(f"{prefix}{name} {json.dumps(v)} must be {want} (or \"auto\")")
+        return None
     return float(v) if kind is float else v
 
 
-def _refuse(path: str, key: str, value: Any, why: str, fix: str) -> None:
-    _fail(f"{path}: {key}: {json.dumps(value)} {why}; {fix}")
+def _refuse(s: DeepSpeedSettings, key: str, value: Any, why: str, fix: str) -> None:
+    s.problem(f"{key}: {json.dumps(value)} {why}; {fix}")
 
 
 # ---- the sections ---------------------------------------------------------------------------------
 def _simple(s: DeepSpeedSettings, raw: dict) -> None:
-    """The KEY_TO_FLAG keys: one flag each."""
+    """The KEY_TO_FLAG keys: one flag each; absent ones with DeepSpeed's default (DEFAULTS)."""
+    fp16_on = _fp16_on(raw)
     for key, (dest, kind) in KEY_TO_FLAG.items():
         *parents, name = key.split(".")
         obj = raw
         for p in parents:
             obj = obj.get(p) if isinstance(obj.get(p), dict) else {}
-        if key.startswith("fp16.") and obj.get("enabled") is False:
+        if key.startswith("fp16.") and not fp16_on:
             continue  # DeepSpeed ignores the loss-scaler settings when fp16 is off
-        v = _value(s.path, obj, name, key[: -len(name)], kind)
+        v = _value(s, obj, name, key[: -len(name)], kind, (dest,))
         if v is not None:
             s.set(key, dest, v)
+        elif name not in obj and key in DEFAULTS:
+            s.set(f"{key} (absent: DeepSpeed's default)", dest, kind(DEFAULTS[key]), default=True)
+
+
+def _fp16_on(raw: dict) -> bool:
+    """Whether DeepSpeed's fp16 may be on: `fp16.enabled` true or "auto" (absent: off)."""
+    return isinstance(raw.get("fp16"), dict) and raw["fp16"].get("enabled") in (True, AUTO)
 
 
 def _top(s: DeepSpeedSettings, raw: dict) -> None:
-    _check_keys(s.path, raw, "", TOP_KEYS)
-    gas = _value(s.path, raw, "gradient_accumulation_steps", "", int)
+    """Unknown top-level keys (noted, as DeepSpeed ignores them, unless a near miss), the batch
+    triple's third key, wall_clock_breakdown, communication_data_type and the noted top-level keys."""
+    for k, v in raw.items():
+        if k in IGNORED_BY_DEEPSPEED:
+            s.note(k, IGNORED_BY_DEEPSPEED[k])
+        elif k not in TOP_KEYS:
+            if difflib.get_close_matches(k, sorted(TOP_KEYS), n=1, cutoff=0.75):
+                _unknown(s, k, k, TOP_KEYS)
+            else:
+                s.note(k, "DeepSpeed ignores top-level keys it does not know")
+        elif not isinstance(v, dict):
+            _note_if_listed(s, k, v)
+    gas = _value(s, raw, "gradient_accumulation_steps", "", int)
     if gas is not None and gas < 1:
-        _fail(f"{s.path}: gradient_accumulation_steps {gas} must be >= 1")
+        s.problem(f"gradient_accumulation_steps {gas} must be >= 1")
+        gas = None
     s.gradient_accumulation_steps = gas
-    if _value(s.path, raw, "wall_clock_breakdown", "", bool):
+    if _value(s, raw, "wall_clock_breakdown", "", bool):
         s.set("wall_clock_breakdown", "timing_log_level", 1)
-    s.not_acted_on += [k for k in ("zero_allow_untested_optimizer", "memory_breakdown") if k in raw]
+    dtype = _value(s, raw, "communication_data_type", "", str, ("grad_reduce_dtype",))
+    if dtype is not None:
+        if dtype.lower() not in REDUCE_DTYPES:
+            _refuse(s, "communication_data_type", dtype, "is not a dtype megapar reduces gradients in",
+                    'use "fp32", "bf16" or "fp16"')
+        else:
+            s.set("communication_data_type", "grad_reduce_dtype", REDUCE_DTYPES[dtype.lower()])
 
 
 def _precision(s: DeepSpeedSettings, raw: dict) -> None:
     """fp16 {enabled, loss_scale, initial_scale_power, ...}, bf16 / bfloat16 {enabled}."""
-    fp16 = _section(s.path, raw, "fp16", "", FP16_KEYS)
-    enabled = _value(s.path, fp16, "enabled", "fp16.", bool)
+    on = _fp16_on(raw)
+    fp16 = _section(s, raw, "fp16", "", FP16_KEYS, note=on)
+    enabled = _value(s, fp16, "enabled", "fp16.", bool, ("fp16",))
     if enabled is not None:
         s.set("fp16.enabled", "fp16", enabled)
-    if enabled is not False:
-        scale = _value(s.path, fp16, "loss_scale", "fp16.", float)
+    if on:  # DeepSpeed's fp16 is off unless enabled
+        scale = _value(s, fp16, "loss_scale", "fp16.", float, ("loss_scale",))
         if scale is not None and scale < 0:
-            _refuse(s.path, "fp16.loss_scale", scale, "is negative", "use 0 (dynamic) or a positive static scale")
-        if scale is not None:  # 0: dynamic loss scaling (no --loss-scale)
+            _refuse(s, "fp16.loss_scale", scale, "is negative", "use 0 (dynamic) or a positive static scale")
+        elif scale is not None:  # 0: dynamic loss scaling (no --loss-scale)
             s.set("fp16.loss_scale", "loss_scale", scale or None)
-        power = _value(s.path, fp16, "initial_scale_power", "fp16.", int)
-        if power is not None:
-            if not 0 <= power <= 64:
-                _refuse(s.path, "fp16.initial_scale_power", power, "is out of range", "use 0 to 64 (scale 2^p)")
-            s.set("fp16.initial_scale_power", "initial_loss_scale", float(2 ** power))
-        for name, why in (("consecutive_hysteresis", "megapar refills --hysteresis only when the scale grows"),
-                          ("auto_cast", "megapar keeps the whole model in fp16 with fp32 masters")):
-            if _value(s.path, fp16, name, "fp16.", bool):
-                _refuse(s.path, f"fp16.{name}", True, f"is not supported ({why})", "set it to false")
+        power = _value(s, fp16, "initial_scale_power", "fp16.", int, ("initial_loss_scale",))
+        if "initial_scale_power" not in fp16:
+            power, key, default = DEFAULTS["fp16.initial_scale_power"], "fp16.initial_scale_power (absent: " \
+                                                                         "DeepSpeed's default)", True
+        else:
+            key, default = "fp16.initial_scale_power", False
+        if power is not None and not 0 <= power <= 64:
+            _refuse(s, "fp16.initial_scale_power", power, "is out of range", "use 0 to 64 (scale 2^p)")
+        elif power is not None:
+            s.set(key, "initial_loss_scale", float(2 ** power), default=default)
+    elif fp16:
+        s.note("fp16.*", "not used while fp16.enabled is false (DeepSpeed's default)")
     if "bf16" in raw and "bfloat16" in raw:
-        _fail(f"{s.path}: bf16 and bfloat16 are the same section, given twice; keep one")
+        s.problem("bf16 and bfloat16 are the same section, given twice; keep one")
     name = "bfloat16" if "bfloat16" in raw else "bf16"
-    bf16 = _value(s.path, _section(s.path, raw, name, "", {"enabled"}), "enabled", f"{name}.", bool)
+    bf16 = _value(s, _section(s, raw, name, "", {"enabled", "immediate_grad_update"}), "enabled", f"{name}.", bool,
+                  ("bf16",))
     if bf16 is not None:
         s.set(f"{name}.enabled", "bf16", bf16)
 
@@ -298,135 +560,230 @@ def _precision(s: DeepSpeedSettings, raw: dict) -> None:
 def _optimizer(s: DeepSpeedSettings, raw: dict) -> None:
     """optimizer {type Adam | AdamW, params {lr, betas, eps, weight_decay, adam_w_mode, ...}}.
     DeepSpeed's Adam decouples weight decay by default (adam_w_mode true): that is megapar's AdamW."""
-    opt = _section(s.path, raw, "optimizer", "", {"type", "params"})
-    kind = _value(s.path, opt, "type", "optimizer.", str)
-    if kind is not None and kind.lower() not in ("adam", "adamw"):
-        _refuse(s.path, "optimizer.type", kind, "is not supported (megapar trains with AdamW)",
+    opt = _section(s, raw, "optimizer", "", {"type", "params"})
+    kind = _value(s, opt, "type", "optimizer.", str)
+    if kind is not None and kind.lower() not in OPTIMIZER_TYPES:
+        why = REFUSED_OPTIMIZERS.get(kind.lower(), "is another optimizer")
+        _refuse(s, "optimizer.type", kind, f"is not supported ({why}; megapar trains with AdamW)",
                 'use "AdamW" (or "Adam")')
-    params = _section(s.path, opt, "params", "optimizer.", OPTIMIZER_PARAMS)
+    params = _section(s, opt, "params", "optimizer.", OPTIMIZER_PARAMS)
     betas = params.get("betas")
-    if betas is not None and betas != AUTO:
+    if betas == AUTO:
+        s.autos["optimizer.params.betas"] = ("adam_beta1", "adam_beta2")
+    elif betas is not None:
         if not (isinstance(betas, list) and len(betas) == 2 and all(
                 isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
-            _refuse(s.path, "optimizer.params.betas", betas, "is not a pair of numbers", "use e.g. [0.9, 0.999]")
-        s.set("optimizer.params.betas", "adam_beta1", float(betas[0]))
-        s.set("optimizer.params.betas", "adam_beta2", float(betas[1]))
-    decoupled = _value(s.path, params, "adam_w_mode", "optimizer.params.", bool)
-    decay = _value(s.path, params, "weight_decay", "optimizer.params.", float)
+            _refuse(s, "optimizer.params.betas", betas, "is not a pair of numbers", "use e.g. [0.9, 0.999]")
+        else:
+            s.set("optimizer.params.betas", "adam_beta1", float(betas[0]))
+            s.set("optimizer.params.betas", "adam_beta2", float(betas[1]))
+    decoupled = _value(s, params, "adam_w_mode", "optimizer.params.", bool)
+    decay = _value(s, params, "weight_decay", "optimizer.params.", float)
     if decoupled is False and (kind or "").lower() == "adam" and decay:
-        _refuse(s.path, "optimizer.params.adam_w_mode", False, "asks for L2 weight decay added to the gradient, "
+        _refuse(s, "optimizer.params.adam_w_mode", False, "asks for L2 weight decay added to the gradient, "
                 "which megapar's AdamW does not do", "set it to true (decoupled decay) or weight_decay to 0")
-    if _value(s.path, params, "bias_correction", "optimizer.params.", bool) is False:
-        _refuse(s.path, "optimizer.params.bias_correction", False, "is not supported (megapar's AdamW always "
+    if _value(s, params, "bias_correction", "optimizer.params.", bool) is False:
+        _refuse(s, "optimizer.params.bias_correction", False, "is not supported (megapar's AdamW always "
                 "corrects the moments' bias)", "set it to true or drop it")
-    s.not_acted_on += ["optimizer.params.torch_adam"] if "torch_adam" in params else []
 
 
 def _scheduler(s: DeepSpeedSettings, raw: dict, cli: dict[str, Any]) -> None:
-    """scheduler {type WarmupLR | WarmupDecayLR | WarmupCosineLR, params}: megapar's schedule is a
-    linear warmup from 0, then constant / linear / cosine decay to --min-lr at --lr-decay-iters."""
-    sched = _section(s.path, raw, "scheduler", "", {"type", "params"})
+    """scheduler {type WarmupLR | WarmupDecayLR | WarmupCosineLR, params}: a log or linear warmup
+    from 0 to --lr, then constant / linear / cosine decay to --min-lr at --lr-decay-iters."""
+    sched = _section(s, raw, "scheduler", "", {"type", "params"})
     if not sched:
         return
-    kind = _value(s.path, sched, "type", "scheduler.", str)
+    kind = _value(s, sched, "type", "scheduler.", str)
     if kind not in SCHEDULERS:
-        _refuse(s.path, "scheduler.type", sched.get("type"), "is not a schedule megapar can run",
+        _refuse(s, "scheduler.type", sched.get("type"), "is not a schedule megapar can run",
                 f"use one of {', '.join(SCHEDULERS)}")
+        return
     defaults = SCHEDULERS[kind]
-    given = _section(s.path, sched, "params", "scheduler.", set(defaults))
+    given = _section(s, sched, "params", "scheduler.", set(defaults))
     params = {k: given.get(k, d) for k, d in defaults.items()}
     key = "scheduler.params."
     source = {k: key + k + ("" if k in given else " (absent: DeepSpeed's default)") for k in defaults}
-    if params["warmup_type"] not in ("linear", AUTO):
-        absent = "(DeepSpeed's default when absent) " if "warmup_type" not in given else ""
-        _refuse(s.path, key + "warmup_type", params["warmup_type"],
-                f"{absent}is not supported: megapar warms up linearly", 'set "warmup_type": "linear"')
-    if params["last_batch_iteration"] not in (-1, AUTO):
-        _refuse(s.path, key + "last_batch_iteration", params["last_batch_iteration"], "is not supported "
-                "(megapar resumes the schedule from its checkpoint)", "use -1 or drop it")
+    absent = {k for k in defaults if k not in given}
     s.set("scheduler.type", "lr_decay_style", DECAY_STYLE[kind])
-    steps = _value(s.path, params, "warmup_num_steps", key, int)
+    style = _value(s, params, "warmup_type", key, str, ("lr_warmup_style",))
+    if style is not None and style not in ("log", "linear"):
+        _refuse(s, key + "warmup_type", style, "is not a warmup DeepSpeed knows", 'use "log" or "linear"')
+    elif style is not None:
+        s.set(source["warmup_type"], "lr_warmup_style", style, default="warmup_type" in absent)
+    if params["last_batch_iteration"] not in (-1, AUTO):
+        _refuse(s, key + "last_batch_iteration", params["last_batch_iteration"], "is not supported "
+                "(megapar resumes the schedule from its checkpoint)", "use -1 or drop it")
+    steps = _value(s, params, "warmup_num_steps", key, int, ("lr_warmup_iters",))
     if steps is not None:
-        s.set(source["warmup_num_steps"], "lr_warmup_iters", steps)
+        if style == "log" and steps < 2:  # DeepSpeed warms up over at least 2 steps
+            steps = 2
+        s.set(source["warmup_num_steps"], "lr_warmup_iters", steps, default="warmup_num_steps" in absent)
     if "total_num_steps" in params:
         if params["total_num_steps"] is None:
-            _fail(f"{s.path}: {kind} needs {key}total_num_steps; set it, or \"auto\" for --lr-decay-iters "
-                  f"(default --train-iters)")
-        total = _value(s.path, params, "total_num_steps", key, int)
+            s.problem(f"{kind} needs {key}total_num_steps; set it, or \"auto\" for --lr-decay-iters "
+                      f"(default --train-iters)")
+        total = _value(s, params, "total_num_steps", key, int, ("lr_decay_iters",))
         if total is not None:
             s.set(key + "total_num_steps", "lr_decay_iters", total)
     if kind == "WarmupCosineLR":
-        _cosine(s, params, source, cli)
+        _cosine(s, params, source, absent, cli)
     else:
-        _warmup_lr_range(s, params, source, decays=kind == "WarmupDecayLR")
+        _warmup_lr_range(s, params, source, absent, decays=kind == "WarmupDecayLR")
 
 
-def _warmup_starts_at_zero(s: DeepSpeedSettings, params: dict, name: str) -> None:
-    """warmup_min_lr / warmup_min_ratio other than 0 cannot be honoured: megapar warms up from LR 0."""
+def _warmup_lr_range(s: DeepSpeedSettings, params: dict, source: dict[str, str], absent: set[str],
+                     decays: bool) -> None:
+    """WarmupLR / WarmupDecayLR: from warmup_min_lr (--lr-warmup-init) up to warmup_max_lr (--lr);
+    the decay goes back to warmup_min_lr (--min-lr)."""
     key = "scheduler.params."
-    low = _value(s.path, params, name, key, float)
-    if low:
-        _refuse(s.path, key + name, low, "is not supported: megapar's warmup starts at LR 0",
-                "use 0 (the nearest supported value)")
-
-
-def _warmup_lr_range(s: DeepSpeedSettings, params: dict, source: dict[str, str], decays: bool) -> None:
-    """WarmupLR / WarmupDecayLR: from warmup_min_lr (must be 0) up to warmup_max_lr (= --lr); the
-    decay goes back to warmup_min_lr, i.e. --min-lr 0."""
-    key = "scheduler.params."
-    _warmup_starts_at_zero(s, params, "warmup_min_lr")
-    high = _value(s.path, params, "warmup_max_lr", key, float)
+    low = _value(s, params, "warmup_min_lr", key, float, ("lr_warmup_init", "min_lr") if decays else
+                 ("lr_warmup_init",))
+    if low is not None:
+        s.set(source["warmup_min_lr"], "lr_warmup_init", low, default="warmup_min_lr" in absent)
+        if decays:
+            s.set(source["warmup_min_lr"], "min_lr", low, default="warmup_min_lr" in absent)
+    high = _value(s, params, "warmup_max_lr", key, float, ("lr",))
     if high is not None:
-        s.set(source["warmup_max_lr"], "lr", high)
-    if decays:
-        s.set(key + "warmup_min_lr", "min_lr", 0.0)
+        s.set(source["warmup_max_lr"], "lr", high, default="warmup_max_lr" in absent)
 
 
-def _cosine(s: DeepSpeedSettings, params: dict, source: dict[str, str], cli: dict[str, Any]) -> None:
-    """WarmupCosineLR: ratios of the optimizer's lr; --min-lr = cos_min_ratio x --lr."""
+def _cosine(s: DeepSpeedSettings, params: dict, source: dict[str, str], absent: set[str],
+            cli: dict[str, Any]) -> None:
+    """WarmupCosineLR: ratios of the optimizer's lr: --lr-warmup-init = warmup_min_ratio x --lr,
+    --min-lr = cos_min_ratio x --lr."""
     from .arguments import default_of
 
     key = "scheduler.params."
-    _warmup_starts_at_zero(s, params, "warmup_min_ratio")
-    ratio = _value(s.path, params, "cos_min_ratio", key, float)
-    if ratio is not None:
-        if not 0 <= ratio <= 1:
-            _refuse(s.path, key + "cos_min_ratio", ratio, "is out of range", "use a ratio in [0, 1]")
-        lr = s.flags.get("lr", cli.get("lr", default_of("lr")))
-        s.set(source["cos_min_ratio"], "min_lr", ratio * lr)
+    lr = s.flags.get("lr", cli.get("lr", default_of("lr")))
+    for name, dest in (("warmup_min_ratio", "lr_warmup_init"), ("cos_min_ratio", "min_lr")):
+        ratio = _value(s, params, name, key, float, (dest,))
+        if ratio is not None and not 0 <= ratio <= 1:
+            _refuse(s, key + name, ratio, "is out of range", "use a ratio in [0, 1]")
+        elif ratio is not None:
+            s.set(source[name], dest, ratio * lr, default=name in absent)
 
 
 def _offload(s: DeepSpeedSettings, zero: dict, name: str, dest: str) -> None:
     """zero_optimization.offload_optimizer / offload_param {device cpu | none, ...}."""
     key = f"zero_optimization.{name}"
-    sec = _section(s.path, zero, name, "zero_optimization.", OFFLOAD_KEYS)
-    device = _value(s.path, sec, "device", key + ".", str)
+    sec = _section(s, zero, name, "zero_optimization.", OFFLOAD_KEYS)
+    device = _value(s, sec, "device", key + ".", str)
     if device == "nvme":
-        _refuse(s.path, key + ".device", device, "is not supported (megapar offloads to CPU memory only)",
+        _refuse(s, key + ".device", device, "is not supported (megapar offloads to CPU memory only)",
                 'use "cpu" (or "none")')
-    if device not in (None, "cpu", "none"):
-        _refuse(s.path, key + ".device", device, "is not a device", 'use "cpu" or "none"')
-    if device is not None:
+    elif device not in (None, "cpu", "none"):
+        _refuse(s, key + ".device", device, "is not a device", 'use "cpu" or "none"')
+    elif device is not None:
         s.set(key + ".device", dest, device == "cpu")
-    ratio = _value(s.path, sec, "ratio", key + ".", float)
+    ratio = _value(s, sec, "ratio", key + ".", float)
     if ratio is not None and ratio != 1.0:
-        _refuse(s.path, key + ".ratio", ratio, "is not supported (megapar offloads all of the optimizer state)",
+        _refuse(s, key + ".ratio", ratio, "is not supported (megapar offloads all of the optimizer state)",
                 "use 1.0 or drop it")
-    s.not_acted_on += [f"{key}.{k}" for k in sec if f"{key}.{k}" in NOT_ACTED_ON]
 
 
 def _zero(s: DeepSpeedSettings, raw: dict) -> None:
-    zero = _section(s.path, raw, "zero_optimization", "", ZERO_KEYS)
-    stage = _value(s.path, zero, "stage", "zero_optimization.", int)
+    """zero_optimization {stage, offload_*, ...}, or DeepSpeed's legacy boolean (true: stage 1)."""
+    if isinstance(raw.get("zero_optimization"), bool):
+        s.set("zero_optimization", "zero_stage", int(raw["zero_optimization"]))
+        return
+    zero = _section(s, raw, "zero_optimization", "", ZERO_KEYS)
+    stage = _value(s, zero, "stage", "zero_optimization.", int, ("zero_stage",))
     if stage is not None and stage not in (0, 1, 2, 3):
-        _refuse(s.path, "zero_optimization.stage", stage, "is not a ZeRO stage", "use 0, 1, 2 or 3")
+        _refuse(s, "zero_optimization.stage", stage, "is not a ZeRO stage", "use 0, 1, 2 or 3")
+    elif stage is not None:
+        s.set("zero_optimization.stage", "zero_stage", stage)
     _offload(s, zero, "offload_optimizer", "optimizer_cpu_offload")
     _offload(s, zero, "offload_param", "param_cpu_offload")
-    s.not_acted_on += [f"zero_optimization.{k}" for k in zero if f"zero_optimization.{k}" in NOT_ACTED_ON]
+    for old, dest in (("cpu_offload", "optimizer_cpu_offload"), ("cpu_offload_param", "param_cpu_offload")):
+        on = _value(s, zero, old, "zero_optimization.", bool)
+        if on is not None:
+            s.set(f"zero_optimization.{old}", dest, on)
 
 
-def read(path: str, cli: dict[str, Any]) -> DeepSpeedSettings:
-    """The settings of the config at `path` (`cli`: the command line's flags, for ratios of --lr)."""
+def _monitors(s: DeepSpeedSettings, raw: dict) -> None:
+    """tensorboard / csv_monitor {enabled, output_path, job_name}: output_path/job_name, as DeepSpeed
+    writes there; wandb {enabled, project, group, team}."""
+    for name, dest in (("tensorboard", "tensorboard_dir"), ("csv_monitor", "csv_log_dir"), ("wandb", "wandb_project")):
+        sec = _section(s, raw, name, "", MONITOR_KEYS[name])
+        if not _value(s, sec, "enabled", f"{name}.", bool):
+            continue
+        used = ("project",) if name == "wandb" else ("output_path", "job_name")
+        values = [_value(s, sec, k, f"{name}.", str) or MONITOR_DEFAULTS[k] for k in used]
+        s.set(f"{name}.enabled", dest, values[0] if name == "wandb" else os.path.join(*values))
+        for k in ("enabled", *used):
+            s.noted.pop(f"{name}.{k}", None)
+
+
+def _flops_profiler(s: DeepSpeedSettings, raw: dict) -> None:
+    """flops_profiler {enabled, profile_step, ...}: --profile of that one step."""
+    sec = _section(s, raw, "flops_profiler", "", FLOPS_KEYS)
+    if _value(s, sec, "enabled", "flops_profiler.", bool):
+        step = _value(s, sec, "profile_step", "flops_profiler.", int)
+        step = 1 if step is None else step
+        s.set("flops_profiler.enabled", "profile", True)
+        s.set("flops_profiler.profile_step", "profile_step_start", step)
+        s.set("flops_profiler.profile_step", "profile_step_end", step + 1)
+        for k in ("enabled", "profile_step"):
+            s.noted.pop(f"flops_profiler.{k}", None)
+
+
+def _layout(s: DeepSpeedSettings, raw: dict) -> None:
+    """tensor_parallel {autotp_size}: --tensor-model-parallel-size; sequence_parallel_size (Ulysses):
+    1 only; pipeline {stages, ...}: stages is --pipeline-model-parallel-size; the rest noted."""
+    tp = _section(s, raw, "tensor_parallel", "", {"autotp_size", "tp_overlap_comm", "partition_config"})
+    size = _value(s, tp, "autotp_size", "tensor_parallel.", int, ("tensor_model_parallel_size",))
+    if size is not None:
+        s.noted.pop("tensor_parallel.autotp_size", None)
+        s.set("tensor_parallel.autotp_size", "tensor_model_parallel_size", size)
+    ulysses = _value(s, raw, "sequence_parallel_size", "", int)
+    if ulysses is not None and ulysses != 1:
+        _refuse(s, "sequence_parallel_size", ulysses, "is not supported (megapar has no DeepSpeed-Ulysses sequence "
+                "parallelism)", "use 1; --tensor-model-parallel-size with --sequence-parallel splits long sequences' "
+                "activations instead")
+    elif ulysses == 1:
+        s.note("sequence_parallel_size", "1: no sequence parallelism asked for")
+    sec = _section(s, raw, "pipeline", "", {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
+                                            "pipe_partitioned", "grad_partitioned", "use_reentrant"})
+    stages = _value(s, sec, "stages", "pipeline.", int, ("pipeline_model_parallel_size",))
+    if stages is not None:
+        s.noted.pop("pipeline.stages", None)
+        s.set("pipeline.stages", "pipeline_model_parallel_size", stages)
+
+
+def _noted_sections(s: DeepSpeedSettings, raw: dict) -> None:
+    """Sections whose every key is noted (activation_checkpointing, ...), data_types, and the
+    SWITCHED sections: noted while off, refused when on; aio only while empty (no NVMe offload)."""
+    _section(s, raw, "activation_checkpointing", "", ACTIVATION_KEYS)
+    for name in ("comms_logger", "timers", "checkpoint", "compile"):
+        sec = raw.get(name)
+        if isinstance(sec, dict):
+            for k in sec:
+                s.note(f"{name}.{k}", NOTED[f"{name}.*"])
+        elif sec is not None:
+            s.problem(f"{name} must be a JSON object, not {json.dumps(sec)}")
+    _section(s, raw, "data_types", "", {"grad_accum_dtype"})
+    for name, fix in SWITCHED.items():
+        sec = raw.get(name)
+        if sec is None:
+            continue
+        if not isinstance(sec, dict):
+            s.problem(f"{name} must be a JSON object, not {json.dumps(sec)}")
+        elif name in ON_WHEN_GIVEN and sec:
+            s.problem(f"{name} is not supported; {fix}")
+        elif sec.get("enabled") in (True, AUTO):
+            s.problem(f"{name}.enabled: true is not supported; {fix}")
+        else:
+            for k in sec:
+                s.note(f"{name}.{k}", f"{name} is switched off")
+    aio = raw.get("aio")
+    if aio:
+        s.problem("aio tunes NVMe offload, which megapar does not have (it offloads to CPU memory); drop the "
+                  "aio section")
+
+
+def read(path: str, cli: dict[str, Any], strict: bool = True) -> DeepSpeedSettings:
+    """The settings of the config at `path` (`cli`: the command line's flags, for ratios of --lr).
+    `strict`: raise one ConfigError naming every problem; else leave them in `problems`."""
     raw = load_json(path)
     s = DeepSpeedSettings(path)
     _top(s, raw)
@@ -435,18 +792,31 @@ def read(path: str, cli: dict[str, Any]) -> DeepSpeedSettings:
     _zero(s, raw)
     _simple(s, raw)
     _scheduler(s, raw, cli)
+    _monitors(s, raw)
+    _flops_profiler(s, raw)
+    _layout(s, raw)
+    _noted_sections(s, raw)
+    if strict:
+        s.check()
     return s
 
 
-def apply(path: str, given: dict[str, Any]) -> DeepSpeedSettings:
+def apply(path: str, given: dict[str, Any], strict: bool = True) -> DeepSpeedSettings:
     """Merge the config at `path` into the command line's flags `given` (in place): a flag set on
-    both sides must agree. Returns the settings (kept for `resolve_batch` and the start-up lines)."""
-    s = read(path, given)
-    for dest, value in s.flags.items():
-        if dest in given and not _same(given[dest], value):
-            _fail(f"{_as_flag(dest, given[dest])} on the command line and {s.origin[dest]} in {path} "
-                  f"(= {_as_flag(dest, value)}) differ; drop one or make them equal")
-        given[dest] = value
+    both sides must agree, and a flag given on the command line wins over DeepSpeed's default for
+    an absent key. Returns the settings (kept for `resolve_batch` and the start-up lines)."""
+    s = read(path, given, strict=False)
+    for dest in list(s.flags):
+        value = s.flags[dest]
+        if dest in given and dest in s.defaulted:
+            del s.flags[dest], s.origin[dest]
+        elif dest in given and not _same(given[dest], value):
+            s.problem(f"{_as_flag(dest, given[dest])} on the command line and {s.origin[dest]} "
+                      f"(= {_as_flag(dest, value)}) differ; drop one or make them equal")
+        else:
+            given[dest] = value
+    if strict:
+        s.check()
     return s
 
 
@@ -470,3 +840,23 @@ def resolve_batch(s: DeepSpeedSettings, micro: Optional[int], global_batch: Opti
               f"{micro} x gradient_accumulation_steps {gas} x data-parallel size {dp} (= {micro * gas * dp}); "
               f"give two of the three (\"auto\" for the third)")
     return micro, micro * gas * dp
+
+
+# ---- the key table (docs/guide.md) -----------------------------------------------------------------
+def key_table() -> str:
+    """docs/guide.md's table of every key: honoured (what it becomes), noted (why), refused."""
+    rows = [f"| `{k}` | honoured | {v} |" for k, v in HONOURED.items()]
+    rows += [f"| `{k}` | noted | {why} |" for k, why in NOTED.items()]
+    rows += [f"| `{k}` | noted | {why} |" for k, why in IGNORED_BY_DEEPSPEED.items()]
+    rows += [f"| `{k}.*` | refused when given | {fix} |" if k in ON_WHEN_GIVEN else
+             f"| `{k}.*` | noted while `enabled` is false; refused when true | {fix} |" for k, fix in SWITCHED.items()]
+    rows += [f"| `optimizer.type` {t} | refused | {why} |" for t, why in REFUSED_OPTIMIZERS.items()]
+    rows += ["| `aio.*` | refused (an empty section is fine) | megapar has no NVMe offload |",
+             "| any other key in a section | refused | with \"did you mean\" for a near miss |",
+             "| any other top-level key | noted | DeepSpeed ignores it (a near miss of a known key is refused) |"]
+    return "\n".join(["| key | class | megapar |", "|---|---|---|", *rows])
+
+
+if __name__ == "__main__":  # python -m megapar.deepspeed_config: the megapar-ds-config tool
+    from .cli.ds_config import main
+    sys.exit(main())

@@ -18,7 +18,7 @@ from .arguments import Config
 from .checkpoint import AsyncSaves
 from .model import GPT2Model, build_model, set_vocab
 from .model.transformer import TransformerLayer
-from .optimizer.grad_buffer import GradBuffer
+from .optimizer.grad_buffer import REDUCE_DTYPES, GradBuffer
 from .optimizer.sharded_grads import ShardedGradBuffer
 from .optimizer.sharded_params import ShardedParams
 from .optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -131,16 +131,18 @@ def build_grad_buffer(cfg: Config, model: GPT2Model, topo: Topology, device: tor
     gathered weights once its gradients are handed over)."""
     tp_summed = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
     stage = cfg.parallel.zero_stage
+    reduce_dtype = REDUCE_DTYPES[cfg.parallel.grad_reduce_dtype]
     if stage >= 2:
         layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]  # every chunk's, in order
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         release = (lambda i: sharded.units[i].release()) if sharded else None
         return ShardedGradBuffer(layers, [p for p in model.parameters() if id(p) not in in_layers], topo.groups.dp,
-                                 tp_summed=tp_summed, tp_group=topo.groups.tp, on_layer_reduced=release)
+                                 tp_summed=tp_summed, tp_group=topo.groups.tp, on_layer_reduced=release,
+                                 reduce_dtype=reduce_dtype)
     return GradBuffer(model.parameters(), topo.groups.dp, mode="reduce_scatter" if stage == 1 else "all_reduce",
                       bucket_numel=GRAD_BUCKET_NUMEL if device.type == "cuda" else None,
                       overlap=device.type == "cuda", late_params=embedding_params(model, topo),
-                      tp_summed=tp_summed, tp_group=topo.groups.tp)
+                      tp_summed=tp_summed, tp_group=topo.groups.tp, reduce_dtype=reduce_dtype)
 
 
 def train_iters(cfg: Config) -> int:
@@ -154,7 +156,8 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
     warmup = int(t.lr_warmup_fraction * decay) if t.lr_warmup_fraction is not None else t.lr_warmup_iters
     return OptimizerParamScheduler(optimizer, t.lr, t.min_lr, warmup, decay, t.lr_decay_style, t.weight_decay,
                                    override_opt_param_scheduler=t.override_opt_param_scheduler,
-                                   use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler)
+                                   use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
+                                   warmup_style=t.lr_warmup_style, warmup_init=t.lr_warmup_init)
 
 
 def checkpoint_args(run: Run, consumed_samples: int) -> argparse.Namespace:

@@ -185,7 +185,7 @@ def _pretrain(cfg: Config, topo: Topology, rank: int, device, argv: Optional[Seq
                 + f"on {device.type} ({dist.get_backend()}); {cfg.num_microbatches} microbatches of "
                 f"{cfg.train.micro_batch_size}; precision {cfg.train.params_dtype_name}; "
                 f"attention {cfg.model.attention_backend}, layernorm {cfg.model.layernorm_impl}")
-    for line in cfg.deepspeed.summary() if cfg.deepspeed is not None else ():
+    for line in cfg.deepspeed.summary(cfg) if cfg.deepspeed is not None else ():
         print_rank0(line)
     if "fused" in (cfg.model.attention_backend, cfg.model.layernorm_impl, cfg.train.adam_impl):
         from .kernels import fused_kernels_source, load_fused_kernels

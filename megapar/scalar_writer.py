@@ -1,5 +1,6 @@
 """Where the training scalars go: TensorBoard (--tensorboard-dir), Weights & Biases
-(--wandb-project, Megatron's flags), both, or nowhere.
+(--wandb-project, Megatron's flags), CSV files (--csv-log-dir, DeepSpeed's csv_monitor), any of
+them together, or nowhere.
 
 The training loop calls `writer.add_scalar(name, value, step)` once per scalar (training.py,
 StepLog.record); `ScalarWriter` passes each call on to every backend the flags asked for, so
@@ -10,6 +11,7 @@ W&B runs offline with WANDB_MODE=offline (no network; `wandb sync DIR` uploads l
 """
 from __future__ import annotations
 
+import csv
 import os
 from typing import Any, Optional, Protocol
 
@@ -34,6 +36,31 @@ class TensorBoard:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class CSV:
+    """One CSV file per scalar, `log_dir/<name>.csv` ('/' and ' ' in the name become '_'), with a
+    `step,<name>` header and a `step,value` row per call: DeepSpeed's csv_monitor layout. Files are
+    appended to, so a resumed run continues them (the header is written only into a new file)."""
+
+    def __init__(self, log_dir: str):
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_dir = log_dir
+        self.files: dict[str, Any] = {}
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        f = self.files.get(name)
+        if f is None:
+            path = os.path.join(self.log_dir, name.replace("/", "_").replace(" ", "_") + ".csv")
+            f = self.files[name] = open(path, "a", newline="", encoding="utf-8")
+            if f.tell() == 0:
+                csv.writer(f).writerow(["step", name])
+        csv.writer(f).writerow([step, value])
+        f.flush()
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
 
 
 class WandB:
@@ -79,6 +106,8 @@ def build_writer(cfg: Config, rank: int) -> Optional[ScalarWriter]:
     log, backends = cfg.log, []
     if log.tensorboard_dir:
         backends.append(TensorBoard(log.tensorboard_dir))
+    if log.csv_log_dir:
+        backends.append(CSV(log.csv_log_dir))
     if log.wandb_project:
         settings = {k: v for k, v in vars(cfg.namespace()).items() if isinstance(v, (int, float, str, bool, list))}
         backends.append(WandB(log.wandb_project, log.wandb_exp_name, wandb_save_dir(cfg), settings))

@@ -1,4 +1,4 @@
-"""Training scalars to TensorBoard and W&B through one writer (megapar/scalar_writer.py).
+"""Training scalars to TensorBoard, W&B and CSV through one writer (megapar/scalar_writer.py).
 
 The W&B test trains a tiny model with WANDB_MODE=offline (no network) and reads the run's
 .wandb file back: its history holds the logged `lm loss` and `learning rate` of every step. It
@@ -97,3 +97,44 @@ def test_wandb_offline_run_holds_the_logged_scalars(embedded_data, tmp_path):
     for step, (lr, loss) in logged.items():  # the log prints 7 significant digits
         assert history[step]["lm loss"] == pytest.approx(loss, rel=1e-6)
         assert history[step]["learning rate"] == pytest.approx(lr, rel=1e-3)
+
+
+def test_csv_writes_a_file_per_scalar_and_a_resumed_run_continues_it(tmp_path):
+    from megapar.scalar_writer import CSV
+    first = CSV(str(tmp_path / "csv"))
+    first.add_scalar("lm loss", 9.5, 1)
+    first.add_scalar("learning rate", 1e-4, 1)
+    first.add_scalar("lm loss", 9.25, 2)
+    first.close()
+    again = CSV(str(tmp_path / "csv"))  # a resumed run appends, without a second header
+    again.add_scalar("lm loss", 9.0, 3)
+    again.close()
+    assert (tmp_path / "csv" / "lm_loss.csv").read_text().splitlines() == ["step,lm loss", "1,9.5", "2,9.25", "3,9.0"]
+    assert (tmp_path / "csv" / "learning_rate.csv").read_text().splitlines() == ["step,learning rate", "1,0.0001"]
+
+
+@pytest.mark.slow
+def test_a_deepspeed_config_run_logs_deepspeeds_log_warmup_to_csv(embedded_data, tmp_path):
+    """A run from a DeepSpeed config with csv_monitor and a WarmupLR without warmup_type (DeepSpeed's
+    log warm-up over 4 steps, peak 1e-3): learning_rate.csv holds, per iteration i (the LR its
+    update used, after i - 1 steps), 1e-3 x ln(i - 1) / ln 4, by hand 0, 0, 0.5e-3 (ln 2 / ln 4),
+    0.79248e-3 (ln 3 / ln 4), then 1e-3."""
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 2, "train_batch_size": 4, "steps_per_print": 1,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 4}},
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "tiny"}}))
+    model = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+             "--eval-iters", "0", "--eval-interval", "0"]  # the batch and the log interval: from the config
+    out = subprocess.run([sys.executable, "-m", "megapar.pretrain_gpt2", *embedded_data, *model, "--train-iters", "6",
+                          "--data-cache-path", str(tmp_path / "cache"), "--deepspeed", "--deepspeed_config",
+                          str(config)], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = (tmp_path / "csv" / "tiny" / "learning_rate.csv").read_text().splitlines()
+    assert rows[0] == "step,learning rate"
+    lrs = {int(step): float(lr) for step, lr in (r.split(",") for r in rows[1:])}
+    assert sorted(lrs) == [1, 2, 3, 4, 5, 6]
+    by_hand = {1: 0.0, 2: 0.0, 3: 0.5e-3, 4: 0.79248e-3, 5: 1e-3, 6: 1e-3}
+    for i, lr in by_hand.items():
+        assert lrs[i] == pytest.approx(lr, abs=1e-8), (i, lrs)

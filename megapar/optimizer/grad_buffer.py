@@ -19,6 +19,11 @@ bucket the buffer is simply cut into dp equal ranges). Reduction per bucket is e
 With `overlap=True` a bucket's collective starts asynchronously as soon as its last gradient
 arrives during the final microbatch's backward; `finish()` waits for all of them.
 
+The sums travel in `reduce_dtype` (--grad-reduce-dtype): fp32 by default (Megatron's), or bf16 /
+fp16, half the bytes, as DeepSpeed's communication_data_type: each bucket is divided by dp in
+fp32, cast, reduced, and the result cast back into the fp32 buffer (`reduce`), so accumulation
+across microbatches and the optimizer still see fp32.
+
 `tp_summed` parameters (sequence parallelism: LayerNorms and row-parallel biases, which each TP rank
 applied to other tokens) hold partial gradients: `finish()` then sums them over `tp_group` as one
 flat all-reduce, after the data-parallel reduction, which commutes with it (with ZeRO-1 only the
@@ -36,6 +41,43 @@ import torch.nn as nn
 
 from ..tensor_parallel.linear import fuses
 from ..tensor_parallel.mappings import reduce_scatter_tensor
+
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _CastBack:
+    """A reduction in a narrower dtype under way: `wait()` completes it and copies the result into
+    the fp32 destination."""
+
+    def __init__(self, work, wire: torch.Tensor, dest: torch.Tensor):
+        self.work, self.wire, self.dest = work, wire, dest
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.dest.copy_(self.wire)
+
+
+def reduce(op: str, out: torch.Tensor, data: torch.Tensor, group: Optional[dist.ProcessGroup], dtype: torch.dtype,
+           async_op: bool):
+    """Sum `data` over `group` with `op`: all_reduce (in place; `out` is `data`) or reduce_scatter
+    (this rank's part into `out`), sent in `dtype`. Returns a handle to wait() on when `async_op`,
+    else None once `out` holds the result."""
+    def collective(o: torch.Tensor, d: torch.Tensor):
+        if op == "all_reduce":
+            return dist.all_reduce(d, group=group, async_op=async_op)
+        return reduce_scatter_tensor(o, d, group=group, async_op=async_op)
+
+    if dtype == data.dtype:
+        return collective(out, data)
+    wire = data.to(dtype)
+    wire_out = wire if op == "all_reduce" else torch.empty(out.shape, dtype=dtype, device=out.device)
+    pending = _CastBack(collective(wire_out, wire), wire_out, out)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
 
 
 @dataclass
@@ -66,12 +108,12 @@ class GradBuffer:
     def __init__(self, params: Iterable[nn.Parameter], dp_group: Optional[dist.ProcessGroup],
                  mode: str = "all_reduce", bucket_numel: Optional[int] = None, overlap: bool = False,
                  late_params: Iterable[nn.Parameter] = (), tp_summed: Iterable[nn.Parameter] = (),
-                 tp_group: Optional[dist.ProcessGroup] = None):
+                 tp_group: Optional[dist.ProcessGroup] = None, reduce_dtype: torch.dtype = torch.float32):
         """late_params go into a final bucket that is only reduced in `finish()`, after its
         `before_late` callback (used to sum the tied embedding over the embedding group first)."""
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"unknown grad-buffer mode {mode}")
-        self.dp_group, self.mode, self.overlap = dp_group, mode, overlap
+        self.dp_group, self.mode, self.overlap, self.reduce_dtype = dp_group, mode, overlap, reduce_dtype
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
         late = list(late_params)
@@ -160,12 +202,8 @@ class GradBuffer:
             return
         view = self.data[bucket.start:bucket.end]
         view.div_(self.dp)
-        if self.mode == "all_reduce":
-            bucket.handle = dist.all_reduce(view, group=self.dp_group, async_op=async_op)
-        else:
-            lo, hi = bucket.shard(self.dp_rank, self.dp)
-            bucket.handle = reduce_scatter_tensor(self.data[lo:hi], view, group=self.dp_group, async_op=async_op)
-        bucket.handle = bucket.handle or "done"
+        out = view if self.mode == "all_reduce" else self.data[slice(*bucket.shard(self.dp_rank, self.dp))]
+        bucket.handle = reduce(self.mode, out, view, self.dp_group, self.reduce_dtype, async_op) or "done"
 
     def finish(self, before_late: Optional[Callable[[], None]] = None) -> None:
         """Complete every bucket's reduction (launching those not yet started) and wait."""

@@ -33,8 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..tensor_parallel.linear import fuses
-from ..tensor_parallel.mappings import reduce_scatter_tensor
-from .grad_buffer import Bucket
+from .grad_buffer import Bucket, reduce
 from .sharded_params import unit_offsets
 
 
@@ -45,11 +44,13 @@ class ShardedGradBuffer:
     def __init__(self, layers: list[nn.Module], edge_params: Iterable[nn.Parameter],
                  dp_group: Optional[dist.ProcessGroup], tp_summed: Iterable[nn.Parameter] = (),
                  tp_group: Optional[dist.ProcessGroup] = None,
-                 on_layer_reduced: Optional[Callable[[int], None]] = None):
+                 on_layer_reduced: Optional[Callable[[int], None]] = None, reduce_dtype: torch.dtype = torch.float32):
         """layers: the transformer layers, in forward order; edge_params: every other trainable
         parameter. on_layer_reduced(i): called once layer i's gradients have been handed to the
-        reduction (ZeRO-3 frees the layer's gathered weights there)."""
+        reduction (ZeRO-3 frees the layer's gathered weights there). reduce_dtype: the dtype the
+        sums travel in (grad_buffer.reduce)."""
         self.dp_group, self.tp_group, self.on_layer_reduced = dp_group, tp_group, on_layer_reduced
+        self.reduce_dtype = reduce_dtype
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
         units = [[p for p in m.parameters() if p.requires_grad] for m in layers]
@@ -168,7 +169,7 @@ class ShardedGradBuffer:
         else:
             b.data.div_(self.dp)
             out = torch.empty_like(self._shard_slot(i))
-            work = reduce_scatter_tensor(out, b.data, group=self.dp_group, async_op=True)
+            work = reduce("reduce_scatter", out, b.data, self.dp_group, self.reduce_dtype, async_op=True)
             self.in_flight.append((work, out, i))
         if self.on_layer_reduced is not None:
             self.on_layer_reduced(i)
@@ -213,7 +214,7 @@ class ShardedGradBuffer:
                 slot.copy_(self.edge_data)
             else:
                 self.edge_data.div_(self.dp)
-                reduce_scatter_tensor(slot, self.edge_data, group=self.dp_group)
+                reduce("reduce_scatter", slot, self.edge_data, self.dp_group, self.reduce_dtype, async_op=False)
         if self.tp_summed:
             flat = torch.cat(self.tp_summed)
             dist.all_reduce(flat, group=self.tp_group)

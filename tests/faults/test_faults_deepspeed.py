@@ -1,10 +1,12 @@
 """--deepspeed-config and the memory estimator's own options, faulted the way users meet them.
 
-deepspeed config: a key megapar cannot honour (NVMe offload, a log warmup, an unknown key), a file
-that is missing or is not JSON, a flag given on the command line and in the config with different
+deepspeed config: a key megapar cannot honour (NVMe offload, a 1-bit optimizer, curriculum learning,
+aio tuning without NVMe offload, a misspelt key, a config with several such problems), a file that
+is missing or is not JSON, a flag given on the command line and in the config with different
 values, and a batch triple that does not hold at the world size the launcher starts -- each is
 refused by `bash scripts/pretrain_gpt2.sh` before torchrun starts a process: one `error:` line
-naming the key (or file, line and column) and a fix, exit 2, no traceback, nothing written.
+naming the key (or file, line and column) and a fix (every problem of the file, joined by "; "),
+exit 2, no traceback, nothing written. `megapar-ds-config` ends a refused config the same way.
 estimator: tools/estimate_memory.py refuses a size it cannot read (`--gpu-memory 80XB`), a count
 below 1 and a bad DeepSpeed config the same way.
 """
@@ -43,10 +45,16 @@ LAUNCHER_CASES = [  # (id, config or text, extra flags, expected fragments)
                                     "gradient_accumulation_steps": 4}, [],
      ["(train_batch_size / --global-batch-size) 16 != micro batch 2 x gradient_accumulation_steps 4 x "
       "data-parallel size 1"]),
-    ("log warmup", {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}, [],
-     ["scheduler.params.warmup_type", '"warmup_type": "linear"']),
     ("unknown key", {"zero_optimization": {"stage": 2, "overlap_com": True}}, [],
-     ["unknown key zero_optimization.overlap_com"]),
+     ["unknown key zero_optimization.overlap_com: did you mean zero_optimization.overlap_comm?"]),
+    ("every problem at once (1-bit optimizer, curriculum learning, aio, misspelt key, warmup type)",
+     {"train_batch_sise": 8, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}},
+      "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}, "aio": {"block_size": 1048576},
+      "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "exp"}}}, [],
+     ["unknown key train_batch_sise: did you mean train_batch_size?; ",
+      'optimizer.type: "OneBitAdam" is not supported (1-bit Adam', 'use "AdamW"',
+      'scheduler.params.warmup_type: "exp" is not a warmup DeepSpeed knows',
+      "curriculum_learning.enabled: true is not supported", "aio tunes NVMe offload"]),
 ]
 
 
@@ -75,6 +83,14 @@ ESTIMATOR_CASES = [
 def test_bad_estimator_option(tmp_path, flags, expect):
     refused([*ESTIMATE, *flags], fault_class="flags", case=f"{' '.join(flags)} (tools/estimate_memory.py)",
             expect=expect, watch=[tmp_path], env=ENV)
+
+
+def test_refused_config_in_the_ds_config_tool(tmp_path):
+    path = _config(tmp_path, {"optimizer": {"type": "OneBitLamb"}, "zero_optimisation": {"stage": 2}})
+    refused(["python", "tools/ds_config.py", path, "--world-size", "2"], fault_class="deepspeed config",
+            case="1-bit LAMB and a misspelt section (tools/ds_config.py)",
+            expect=['optimizer.type: "OneBitLamb" is not supported', "did you mean zero_optimization?"],
+            watch=[tmp_path], env=ENV)
 
 
 def test_bad_deepspeed_config_in_the_estimator(tmp_path):

@@ -211,6 +211,7 @@ IN_PROCESS_CASES = [  # the rest, checked without a process each
     (["--train-iters", "5", "--adam-eps", "0"], "--adam-eps 0.0 is out of range"),
     (["--train-iters", "5", "--num-attention-heads", "0"], "--num-attention-heads 0 must be >= 1"),
     (["--train-iters", "5", "--seed", "-1"], "--seed -1 must be in"),
+    (["--train-iters", "5", "--lr", "1e-4", "--lr-warmup-init", "1e-3"], "--lr-warmup-init 0.001 is above --lr 0.0001"),
 ]
 
 
@@ -274,12 +275,13 @@ def test_sbatch_script_outside_a_slurm_job(tmp_path):
             watch=[tmp_path])
 
 
-# ---- experiment tracking: --wandb-* and --tensorboard-dir ------------------------------------------
+# ---- experiment tracking: --wandb-*, --tensorboard-dir, --csv-log-dir --------------------------------------
 LOGGER_CASES = [
     (["--train-iters", "5", "--wandb-exp-name", "run1"], "--wandb-exp-name is a setting of the W&B run"),
     (["--train-iters", "5", "--wandb-save-dir", "wb"], "--wandb-save-dir is a setting of the W&B run"),
     (["--train-iters", "5", "--wandb-project", " "], "--wandb-project is empty"),
     (["--train-iters", "5", "--wandb-project", "p", "--wandb-save-dir", "setup.py"], "is a file, not a folder"),
+    (["--train-iters", "5", "--csv-log-dir", "setup.py"], "--csv-log-dir setup.py is a file, not a folder"),
 ]
 # The entry point as `python -m megapar.pretrain_gpt2` runs it, with the named packages hidden (as if
 # not installed) whether or not this machine has them.
