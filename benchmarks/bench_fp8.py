@@ -32,8 +32,7 @@ from bench_train import ITER_RE, bench_flags, run_config  # a sibling: `python b
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LOSS_RE = re.compile(r" iteration +(\d+)/ *\d+ .*? lm loss: ([-\d.E+]+)")
-BPE_DIRS = [os.path.join(ROOT, ".gpu"), os.path.join(ROOT, "shared", "data", "gpt2"),
-            os.path.join(os.path.dirname(ROOT), "shared", "data", "gpt2")]
+BPE_DIRS = [os.path.join(ROOT, ".gpu"), os.path.join(ROOT, "tests", "data", "gpt2")]
 # relative-error bounds of the layer check (fp8 e4m3 keeps 3 mantissa bits, e5m2 2)
 BOUNDS = {"out": 0.08, "grad into": 0.15, "weight grads": 0.25}
 LAYER_SHAPE = dict(hidden=2048, heads=16, seq=2048, micro=4)

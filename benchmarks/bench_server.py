@@ -5,7 +5,7 @@
         [--url http://127.0.0.1:5000/api] [--server-repo DIR] [--workdir /tmp/bench_server]
 
 Without --url it builds a tiny GPT-2 checkpoint (random weights, GPT-2 BPE vocabulary from
-../shared/data/gpt2 or --vocab-file/--merge-file), starts `tools/generate_text.py --server --port 0
+tests/data/gpt2 or --vocab-file/--merge-file), starts `tools/generate_text.py --server --port 0
 --device cpu` on it (from --server-repo, default this checkout, so that two code states can be
 compared), and stops it at the end. For each client count all clients start together (a barrier),
 each sends --requests requests one after another on fresh connections, and the table reports:
@@ -31,7 +31,7 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPT2_DIR = os.path.join(os.path.dirname(ROOT), "shared", "data", "gpt2")
+GPT2_DIR = os.path.join(ROOT, "tests", "data", "gpt2")
 
 
 @dataclass

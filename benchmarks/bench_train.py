@@ -56,7 +56,8 @@ def run_config(name: str, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", nargs="+", default=["124m", "345m"], choices=list(RECIPES),
+    p.add_argument("--configs", nargs="+", default=["124m", "345m"],
+                   choices=[n for n, r in RECIPES.items() if not r.cpu],
                    help="recipe names (python -m megapar.recipes lists them)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--log-window", type=int, default=10)

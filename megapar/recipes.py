@@ -6,7 +6,8 @@ learning-rate schedule and iteration counts to the command line. `--recipe NAME`
 expands to the recipe's flags placed first, so that a flag given on the command line overrides the
 recipe's (argparse keeps the last value): `--recipe 345m-tp2 --micro-batch-size 4`.
 benchmarks/bench_train.py measures exactly these recipes, so a throughput table row names a run
-anyone can repeat. `python -m megapar.recipes [NAME]` prints the table or one recipe's flags.
+anyone can repeat. The CPU recipes (`cpu=True`) are for a machine without a GPU: small fp32 models, a
+first run in about a minute. `python -m megapar.recipes [NAME]` prints the table or one recipe's flags.
 """
 from __future__ import annotations
 
@@ -20,10 +21,16 @@ from .topology import ConfigError
 
 @dataclass(frozen=True)
 class Recipe:
-    """One run configuration: launch it on `gpus` GPUs with `flags` (plus data and iteration flags)."""
+    """One run configuration: launch it on `gpus` GPUs (a CPU recipe: processes) with `flags` (plus
+    data and iteration flags)."""
     gpus: int
     flags: tuple[str, ...]
     about: str
+    cpu: bool = False
+
+    def where(self) -> str:
+        """Where it runs, e.g. '2 GPU(s)' or 'CPU, 1 process(es)'."""
+        return f"CPU, {self.gpus} process(es)" if self.cpu else f"{self.gpus} GPU(s)"
 
 
 GPT2_124M = ("--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12")
@@ -108,6 +115,11 @@ RECIPES: dict[str, Recipe] = {
     "13b-dp2-zero3": Recipe(2, (*GPT3_13B, *SEQ_2048_BF16, "--micro-batch-size", "1", "--global-batch-size", "32",
                                 *_zero(3), "--recompute-granularity", "full"),
                             "GPT-3 13B on two GPUs: ZeRO-3, full recompute"),
+    # the embedded default's 300 iterations in about a minute on 2 CPU cores (its own model takes minutes)
+    "cpu-tiny": Recipe(1, ("--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+                           "--seq-length", "64", "--max-position-embeddings", "64",
+                           "--micro-batch-size", "4", "--global-batch-size", "4"),
+                       "CPU, fp32: 2 layers, hidden 128, seq 64, batch 4", cpu=True),
 }
 
 
@@ -153,7 +165,8 @@ def command_line(name: str) -> str:
 def describe() -> str:
     """The table of recipes: name, GPUs, what it is, its flags (markdown)."""
     rows = ["| recipe | GPUs | run | flags |", "|---|---|---|---|"]
-    rows += [f"| {name} | {r.gpus} | {r.about} | `{command_line(name)}` |" for name, r in RECIPES.items()]
+    rows += [f"| {name} | {'CPU' if r.cpu else r.gpus} | {r.about} | `{command_line(name)}` |"
+             for name, r in RECIPES.items()]
     return "\n".join(rows)
 
 
@@ -161,7 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m megapar.recipes` prints the table; with a NAME, that recipe's GPU count and flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        print(f"# {recipe(argv[0]).gpus} GPU(s)\n{command_line(argv[0])}" if argv else describe())
+        print(f"# {recipe(argv[0]).where()}\n{command_line(argv[0])}" if argv else describe())
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -161,7 +161,7 @@ def _allreduce_embedding_grads(run: Run) -> None:
     dist.all_reduce(weight.main_grad, group=run.topo.groups.embedding)
 
 
-def evaluate(run: Run, dataset, iters: int, split: str = "validation") -> float:
+def evaluate(run: Run, dataset, iters: int, split: str = "val") -> float:
     """Mean lm loss over the first `iters` global batches of `dataset` (forward only).
 
     Progress is printed as Megatron's `Evaluating iter i/N` line (with the `split` and the time per

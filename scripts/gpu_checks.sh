@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one pass (run on a lent GPU machine from the repo root):
 #   bash scripts/gpu_checks.sh [kernels] [tests [PYTEST_SELECTION...]] [bench CONFIG...]
-# GPT-2 BPE files are read from $GPT2_DIR (default .gpu/: encoder.json, vocab.bpe).
+# GPT-2 BPE files are read from $GPT2_DIR (default tests/data/gpt2: encoder.json, vocab.bpe).
 # Logs go to $OUT (or ./gpu_logs); each part prints a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-gpu_logs}"; mkdir -p "$OUT"
-GPT2_DIR="${GPT2_DIR:-.gpu}"
+GPT2_DIR="${GPT2_DIR:-tests/data/gpt2}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 while [ $# -gt 0 ]; do
   case "$1" in

@@ -6,7 +6,7 @@
 #   TP=2 PP=2 NPROC=4 ITERS=200 RESUME=50 BASE=50 bash scripts/layout_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-layout_logs}"; mkdir -p "$OUT"; GPT2_DIR="${GPT2_DIR:-.gpu}"
+OUT="${OUT:-layout_logs}"; mkdir -p "$OUT"; GPT2_DIR="${GPT2_DIR:-tests/data/gpt2}"
 TP="${TP:-2}"; PP="${PP:-2}"; NPROC="${NPROC:-4}"; ITERS="${ITERS:-200}"; RESUME="${RESUME:-50}"; BASE="${BASE:-50}"
 CK="${CK:-/tmp/megapar_layout_ckpt}"; rm -rf "$CK"
 common=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024

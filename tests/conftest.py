@@ -65,9 +65,9 @@ def embedded_data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def gpu_data(tmp_path_factory):
-    """The embedded corpus tokenised with the GPT-2 BPE files in $GPT2_DIR (default .gpu/)."""
+    """The embedded corpus tokenised with the GPT-2 BPE files in $GPT2_DIR (default: the shipped tests/data/gpt2)."""
     from megapar.data.embedded import prepare_embedded_dataset
-    d = os.environ.get("GPT2_DIR", str(ROOT / ".gpu"))
+    d = os.environ.get("GPT2_DIR", str(GPT2_DIR))
     vocab, merges = os.path.join(d, "encoder.json"), os.path.join(d, "vocab.bpe")
     if not os.path.exists(vocab):
         pytest.skip(f"GPT-2 BPE files not found in {d}")

@@ -44,6 +44,21 @@ def test_hf_export_matches_megapar_logits(tmp_path, tp, pp):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_safetensors_file_gets_the_user_file_mode(tmp_path):
+    """save_file alone writes 0o600; give_user_file_mode gives what open() would (0o666 less the umask)."""
+    from safetensors.torch import save_file
+    from megapar.atomic import give_user_file_mode
+    old = os.umask(0o027)
+    try:
+        save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+        give_user_file_mode(tmp_path / "model.safetensors")
+    finally:
+        os.umask(old)
+    assert oct((tmp_path / "model.safetensors").stat().st_mode & 0o777) == "0o640"
+    assert os.listdir(tmp_path) == ["model.safetensors"]  # no probe file left
+
+
+@pytest.mark.slow  # --quick skips it (a checkpoint and an export); the test above is the cheap sibling
 def test_hf_export_files_follow_the_umask(tmp_path):
     """model.safetensors gets the mode of every other file the user creates (save_file alone makes it 0o600)."""
     save_tiny_checkpoint(str(tmp_path / "ck"), tp=1, pp=1, steps=0)

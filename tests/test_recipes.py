@@ -13,7 +13,7 @@ from megapar.topology import ConfigError
 GRAPHED = [name for name, r in RECIPES.items() if "--enable-cuda-graph" in r.flags]
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("name", [name for name, r in RECIPES.items() if not r.cpu])
 def test_every_recipe_parses_on_its_gpu_count(name, monkeypatch):
     r = RECIPES[name]
     ns = build_parser().parse_args(list(r.flags))
@@ -25,6 +25,21 @@ def test_every_recipe_parses_on_its_gpu_count(name, monkeypatch):
     cfg = parse_config(list(r.flags), world_size=r.gpus)
     p = cfg.parallel
     assert p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size == r.gpus
+
+
+CPU_RECIPES = [name for name, r in RECIPES.items() if r.cpu]
+
+
+@pytest.mark.parametrize("name", CPU_RECIPES)
+def test_cpu_recipes_are_fp32_runs_of_the_embedded_default_without_a_gpu(name, tmp_path, monkeypatch):
+    from megapar.pretrain_gpt2 import parse
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    cfg = parse(["--recipe", name], world_size=RECIPES[name].gpus)
+    assert not cfg.data.data_path and cfg.train.train_iters == 300  # the embedded default
+    assert not cfg.train.bf16 and not cfg.train.fp16
+    layers, hidden = cfg.model.num_layers, cfg.model.hidden_size
+    assert cfg.ckpt.save == f"checkpoints/gpt2_embedded_{layers}l_{hidden}h" and hidden <= 128
 
 
 def test_graph_recipes_turn_dropout_off():
@@ -59,8 +74,11 @@ def test_unknown_or_missing_name_errors_in_one_line_naming_the_choices(argv):
 
 def test_describe_and_module_cli_list_every_recipe():
     table = describe()
-    assert all(f"| {name} | {r.gpus} |" in table for name, r in RECIPES.items())
+    assert all(f"| {name} | {'CPU' if r.cpu else r.gpus} |" in table for name, r in RECIPES.items())
+    assert CPU_RECIPES == ["cpu-tiny"]
     run = subprocess.run([sys.executable, "-m", "megapar.recipes", "345m-graph"], capture_output=True, text=True)
-    assert run.returncode == 0 and "--enable-cuda-graph" in run.stdout
+    assert run.returncode == 0 and "--enable-cuda-graph" in run.stdout and run.stdout.startswith("# 1 GPU(s)\n")
+    cpu = subprocess.run([sys.executable, "-m", "megapar.recipes", "cpu-tiny"], capture_output=True, text=True)
+    assert cpu.returncode == 0 and cpu.stdout.startswith("# CPU, 1 process(es)\n--num-layers 2 ")
     bad = subprocess.run([sys.executable, "-m", "megapar.recipes", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr

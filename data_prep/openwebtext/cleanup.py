@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
         if not os.path.isfile(path):
-            raise PipelineError(f"{flag} {path} not found; pass the local GPT-2 BPE file (e.g. shared/data/gpt2)")
+            raise PipelineError(f"{flag} {path} not found; pass the local GPT-2 BPE file (e.g. tests/data/gpt2)")
     counts: Counter = Counter()
     run(args, counts)
     return report("cleanup", counts, args.summary)

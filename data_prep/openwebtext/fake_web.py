@@ -2,7 +2,7 @@
 
 ``FakeWeb`` is an HTTP *proxy* on 127.0.0.1: point ``download --proxy`` at it and every ``http://`` URL is
 answered locally. Page ``i`` (the URL's position in the list given to the server) is built from the real
-corpora in ``shared/data/corpora`` (Emma paragraphs, Shakespeare blocks, WebText samples). By ``i % 20``:
+corpora in ``tests/data/corpora`` (Emma paragraphs, Shakespeare blocks, WebText samples). By ``i % 20``:
 0 -> 404; 1 -> 301 redirect to ``http://moved.example/<i>`` (then the page); 2 -> a PDF (non-HTML);
 3 -> slow (sleeps ``slow_s`` before answering); 6 -> exact copy of page i-1; 7 -> near copy of page i-2
 (a few words changed); 8 -> 503 on the first request, the page on a retry; 9 -> a body larger than
