@@ -18,7 +18,7 @@ def losses(result):
 
 def _body(rank, world_size, argv, offload):
     """pretrain; `offload` switches the optimizer (and at ZeRO-3 parameter) offload code paths on
-    after validation, which refuses them on a CPU-only run (test_zero.py does the same)."""
+    after validation, which refuses them on a CPU-only run (test_zero_stages.py does the same)."""
     from megapar.pretrain_gpt2 import parse, pretrain
     cfg = parse(argv, world_size)
     if offload:

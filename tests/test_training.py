@@ -1,16 +1,12 @@
-"""Training loop: layout invariance, exact resume, SIGTERM, loss scaler, LR schedule, errors."""
-import math
+"""Training loop: layout invariance, exact resume, SIGTERM, evaluation, iteration times, errors."""
 import os
 import signal
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from megapar.checkpoint import TRACKER
-from megapar.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megapar.optimizer.lr_schedule import OptimizerParamScheduler
 from train_helpers import TINY_TRAIN, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,55 +75,6 @@ def test_sigterm_leaves_loadable_checkpoint(embedded_data, tmp_path):
     resumed = run_training(TINY_TRAIN + embedded_data + ["--train-iters", str(it + 1), "--load", str(tmp_path / "ck"),
                                                          "--use-checkpoint-opt_param-scheduler"])  # saved: 100000 iterations
     assert resumed["iteration"] == it + 1
-
-
-def test_loss_scaler_grows_and_backs_off():
-    s = DynamicGradScaler(initial_scale=2.0**10, min_scale=2.0, growth_interval=3, hysteresis=2)
-    s.update(True)
-    assert s.scale == 2.0**10                      # first overflow absorbed by hysteresis
-    s.update(True)
-    assert s.scale == 2.0**9                       # second one halves
-    for _ in range(3):
-        s.update(False)
-    assert s.scale == 2.0**10 and s.hysteresis_tracker == 2
-    for _ in range(20):
-        s.update(True)
-    assert s.scale == 2.0                          # never below --min-loss-scale
-
-
-def test_loss_scaler_diverges_after_hysteresis_overflows_in_a_row_at_its_minimum():
-    s = DynamicGradScaler(initial_scale=8.0, min_scale=2.0, hysteresis=2)
-    for _ in range(3):
-        s.update(True)                             # 8 -> 8 -> 4 -> 2: not yet at the minimum when they came
-    assert s.scale == 2.0 and not s.diverged
-    s.update(True)
-    s.update(False)                                # a clean step resets the count
-    s.update(True)
-    assert not s.diverged
-    s.update(True)
-    assert s.diverged                              # two in a row at the minimum
-    c = ConstantGradScaler(1024.0, hysteresis=3)   # a static scale is always at its minimum
-    for _ in range(2):
-        c.update(True)
-    assert not c.diverged
-    c.update(True)
-    assert c.diverged
-
-
-def test_lr_schedule_at_chosen_iterations():
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
-    sch = OptimizerParamScheduler(opt, max_lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110,
-                                  decay_style="cosine")
-    seen = {}
-    for step in range(0, 121):
-        seen[step] = sch.get_lr()
-        sch.step()
-    assert seen[0] == 0.0 and seen[5] == pytest.approx(0.5) and seen[10] == pytest.approx(1.0)
-    assert seen[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert seen[110] == pytest.approx(0.1) and seen[120] == pytest.approx(0.1)
-    lin = OptimizerParamScheduler(opt, 1.0, 0.0, 0, 100, "linear")
-    lin.step(25)
-    assert lin.get_lr() == pytest.approx(0.75) and opt.param_groups[0]["lr"] == pytest.approx(0.75)
 
 
 def _cli(args, cwd=ROOT):
