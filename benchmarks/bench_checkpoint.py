@@ -156,12 +156,14 @@ def main() -> None:
             _first(scale[2]["lines"], "> optimizer: AdamW")
         loss = lambda r: [(int(i), float(v)) for _, l in r["lines"] for i, v in LOSS.findall(l)]  # noqa: E731
         print(f"\n{args.shape}, {args.gpus} GPUs, ZeRO-3 + optimizer offload, torch_dist (rc "
-              f"{[r['rc'] for r in scale]}): save {stall:.1f} s, {size:.1f} GiB, peak host RSS {scale[1]['peak_rss_gb']:.1f} "
-              f"GiB (no-save run: {scale[0]['peak_rss_gb']:.1f}); loaded at tp {args.gpus} ZeRO-1 offload in {load:.1f} s; "
+              f"{[r['rc'] for r in scale]}): save {stall:.1f} s, {size:.1f} GiB, "
+              f"peak host RSS {scale[1]['peak_rss_gb']:.1f} GiB (no-save run: {scale[0]['peak_rss_gb']:.1f}); "
+              f"loaded at tp {args.gpus} ZeRO-1 offload in {load:.1f} s; "
               f"losses {loss(scale[0])} uninterrupted, {loss(scale[1])} + {loss(scale[2])} saved and resumed")
     if rows:
         print(f"\ncheckpoint saves, {args.shape}, {args.gpus} GPU(s), bf16, ZeRO-{1 if zero else 0}")
-        print("| format | rc | training stall (s) | saved after (s) | size of one save (GiB) | peak host RSS, all ranks (GiB) |")
+        print("| format | rc | training stall (s) | saved after (s) | size of one save (GiB) "
+              "| peak host RSS, all ranks (GiB) |")
         print("|---|---|---|---|---|---|")
         for name, rc, stall, total, size, rss in rows:
             print(f"| {name} | {rc} | {stall:.1f} | {total:.1f} | {size:.1f} | {rss:.1f} |")

@@ -124,7 +124,8 @@ def main() -> None:
     write_sharded(src, src_dir, a.source_tp, a.source_pp, dp=1, distributed=False, with_optim=not a.no_optim,
                   log=lambda *_: None)
     print(f"model: {a.layers} layers, hidden {a.hidden}, {a.heads} heads, vocab {a.vocab} = {src.numel / 1e6:.1f}M "
-          f"params; source tp{a.source_tp} pp{a.source_pp}, {'weights only' if a.no_optim else 'with fp32 optimizer state'}: "
+          f"params; source tp{a.source_tp} pp{a.source_pp}, "
+          f"{'weights only' if a.no_optim else 'with fp32 optimizer state'}: "
           f"{du(src_dir):.2f} GiB written in {time.time() - t0:.1f} s (peak RSS of this writer {vm_hwm():.0f} MiB)")
     print(f"CPU: {os.cpu_count()} cores; torch {torch.__version__}\n")
     print(f"| {'conversion':<34} | {'time (s)':>8} | {'peak RSS (MiB)':>14} | {'output (GiB)':>12} |")

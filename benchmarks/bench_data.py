@@ -20,10 +20,10 @@ import time
 
 import numpy as np
 
+from megapar.data.sample_index import build_indices
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
-
-from megapar.data.sample_index import build_indices
 
 
 def make_corpus(path: str, mb: float) -> int:

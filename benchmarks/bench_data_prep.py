@@ -112,10 +112,13 @@ def main() -> None:
             report(rows, (tmp / "docs.jsonl").stat().st_size / args.docs, args.workers)
             return
         subs = make_dumps(tmp / "dumps", args.dump_copies)
-        rows.append(("extract_urls", subs, timed("extract_urls", ["--psdir", str(tmp / "dumps"), "--outdir", str(tmp / "u")])))
+        rows.append(("extract_urls", subs,
+                     timed("extract_urls", ["--psdir", str(tmp / "dumps"), "--outdir", str(tmp / "u")])))
         n = count(next((tmp / "u").iterdir()))
-        rows.append(("dedup_urls", n, timed("dedup_urls", ["--input-dir", str(tmp / "u"), "--output-dir", str(tmp / "d")])))
-        rows.append(("blacklist_urls", n, timed("blacklist_urls", [str(tmp / "d"), "--output", str(tmp / "clean.txt")])))
+        rows.append(("dedup_urls", n,
+                     timed("dedup_urls", ["--input-dir", str(tmp / "u"), "--output-dir", str(tmp / "d")])))
+        rows.append(("blacklist_urls", n,
+                     timed("blacklist_urls", [str(tmp / "d"), "--output", str(tmp / "clean.txt")])))
         urls = [f"http://bench{i}.example.com/p" for i in range(args.download_docs)]
         (tmp / "dl_urls.txt").write_text("\n".join(urls) + "\n")
         with FakeWeb(urls, DATA / "corpora", slow_s=0.0, big_bytes=10) as web:

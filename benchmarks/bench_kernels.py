@@ -130,7 +130,8 @@ def parity(quick: bool) -> None:
     soft_shapes = [(2, 3, 17, 17), (1, 2, 100, 100), (1, 2, 256, 256)]
     ln_shapes = [(7, 768), (33, 1000), (16, 1024)]
     if not quick:
-        soft_shapes += [(1, 2, 1000, 1000), (2, 2, 1024, 1024), (1, 1, 2048, 2048), (1, 1, 4096, 4096), (1, 1, 3000, 3000)]
+        soft_shapes += [(1, 2, 1000, 1000), (2, 2, 1024, 1024), (1, 1, 2048, 2048), (1, 1, 4096, 4096),
+                        (1, 1, 3000, 3000)]
         ln_shapes += [(64, 2048), (50, 4096), (37, 5120), (64, 8192), (16, 1536), (9, 2056)]
     for name, dtype in DTYPES.items():
         for b, n, sq, sk in soft_shapes:
@@ -165,7 +166,8 @@ def add_row(op: str, shape: str, impl: str, us: float, nbytes: float, copy_gbs: 
     gbs = nbytes / us / 1e3
     ROWS.append(dict(op=op, shape=shape, impl=impl, us=us, gbs=gbs, pct=100 * gbs / copy_gbs, target=target))
     tgt = f"target {target:.0f}%" if target and impl == "fused" else ""
-    print(f"  {op:14s} {shape:22s} {impl:8s} {us:9.1f} us {gbs:8.0f} GB/s {100 * gbs / copy_gbs:6.1f}% {tgt}", flush=True)
+    print(f"  {op:14s} {shape:22s} {impl:8s} {us:9.1f} us {gbs:8.0f} GB/s {100 * gbs / copy_gbs:6.1f}% {tgt}",
+          flush=True)
 
 
 def bench_layernorm(copy_gbs: float, hs: List[int], only_bwd: bool = False) -> None:
@@ -180,14 +182,16 @@ def bench_layernorm(copy_gbs: float, hs: List[int], only_bwd: bool = False) -> N
         target = 80.0 if h >= 2048 else 65.0
         if not only_bwd:
             nb = 4 * rows * h
-            add_row("ln_fwd", shape, "fused", bench_us(lambda: ext.layer_norm_forward(x, None, w, b, 1e-5)), nb, copy_gbs, target)
+            add_row("ln_fwd", shape, "fused", bench_us(lambda: ext.layer_norm_forward(x, None, w, b, 1e-5)), nb,
+                    copy_gbs, target)
             add_row("ln_fwd", shape, "eager", bench_us(lambda: F.layer_norm(x, (h,), w, b, 1e-5)), nb, copy_gbs, target)
             if h in COMPILE_SIZES:
                 comp = torch.compile(lambda t: F.layer_norm(t, (h,), w, b, 1e-5), dynamic=False)
                 add_row("ln_fwd", shape, "compile", bench_us(lambda: comp(x)), nb, copy_gbs, target)
         _, mean, rstd = ext.layer_norm_forward(x, None, w, b, 1e-5)
         nb = 6 * rows * h
-        add_row("ln_bwd", shape, "fused", bench_us(lambda: ext.layer_norm_backward(dy, x, mean, rstd, w, None)), nb, copy_gbs, target)
+        add_row("ln_bwd", shape, "fused", bench_us(lambda: ext.layer_norm_backward(dy, x, mean, rstd, w, None)), nb,
+                copy_gbs, target)
         m2, r2 = mean.view(rows, 1), rstd.view(rows, 1)
         add_row("ln_bwd", shape, "eager", bench_us(lambda: torch.ops.aten.native_layer_norm_backward(
             dy, x, [h], m2, r2, w, b, [True, True, True])), nb, copy_gbs, target)
@@ -223,13 +227,15 @@ def bench_softmax(copy_gbs: float, seqs: List[int]) -> None:
         def eager_fwd(t):
             return torch.softmax((t * scale).masked_fill(upper, float("-inf")), dim=-1)
 
-        add_row("causal_fwd", shape, "fused", bench_us(lambda: ext.scaled_masked_softmax_forward(x, scale, None, True)), nb_f, copy_gbs, 85.0)
+        add_row("causal_fwd", shape, "fused", bench_us(lambda: ext.scaled_masked_softmax_forward(x, scale, None, True)),
+                nb_f, copy_gbs, 85.0)
         add_row("causal_fwd", shape, "eager", bench_us(lambda: eager_fwd(x)), nb_f, copy_gbs, 85.0)
         if s in COMPILE_SIZES:
             comp = torch.compile(eager_fwd, dynamic=False)
             add_row("causal_fwd", shape, "compile", bench_us(lambda: comp(x)), nb_f, copy_gbs, 85.0)
         y = ext.scaled_masked_softmax_forward(x, scale, None, True)
-        add_row("causal_bwd", shape, "fused", bench_us(lambda: ext.scaled_masked_softmax_backward(dy, y, scale, True)), nb_b, copy_gbs, 85.0)
+        add_row("causal_bwd", shape, "fused", bench_us(lambda: ext.scaled_masked_softmax_backward(dy, y, scale, True)),
+                nb_b, copy_gbs, 85.0)
 
         def eager_bwd(dy_, y_):
             return torch.ops.aten._softmax_backward_data(dy_, y_, -1, dt) * scale
@@ -237,7 +243,11 @@ def bench_softmax(copy_gbs: float, seqs: List[int]) -> None:
         add_row("causal_bwd", shape, "eager", bench_us(lambda: eager_bwd(dy, y)), nb_b, copy_gbs, 85.0)
         if s not in COMPILE_SIZES:
             continue
-        comp_b = torch.compile(lambda dy_, y_: (y_.float() * (dy_.float() - (dy_.float() * y_.float()).sum(-1, keepdim=True)) * scale).to(dt), dynamic=False)
+
+        def softmax_bwd(dy_, y_):
+            return (y_.float() * (dy_.float() - (dy_.float() * y_.float()).sum(-1, keepdim=True)) * scale).to(dt)
+
+        comp_b = torch.compile(softmax_bwd, dynamic=False)
         add_row("causal_bwd", shape, "compile", bench_us(lambda: comp_b(dy, y)), nb_b, copy_gbs, 85.0)
         x = dy = y = None  # free before the next size
 
@@ -279,7 +289,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     load_fused_kernels()
-    print(f"extension: {fused_kernels_source()} (load {time.time() - t0:.1f} s) on {torch.cuda.get_device_name()}", flush=True)
+    print(f"extension: {fused_kernels_source()} (load {time.time() - t0:.1f} s) on {torch.cuda.get_device_name()}",
+          flush=True)
     if not args.bench_only:
         parity(args.quick)
         print(f"parity: {'ALL OK' if not FAILURES else 'FAILURES: ' + ', '.join(FAILURES)}", flush=True)

@@ -121,8 +121,8 @@ def main() -> None:
                                  os.path.join(args.log_dir, f"nanogpt_{name}_{r}.log"))
             rows.append((name, r, ours, theirs))
             print(name, r, ours, theirs, flush=True)
-    print(f"\n| shape | round | megapar recipe | megapar ms | MFU | nanoGPT bench.py ms (bias={not args.nanogpt_no_bias}) "
-          f"| MFU | megapar speed-up |")
+    print(f"\n| shape | round | megapar recipe | megapar ms | MFU "
+          f"| nanoGPT bench.py ms (bias={not args.nanogpt_no_bias}) | MFU | megapar speed-up |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r, ours, theirs in rows:
         shape = Shape.of(SHAPES[name])

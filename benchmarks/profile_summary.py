@@ -101,11 +101,13 @@ def main() -> None:
     total = sum(by_cat.values())
     for cat, t in sorted(by_cat.items(), key=lambda kv: -kv[1]):
         print(f"| {cat} | {t / 1e3 / n:.2f} | {100 * t / total:.1f}% |")
-    print("\n| top kernels | calls/iter | ms/iter |" + (" launched by |\n|---|---|---|---|" if args.by_op else "\n|---|---|---|"))
+    print("\n| top kernels | calls/iter | ms/iter |"
+          + (" launched by |\n|---|---|---|---|" if args.by_op else "\n|---|---|---|"))
     for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]:
         row = f"| {name[:110]} | {count[name] / n:.0f} | {t / 1e3 / n:.2f} |"
         if args.by_op:
-            row += " " + ", ".join(f"{op} ×{k}" for op, k in sorted(callers[name].items(), key=lambda kv: -kv[1])[:3]) + " |"
+            top = sorted(callers[name].items(), key=lambda kv: -kv[1])[:3]
+            row += " " + ", ".join(f"{op} ×{k}" for op, k in top) + " |"
         print(row)
 
 

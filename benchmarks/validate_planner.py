@@ -36,7 +36,8 @@ def L(micro: int, zero: int = 0, recompute: str = "none", tp: int = 1, pp: int =
 
 # (model, layout) pairs by GPU count: every knob the planner turns that this many GPUs can show
 LAYOUTS = {
-    1: [("345m", L(8)), ("345m", L(16)), ("345m", L(4, zero=1)), ("345m", L(8, zero=3)), ("345m", L(8, recompute="full")),
+    1: [("345m", L(8)), ("345m", L(16)), ("345m", L(4, zero=1)), ("345m", L(8, zero=3)),
+        ("345m", L(8, recompute="full")),
         ("1.3b", L(8)), ("1.3b", L(4, zero=1)), ("1.3b", L(8, zero=3)), ("1.3b", L(8, recompute="full")),
         ("1.3b", L(2, zero=2, offload=True))],
     2: [("345m", L(8, dp=2)), ("345m", L(8, dp=2, zero=1)), ("345m", L(8, dp=2, zero=3)), ("345m", L(8, tp=2)),
@@ -103,7 +104,8 @@ def main() -> None:
         rows.append((model, lay, predicted, cand.gpu_bytes, ms, mem, err or cand.reason or ""))
         print(rows[-1], flush=True)
     print(f"\n{name}, {gpus} GPU(s), planner defaults '{gpu}'" + (f" + {args.calibration}" if args.calibration else ""))
-    print("| model | layout | predicted ms | measured ms | predicted / measured | estimator GiB | max alloc GiB | note |")
+    print("| model | layout | predicted ms | measured ms | predicted / measured | estimator GiB | max alloc GiB "
+          "| note |")
     print("|---|---|---|---|---|---|---|---|")
     for model, lay, pred, est, ms, mem, note in rows:
         ratio = f"{pred / ms:.2f}" if pred and ms else ""

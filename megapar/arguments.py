@@ -648,7 +648,8 @@ def _check_zero(ns: argparse.Namespace, gpus: bool) -> None:
     if ns.optimizer_cpu_offload and stage < 1:
         _fail("--optimizer-cpu-offload moves the sharded optimizer state to the CPU: it needs --zero-stage 1, 2 "
               "or 3 (or --use-distributed-optimizer); add one or drop --optimizer-cpu-offload")
-    for flag, on in (("--optimizer-cpu-offload", ns.optimizer_cpu_offload), ("--param-cpu-offload", ns.param_cpu_offload)):
+    for flag, on in (("--optimizer-cpu-offload", ns.optimizer_cpu_offload),
+                     ("--param-cpu-offload", ns.param_cpu_offload)):
         if on and not gpus:
             _fail(f"{flag} moves GPU state to CPU memory, but this run has no CUDA GPU (or uses gloo); "
                   f"drop {flag} on a CPU-only run")

@@ -373,8 +373,8 @@ def _saved_layout(step_dir: str) -> tuple[int, int]:
 
 def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int,
                      iteration=None) -> tuple[SavedConfig, dict[str, torch.Tensor]]:
-    """(the checkpoint's SavedConfig, flat model state dict) of shard (tp_rank, pp_rank) for an inference layout tp x pp,
-    from a checkpoint saved at any layout (via megapar.reshard when the layouts differ)."""
+    """(the checkpoint's SavedConfig, flat model state dict) of shard (tp_rank, pp_rank) for an inference layout
+    tp x pp, from a checkpoint saved at any layout (via megapar.reshard when the layouts differ)."""
     from . import checkpoint as ck
     if not os.path.isdir(load_dir):
         raise GenerationError(f"--load {load_dir}: no such directory; pass the --save directory of a training run")
@@ -442,8 +442,8 @@ def tokenizer_for_checkpoint(saved: SavedConfig, tokenizer_type=None, vocab_file
                               f"training with --vocab-file/--merge-file or --tokenizer-model") from None
     if m.vocab_size is not None and tok.vocab_size != m.vocab_size:
         raise GenerationError(f"tokenizer {kind} has {tok.vocab_size} tokens but the checkpoint was trained with a "
-                              f"vocabulary of {m.vocab_size} (padded {m.padded_vocab_size}); pass the "
-                              f"tokenizer used in training (--tokenizer-type/--vocab-file/--merge-file/--tokenizer-model)")
+                              f"vocabulary of {m.vocab_size} (padded {m.padded_vocab_size}); pass the tokenizer "
+                              f"used in training (--tokenizer-type/--vocab-file/--merge-file/--tokenizer-model)")
     if m.vocab_size is None and tok.vocab_size > m.padded_vocab_size:
         raise GenerationError(f"tokenizer {kind} has {tok.vocab_size} tokens, more than the checkpoint's "
                               f"{m.padded_vocab_size} embedding rows; pass the tokenizer used in training")

@@ -251,6 +251,7 @@ def format_table(rows: list[StageMemory]) -> str:
              "| host GiB/rank |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.stage} | {r.params / 1e6:.1f}M | {r.static_bytes / GiB:.2f} "
-                     f"| {r.transient_bytes / GiB:.2f} | {r.activation_bytes / GiB:.2f} | {r.head_bytes / GiB:.2f} | {r.total / GiB:.2f} "
+                     f"| {r.transient_bytes / GiB:.2f} | {r.activation_bytes / GiB:.2f} | {r.head_bytes / GiB:.2f} "
+                     f"| {r.total / GiB:.2f} "
                      f"| {r.cpu_bytes / GiB:.2f} |")
     return "\n".join(lines)

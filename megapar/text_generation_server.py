@@ -14,8 +14,9 @@ holds up the others. A connection must send each request -- request line, header
 `Limits.timeout` in all (not per read: a client that drips a byte at a time is cut off too), and may
 sit idle on a write that long. When every connection slot is taken, a new connection takes the slot
 of the one that has been sending its request longest (for over `EVICT_AFTER_S`), so slow clients
-cannot lock the others out; only when no such connection is left does it get 503. Generation itself is collective over the model's ranks (rank 0 ships each request to
-the others), so requests pass through the engine one at a time under one lock; everything else
+cannot lock the others out; only when no such connection is left does it get 503. Generation itself
+is collective over the model's ranks (rank 0 ships each request to the others), so requests pass
+through the engine one at a time under one lock; everything else
 (reading, parsing, validating, replying) runs outside it. Every field is type- and range-checked
 before a request reaches the lock, so a bad request is answered with a 4xx and never reaches a rank.
 Bound to 127.0.0.1 by default; pass host="0.0.0.0" to expose it.

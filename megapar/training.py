@@ -447,7 +447,8 @@ class StepLog:
         interval = self.run.cfg.log.log_interval
         next_line = min(self.total, (step.iteration // interval + 1) * interval)
         return (f" iteration {step.iteration:8d}/{self.total:8d} | first iteration (ms): {elapsed * 1000:.1f} | "
-                f"learning rate: {step.lr:.3E} | lm loss: {loss:.6E} | ETA: {eta(elapsed, self.total - step.iteration)} "
+                f"learning rate: {step.lr:.3E} | lm loss: {loss:.6E} | "
+                f"ETA: {eta(elapsed, self.total - step.iteration)} "
                 f"| next line at iteration {next_line} (--log-interval {interval})")
 
     def _line(self, step: LaunchedStep, elapsed: float, loss: float, grad_norm: float) -> str:

@@ -61,7 +61,8 @@ def _shard_file(root, tp_rank, pp_rank, name="model_optim_rng.pt"):
 
 
 def test_round_trip_tp2pp2_tp1pp1_tp2pp2_is_bitwise(ckpts, tmp_path):
-    convert(ckpts / "tp2pp2", tmp_path / "one", "--target-tensor-parallel-size", 1, "--target-pipeline-parallel-size", 1)
+    convert(ckpts / "tp2pp2", tmp_path / "one",
+            "--target-tensor-parallel-size", 1, "--target-pipeline-parallel-size", 1)
     one = load(tmp_path / "one" / IT / "mp_rank_00" / "model_optim_rng.pt")
     assert one["args"].tensor_model_parallel_size == 1 and one["args"].padded_vocab_size == 128
     assert "word_embeddings_for_head" not in one["model"] and "rng_state" not in one
@@ -350,7 +351,8 @@ def test_uneven_pipeline_stages_convert_to_any_layout(tmp_path):
 
 def test_target_pipeline_split(tmp_path, capsys):
     """--target-decoder-first/last-pipeline-num-layers choose the target's stages: [3, 1] -> [1, 3]
-    -> [3, 1] gives back the original shards bitwise (but the dummy vocabulary rows); a split that cannot be made is refused."""
+    -> [3, 1] gives back the original shards bitwise (but the dummy vocabulary rows); a split that cannot be made is
+    refused."""
     save_tiny_checkpoint(str(tmp_path / "uneven"), 1, 2, extra=["--decoder-last-pipeline-num-layers", "1"])
     convert(tmp_path / "uneven", tmp_path / "first1", "--target-decoder-first-pipeline-num-layers", 1)
     first1 = [load(_shard_file(tmp_path / "first1", 0, p)) for p in range(2)]
@@ -364,7 +366,8 @@ def test_target_pipeline_split(tmp_path, capsys):
                        0, f"stage {p}")
     rc = checkpoint_util.main(["--load-dir", str(tmp_path / "uneven"), "--save-dir", str(tmp_path / "bad"),
                                "--target-decoder-last-pipeline-num-layers", "5"])
-    assert rc == 2 and "--decoder-last-pipeline-num-layers 5 must be between 1 and --num-layers 4" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 2 and "--decoder-last-pipeline-num-layers 5 must be between 1 and --num-layers 4" in err
     assert not (tmp_path / "bad").exists()
 
 

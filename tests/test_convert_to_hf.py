@@ -122,7 +122,8 @@ def test_exported_gpt2_tokenizer_encodes_as_megapar(tmp_path, capsys, real_data,
 
 def test_exported_sentencepiece_tokenizer_encodes_as_megapar(tmp_path, capsys, real_data):
     from megapar.data.train_tokenizer import train_sentencepiece
-    model = train_sentencepiece([str(real_data / "corpora" / "tinyshakespeare" / "input.txt")], str(tmp_path / "spm"), 1000)
+    model = train_sentencepiece([str(real_data / "corpora" / "tinyshakespeare" / "input.txt")], str(tmp_path / "spm"),
+                                1000)
     ours = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
     ck = imported_checkpoint(tmp_path, ours.vocab_size, "--tokenizer-model", model)
     capsys.readouterr()
@@ -130,7 +131,8 @@ def test_exported_sentencepiece_tokenizer_encodes_as_megapar(tmp_path, capsys, r
     assert "wrote tokenizer: SentencePiece (tokenizer.model, tokenizer_config.json" in capsys.readouterr().out
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert len(hf) == ours.vocab_size and hf.eos_token_id == ours.eod
-    for text in real_texts(real_data / "corpora"):   # none starts with whitespace (HF's Llama tokenizer drops one leading space)
+    # none starts with whitespace (HF's Llama tokenizer drops one leading space)
+    for text in real_texts(real_data / "corpora"):
         assert hf(text)["input_ids"] == ours.tokenize(text), text[:80]
 
 

@@ -277,7 +277,8 @@ def test_cli_modes_and_errors(tmp_path, gpt2_files, monkeypatch, capsys):
 
     (tmp_path / "in.txt").write_text("Once upon a time\nThe\n")
     outf = str(tmp_path / "out.jsonl")
-    assert generate_text.main(base + ["--sample-input-file", str(tmp_path / "in.txt"), "--sample-output-file", outf]) == 0
+    assert generate_text.main(base + ["--sample-input-file", str(tmp_path / "in.txt"),
+                                      "--sample-output-file", outf]) == 0
     rows = [json.loads(line) for line in open(outf)]
     assert [r["prompt"] for r in rows] == ["Once upon a time", "The"] and all(r["text"] for r in rows)
     assert generate_text.main(base + ["--num-samples", "3", "--batch-size", "2", "--greedy"]) == 0

@@ -23,7 +23,8 @@ def test_pp2_v2_matches_serial(embedded_data):
     interleaved = run_training(base + ["--pipeline-parallel", "2", *VIRTUAL], 2)
     assert losses(interleaved) == pytest.approx(losses(serial), rel=2e-5), (serial, interleaved)
     assert len(serial["valid_losses"]) == 2
-    assert [l for _, l in interleaved["valid_losses"]] == pytest.approx([l for _, l in serial["valid_losses"]], rel=2e-5)
+    assert [l for _, l in interleaved["valid_losses"]] == pytest.approx([l for _, l in serial["valid_losses"]],
+                                                                        rel=2e-5)
 
 
 # ---- the schedule alone, on test_pipeline's toy stack: pp 4 x v 2 chunks of one layer ------------------
@@ -241,7 +242,8 @@ def test_memory_estimate_counts_chunk_activations():
     a, b = estimate(plain), estimate(chunked)
     per_layer = a[1].activation_bytes / 4                      # plain last stage: 1 microbatch x 4 layers
     assert [r.activation_bytes / per_layer for r in a] == pytest.approx([8, 4])
-    assert [r.activation_bytes / per_layer for r in b] == pytest.approx([2 * 5, 2 * 3])   # (2 + 2 + 1), (0 + 2 + 1) chunks
+    # (2 + 2 + 1), (0 + 2 + 1) chunks
+    assert [r.activation_bytes / per_layer for r in b] == pytest.approx([2 * 5, 2 * 3])
 
 
 # ---- NCCL on 2 GPUs (gpu marker: run on a lent multi-GPU machine) ------------------------------
@@ -293,8 +295,8 @@ def test_flags_resolve_to_one_chunk_count():
     base = ["--num-layers", "8", "--pipeline-parallel", "2", "--global-batch-size", "8", "--micro-batch-size", "2"]
     for extra, want in ((["--num-layers-per-virtual-pipeline-stage", "1"], (4, 1)),
                         (["--virtual-pipeline-model-parallel-size", "2"], (2, 2)),
-                        (["--virtual-pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
-                         (2, 2)),
+                        (["--virtual-pipeline-model-parallel-size", "2",
+                          "--num-layers-per-virtual-pipeline-stage", "2"], (2, 2)),
                         (["--virtual-pipeline-model-parallel-size", "1"], (None, None)),
                         (["--num-layers-per-virtual-pipeline-stage", "4"], (None, None))):
         m = parse_config(base + extra, 2).model

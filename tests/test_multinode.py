@@ -101,8 +101,9 @@ def test_sbatch_script_builds_one_launcher_per_node(fake_slurm, tmp_path):
 
     assert subprocess.run(["bash", "-n", str(SBATCH)]).returncode == 0
     run_env = {**fake_slurm, "FAKE_SRUN_PRINT": "1", "SLURM_GPUS_ON_NODE": "4"}
-    out = subprocess.run(["bash", str(SBATCH), "--tensor-parallel", "2", "--train-iters", "5", "--global-batch-size", "16"], cwd=tmp_path,
-                         env=run_env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(["bash", str(SBATCH), "--tensor-parallel", "2", "--train-iters", "5",
+                          "--global-batch-size", "16"],
+                         cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     commands = [p.read_text().split("\0")[:-1] for p in sorted((tmp_path / "logs").glob("*.cmd"))]
     assert len(commands) == 2
@@ -111,7 +112,8 @@ def test_sbatch_script_builds_one_launcher_per_node(fake_slurm, tmp_path):
         argv = expand(cmd, rank)
         assert argv[:8] == ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
                             "--master-port", str(20000 + 4242)]
-        assert argv[8:] == ["--nproc-per-node", "4", "--tensor-parallel", "2", "--train-iters", "5", "--global-batch-size", "16"]
+        assert argv[8:] == ["--nproc-per-node", "4", "--tensor-parallel", "2", "--train-iters", "5",
+                            "--global-batch-size", "16"]
         launcher, training = argv[:10], argv[10:]
         check_rendezvous(launcher)
         check_flags(training, _world_size(launcher))  # 8 processes at tp 2: dp 4

@@ -188,7 +188,8 @@ def _gpt_and_timeout_body(rank, topo):
     sched = ScheduleConfig(num_microbatches=GPT_M, tensor_shape=(16, 2, 32), pp_group=topo.groups.pp,
                            prev_rank=topo.prev_rank(rank), next_rank=topo.next_rank(rank), p2p_timeout=30)
     logs = get_forward_backward_func(2, "1f1b")(gpt_forward_step, iter(gpt_data()), model, sched)
-    result = {"grads": _gpt_grads(model, 2 * stage), "mean": {k: float(v) for k, v in average_logs(logs, sched).items()}}
+    result = {"grads": _gpt_grads(model, 2 * stage),
+              "mean": {k: float(v) for k, v in average_logs(logs, sched).items()}}
     if topo.coord(rank).dp == 1:
         return result
 

@@ -72,8 +72,8 @@ def test_empty_whitespace_and_literal_eod_documents(tmp_path, gpt2_files):
     res, prefix = run(tmp_path, gpt2_files, lines)
     ds = IndexedDataset(prefix)
     assert ds.document_indices.tolist() == [0, 1, 1, 2, 3, 4]  # "" adds a boundary, no sequence
-    assert [x.tolist() for x in ds] == [[64, 50256], [220, 220, 220, 50256], [65, 27, 91, 437, 1659, 5239, 91, 29, 50256],
-                                       [198, 50256]]
+    assert [x.tolist() for x in ds] == [[64, 50256], [220, 220, 220, 50256],
+                                       [65, 27, 91, 437, 1659, 5239, 91, 29, 50256], [198, 50256]]
     assert res["text"]["num_docs"] == 5
 
 

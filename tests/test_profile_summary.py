@@ -8,15 +8,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _trace() -> dict:
-    cpu = lambda name, ts, dur, dims=(): {"cat": "cpu_op", "name": name, "pid": 1, "tid": 7, "ts": ts, "dur": dur,
-                                          "args": {"Input Dims": list(dims)}}
-    call = lambda ts, corr: {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 7, "ts": ts,
-                             "dur": 1, "args": {"correlation": corr}}
-    kernel = lambda name, ts, dur, corr: {"cat": "kernel", "name": name, "pid": 0, "tid": 0, "ts": ts, "dur": dur,
-                                          "args": {"correlation": corr}}
+    def cpu(name, ts, dur, dims=()):
+        return {"cat": "cpu_op", "name": name, "pid": 1, "tid": 7, "ts": ts, "dur": dur,
+                "args": {"Input Dims": list(dims)}}
+
+    def call(ts, corr):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 7, "ts": ts,
+                "dur": 1, "args": {"correlation": corr}}
+
+    def kernel(name, ts, dur, corr):
+        return {"cat": "kernel", "name": name, "pid": 0, "tid": 0, "ts": ts, "dur": dur,
+                "args": {"correlation": corr}}
+
     return {"traceEvents": [
         cpu("aten::linear", 0, 50), cpu("aten::addmm", 5, 10), call(6, 1),       # addmm inside linear
-        cpu("aten::sum", 20, 10, [[1024, 3072], []]), call(22, 2),                                     # a sibling after it
+        cpu("aten::sum", 20, 10, [[1024, 3072], []]), call(22, 2),                # a sibling after it
         call(40, 3),                                                               # linear itself
         kernel("sm90_xmma_gemm_bf16", 100, 400, 1),
         kernel("reduce_kernel<float>", 500, 100, 2),

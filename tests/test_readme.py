@@ -293,7 +293,8 @@ def check_python(tokens: list[str], cwd: Path) -> None:
     if script == "tools/plan_layout.py" and real and "--help" not in args:   # its pick must train
         assert "| tp | pp |" in out, out
         best = next(line for line in out.splitlines() if line.startswith("bash scripts/pretrain_gpt2.sh"))
-        check_pretrain_script(shlex.split(best, comments=True)[2:], (ROOT / "scripts/pretrain_gpt2.sh").read_text(), cwd)
+        check_pretrain_script(shlex.split(best, comments=True)[2:], (ROOT / "scripts/pretrain_gpt2.sh").read_text(),
+                              cwd)
 
 
 def check_bash(tokens: list[str], env: dict, cwd: Path) -> None:

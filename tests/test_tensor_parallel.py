@@ -84,7 +84,8 @@ def _sequence_parallel(rank, tp, group):
     x_full = torch.randn(8, 3, 16, generator=torch.Generator().manual_seed(5))               # [s, b, h]
     col = ColumnParallelLinear(16, 24, Init(7, "col"), group, sequence_parallel=True, fused_grad_accumulation=True)
     row = RowParallelLinear(24, 16, Init(7, "row"), group, sequence_parallel=True, fused_grad_accumulation=True)
-    w1, w2 = full_normal((24, 16), Init(7, "col")).requires_grad_(), full_normal((16, 24), Init(7, "row")).requires_grad_()
+    w1 = full_normal((24, 16), Init(7, "col")).requires_grad_()
+    w2 = full_normal((16, 24), Init(7, "row")).requires_grad_()
     x_ref = x_full.clone().requires_grad_()
     y_ref = F.linear(F.linear(x_ref, w1), w2)                                                 # biases are 0
     weight = torch.linspace(-1, 1, 16)
@@ -129,7 +130,8 @@ def _sp_mappings(rank, tp, group):
 def _all_layers_body(rank, world_size):
     group = dist.group.WORLD
     return {"sequence_parallel": _sequence_parallel(rank, world_size, group),
-            "sp_mappings": _sp_mappings(rank, world_size, group),"column": _column(rank, world_size, group, False), "column_gather": _column(rank, world_size, group, True),
+            "sp_mappings": _sp_mappings(rank, world_size, group),
+            "column": _column(rank, world_size, group, False), "column_gather": _column(rank, world_size, group, True),
             "row_parallel_in": _row(rank, world_size, group, True), "row_scatter": _row(rank, world_size, group, False),
             "embedding": _embedding(rank, world_size, group), "cross_entropy": _cross_entropy(rank, world_size, group)}
 

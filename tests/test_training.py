@@ -25,7 +25,8 @@ def test_tp2_dp2_matches_serial(embedded_data):
     assert parallel == pytest.approx(serial, rel=2e-5), (serial, parallel)
     # sequence parallelism with ZeRO-1: its LayerNorm/bias gradients are summed over TP after the
     # data-parallel reduce-scatter
-    sp = losses(run_training(base + ["--tensor-parallel", "2", "--sequence-parallel", "--use-distributed-optimizer"], 4))
+    sp = losses(run_training(base + ["--tensor-parallel", "2", "--sequence-parallel", "--use-distributed-optimizer"],
+                             4))
     assert sp == pytest.approx(serial, rel=2e-5), (serial, sp)
 
 
@@ -72,8 +73,9 @@ def test_sigterm_leaves_loadable_checkpoint(embedded_data, tmp_path):
     assert proc.returncode == 0, out
     assert "exiting after SIGTERM" in out
     it = int(open(tmp_path / "ck" / TRACKER).read())
+    # --use-checkpoint-opt_param-scheduler: the saved scheduler's (--train-iters 100000)
     resumed = run_training(TINY_TRAIN + embedded_data + ["--train-iters", str(it + 1), "--load", str(tmp_path / "ck"),
-                                                         "--use-checkpoint-opt_param-scheduler"])  # saved: 100000 iterations
+                                                         "--use-checkpoint-opt_param-scheduler"])
     assert resumed["iteration"] == it + 1
 
 

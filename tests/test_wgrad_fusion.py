@@ -19,8 +19,9 @@ def _microbatches(dtype, device, n=3):
 
 def _fused_vs_reference(dtype, device):
     """main_grad after 3 fused microbatches vs the same layers' fp64 gradients summed."""
-    layers = nn.Sequential(ColumnParallelLinear(16, 24, Init(1, "a"), fused_grad_accumulation=True, device=device, dtype=dtype),
-                           RowParallelLinear(24, 16, Init(1, "b"), fused_grad_accumulation=True, device=device, dtype=dtype))
+    fused = dict(fused_grad_accumulation=True, device=device, dtype=dtype)
+    layers = nn.Sequential(ColumnParallelLinear(16, 24, Init(1, "a"), **fused),
+                           RowParallelLinear(24, 16, Init(1, "b"), **fused))
     ref = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16)).double().to(device)
     with torch.no_grad():
         for r, l in zip(ref, layers):
@@ -68,7 +69,8 @@ def test_fused_wgrad_accumulates_into_main_grad_cuda(dtype):
 
 @pytest.mark.gpu
 def test_fused_wgrad_under_torch_compile_cuda():
-    layer = ColumnParallelLinear(16, 24, Init(1, "a"), fused_grad_accumulation=True, device="cuda", dtype=torch.bfloat16)
+    layer = ColumnParallelLinear(16, 24, Init(1, "a"), fused_grad_accumulation=True, device="cuda",
+                                 dtype=torch.bfloat16)
     buf = GradBuffer(layer.parameters(), None)
     buf.start_step()
     compiled = torch.compile(layer)

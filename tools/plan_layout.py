@@ -1,4 +1,4 @@
-"""Rank parallel layouts by predicted step time (same as `megapar-plan-layout`); the code is megapar/cli/plan_layout.py."""
+"""Rank parallel layouts by predicted step time (same as `megapar-plan-layout`); code: megapar/cli/plan_layout.py."""
 import sys
 from megapar.cli.plan_layout import main
 

@@ -1,10 +1,11 @@
 """Step 5: merge downloaded documents into one loose-JSON file, one ``{"text": ..., "url": ...}`` per line.
 
-Reads, in sorted path order (for a ``download`` output folder: its ``data/``), every ``*.json`` (one document per file, e.g. ``download``'s ``data/*/*.json``) and
-``*.jsonl`` (one per line) below each input folder. Each line must be a JSON object with a string ``text`` and a
-string ``url``; lines that are not are counted ("bad_json", "missing_field") and skipped. A document whose ``url``
-was already merged is dropped ("duplicate_url"), so ``url`` is a unique id for the later dedup steps. Kept lines are
-re-serialised with ``json.dumps(ensure_ascii=False)`` (keys ``text``, ``url`` first, other keys kept).
+Reads, in sorted path order (for a ``download`` output folder: its ``data/``), every ``*.json`` (one document per
+file, e.g. ``download``'s ``data/*/*.json``) and ``*.jsonl`` (one per line) below each input folder. Each line must
+be a JSON object with a string ``text`` and a string ``url``; lines that are not are counted ("bad_json",
+"missing_field") and skipped. A document whose ``url`` was already merged is dropped ("duplicate_url"), so ``url``
+is a unique id for the later dedup steps. Kept lines are re-serialised with ``json.dumps(ensure_ascii=False)`` (keys
+``text``, ``url`` first, other keys kept).
 
 Upstream (Megatron merge_jsons.py) quirk decisions:
 * unsorted ``glob`` order -> FIXED: sorted, so the merged file is reproducible.

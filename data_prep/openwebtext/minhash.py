@@ -3,8 +3,9 @@
 Signature: for every overlapping 5-byte window of the UTF-8 text (a text under 5 bytes is one short shingle),
 ``x`` = the top 32 bits of ``mix64(window)`` and, per permutation k, ``h_k = (a_k * x + b_k) mod 2^32`` (``a_k`` odd,
 so each ``h_k`` is a bijection of the 32-bit values); the signature is the ``min`` over the windows, as uint32.
-32-bit arithmetic on cache-sized blocks (16k windows x num_perm) is ~25x faster than 64-bit on big blocks. Many documents are hashed in one numpy pass
-(``np.minimum.reduceat`` over their window runs), which is what makes the step fast.
+32-bit arithmetic on cache-sized blocks (16k windows x num_perm) is ~25x faster than 64-bit on big blocks. Many
+documents are hashed in one numpy pass (``np.minimum.reduceat`` over their window runs), which is what makes the step
+fast.
 """
 from __future__ import annotations
 

@@ -98,8 +98,8 @@ def setup(a: argparse.Namespace) -> tuple[int, Topology, torch.device]:
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     if world != tp * pp:
         raise GenerationError(f"{world} process(es) for --tensor-model-parallel-size {tp} x "
-                              f"--pipeline-model-parallel-size {pp}; launch exactly {tp * pp} (scripts/generate_text.sh "
-                              f"starts torchrun for you)")
+                              f"--pipeline-model-parallel-size {pp}; launch exactly {tp * pp} "
+                              f"(scripts/generate_text.sh starts torchrun for you)")
     cuda = torch.cuda.is_available() if a.device == "auto" else a.device.startswith("cuda")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")

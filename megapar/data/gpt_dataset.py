@@ -269,7 +269,8 @@ def check_token_ids(data_path: Sequence[str] | str, vocab_size: int, sample_toke
             ids = check(p, vocab_size, sample_tokens)
         except IndexedDatasetError as e:
             raise IndexedDatasetError(f"--data-path {p}: {e} (a sampled check at start; python -m "
-                                      f"megapar.data.validate {p} --vocab-size {vocab_size} reads every token)") from None
+                                      f"megapar.data.validate {p} --vocab-size {vocab_size} reads every token)"
+                                      ) from None
         _log(f"token ids of {p} < {vocab_size}: {ids['mode']} check ({ids['checked']} of {ids['tokens']} tokens)")
 
 

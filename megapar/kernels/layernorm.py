@@ -33,7 +33,8 @@ class FusedLayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = load_fused_kernels().layer_norm_backward(grad.contiguous(), x, mean, rstd, weight.contiguous(), None)
+        dx, dw, db = load_fused_kernels().layer_norm_backward(grad.contiguous(), x, mean, rstd, weight.contiguous(),
+                                                              None)
         return dx, dw, db, None
 
 
@@ -52,7 +53,8 @@ class FusedAddLayerNorm(torch.autograd.Function):
         if grad_y is None:
             grad_y = torch.zeros_like(s)
         ds = grad_s.contiguous() if grad_s is not None else None
-        dx, dw, db = load_fused_kernels().layer_norm_backward(grad_y.contiguous(), s, mean, rstd, weight.contiguous(), ds)
+        dx, dw, db = load_fused_kernels().layer_norm_backward(grad_y.contiguous(), s, mean, rstd, weight.contiguous(),
+                                                              ds)
         return dx, dx, dw, db, None
 
 

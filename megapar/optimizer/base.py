@@ -47,7 +47,8 @@ def counts_for_norm(name: str, tp_rank: int) -> bool:
     return tp_partition_dim(name) is not None or tp_rank == 0
 
 
-def make_adamw(groups: list[dict], cfg: TrainConfig, device: torch.device, cpu_fused: bool = False) -> torch.optim.AdamW:
+def make_adamw(groups: list[dict], cfg: TrainConfig, device: torch.device,
+               cpu_fused: bool = False) -> torch.optim.AdamW:
     """Fused AdamW on GPUs (foreach on CPU, or torch's vectorised fused CPU kernel with
     `cpu_fused`: the offloaded step). With --enable-cuda-graph it is capturable and its learning
     rate is a device tensor (the LR scheduler fills it in place; cuda_graph.py)."""

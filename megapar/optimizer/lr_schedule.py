@@ -98,7 +98,8 @@ class OptimizerParamScheduler:
 # OptimizerParamScheduler checks the same ones when it loads).
 SETTINGS = (("max_lr", "max_lr", "--lr"), ("min_lr", "min_lr", "--min-lr"),
             ("lr_warmup_steps", "warmup_steps", "--lr-warmup-iters"),
-            ("lr_decay_steps", "decay_steps", "--lr-decay-iters"), ("lr_decay_style", "decay_style", "--lr-decay-style"),
+            ("lr_decay_steps", "decay_steps", "--lr-decay-iters"),
+            ("lr_decay_style", "decay_style", "--lr-decay-style"),
             ("start_wd", "weight_decay", "--weight-decay"), ("lr_warmup_style", "warmup_style", "--lr-warmup-style"),
             ("lr_warmup_init", "warmup_init", "--lr-warmup-init"))
 WARMUP_STYLES = ("linear", "log")

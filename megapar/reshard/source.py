@@ -3,8 +3,9 @@
 Shard files are opened with torch.load(mmap=True): only the tensors asked for are paged in, and
 all mappings are dropped whenever `budget_bytes` (default 64 MiB) were paged in since the last
 drop, so resident memory stays bounded by a few tensors rather than the model. A full tensor
-is assembled by copying each TP shard straight into its place (no intermediate copies). Every problem (missing tracker / iteration / shard,
-truncated or corrupt file, shards that disagree) raises CheckpointError naming the file.
+is assembled by copying each TP shard straight into its place (no intermediate copies). Every
+problem (missing tracker / iteration / shard, truncated or corrupt file, shards that disagree)
+raises CheckpointError naming the file.
 """
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ CASES = [
     (V2 + ["--global-batch-size", "6"],
      ["number of microbatches (3", "must be a multiple of --pipeline-model-parallel-size 2", "--global-batch-size 8"]),
     (["--virtual-pipeline-model-parallel-size", "3"],
-     ["--num-layers 4 is not divisible by --pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel-size 3"]),
+     ["--num-layers 4 is not divisible by --pipeline-model-parallel-size 2 x "
+      "--virtual-pipeline-model-parallel-size 3"]),
     (V2 + ["--num-layers-per-virtual-pipeline-stage", "2"],
      ["--virtual-pipeline-model-parallel-size 2 disagrees with --num-layers-per-virtual-pipeline-stage 2"]),
     (V2 + ["--pipeline-schedule", "afab"], ["--pipeline-schedule afab has no interleaved form"]),

@@ -285,7 +285,8 @@ LOGGER_CASES = [
 ]
 # The entry point as `python -m megapar.pretrain_gpt2` runs it, with the named packages hidden (as if
 # not installed) whether or not this machine has them.
-WITHOUT_PACKAGES = ("import runpy, sys; hidden = sys.argv.pop(1).split(','); sys.modules.update(dict.fromkeys(hidden)); "
+WITHOUT_PACKAGES = ("import runpy, sys; hidden = sys.argv.pop(1).split(','); "
+                    "sys.modules.update(dict.fromkeys(hidden)); "
                     "runpy.run_module('megapar.pretrain_gpt2', run_name='__main__')")
 
 

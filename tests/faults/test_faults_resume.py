@@ -142,7 +142,8 @@ def test_printed_train_longer_command_when_the_schedule_ends_at_zero(trained, tm
     assert first.rc == 0, first.output[-3000:]
     out = run(_train_longer(first.output, tmp_path / "ck", tmp_path / "ck"))
     assert out.rc == 0, out.output[-3000:]
-    assert "--override-opt_param-scheduler" in next(line for line in first.output.splitlines() if "# train longer" in line)
+    train_longer = next(line for line in first.output.splitlines() if "# train longer" in line)
+    assert "--override-opt_param-scheduler" in train_longer
     lrs = _lrs(out.output)
     assert sorted(lrs) == [3, 4] and all(float(v) > 0 for v in lrs.values()), lrs
 
@@ -168,8 +169,9 @@ def test_another_pipeline_split_names_the_saved_split():
     saved = read_saved_config({"args": argparse.Namespace(num_layers=4, tensor_model_parallel_size=1,
                                                           pipeline_model_parallel_size=2,
                                                           decoder_first_pipeline_num_layers=3)})
-    with pytest.raises(CheckpointError, match=r"its layout: --tensor-model-parallel-size 1 "
-                                              r"--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 3"):
+    with pytest.raises(CheckpointError,
+                       match=r"its layout: --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 "
+                             r"--decoder-first-pipeline-num-layers 3"):
         check_compatible(saved, ModelConfig(num_layers=4), Topology(1, 2, 1), "ck")
     with pytest.raises(CheckpointError, match=r"\(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 "
                                               r"--decoder-first-pipeline-num-layers 3, on a multiple of 2 processes\)"):
