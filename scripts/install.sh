@@ -14,7 +14,7 @@ else
     python3 -m pip install -q torch==2.13.0   # never unpinned
 fi
 step 2 "the requirements of requirements-dev.txt (numpy, tokenizers, data-prep libraries, transformers, torchao,"\
-" pytest; about 300 MB installed, nothing to do for what is there already)"
+" pytest, ruff; about 300 MB installed, nothing to do for what is there already)"
 python3 -m pip install -q -r requirements-dev.txt
 step 3 "megapar itself, editable (seconds; compiling the CUDA kernels, with a CUDA torch and nvcc, takes minutes)"
 python3 -m pip install -q --no-build-isolation -e .
