@@ -12,16 +12,19 @@ the one `error:` line a run would end with (every refusal, joined by "; "), exit
 import sys
 from typing import Optional
 
-from megapar.arguments import DEEPSPEED_CONFIG, ConfigError, _Parser, build_parser, config_from_namespace
+from megapar.arguments import DEEPSPEED_CONFIG, ConfigError, build_parser, config_from_namespace
+from megapar.errors import OneLineErrorParser
 from megapar.deepspeed_config import apply, key_table
 from megapar.recipes import expand_recipes
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """`megapar-ds-config FILE [--world-size N] [megapar flags]`: what the config becomes."""
-    pre = _Parser(prog="megapar-ds-config", description="Print what a DeepSpeed config becomes in megapar: "
-                  "the flags it sets, what each \"auto\" resolves to, the keys noted and those refused; no run "
-                  "starts. Other arguments are megapar's training flags (the command line you would train with).")
+    pre = OneLineErrorParser(prog="megapar-ds-config",
+                             description="Print what a DeepSpeed config becomes in megapar: the flags it sets, what "
+                                         "each \"auto\" resolves to, the keys noted and those refused; no run starts. "
+                                         "Other arguments are megapar's training flags (the command line you would "
+                                         "train with).")
     pre.add_argument("config", metavar="FILE", nargs="?", help="a DeepSpeed ds_config.json")
     pre.add_argument("--world-size", type=int, default=1, help="processes (GPUs) of the run, for the batch triple")
     pre.add_argument("--table", action="store_true", help="print the table of every key docs/guide.md carries")
