@@ -15,6 +15,11 @@ Each command line is checked by what it runs:
     matched against the flags they handle; wrappers around one tools/*.py script check that script's flags.
 A misspelled flag, an unknown recipe or config name, or a command this file has no checker for fails the test
 (test_a_misspelled_flag_fails shows it can).
+
+Sample outputs: a ```bash block of one command followed (after blank lines only) by a plain ``` block shows that
+command's output. The command must print every line of the sample, in order, each whole (trailing blanks ignored);
+the sample may leave lines out (a preamble, a table's |---| row), never change one
+(test_a_stale_sample_fails shows it can).
 """
 from __future__ import annotations
 
@@ -70,6 +75,32 @@ def bash_blocks(doc: str) -> list[tuple[int, list[str]]]:
 
 def all_blocks() -> list[tuple[str, list[str]]]:
     return [(f"{doc}:{line}", cmds) for doc in DOCS for line, cmds in bash_blocks(doc)]
+
+
+def sample_outputs(doc: str) -> dict[str, list[str]]:
+    """{"doc:line" of a one-command ```bash block (as all_blocks names it): the lines of the plain ``` block
+    right after it}."""
+    lines, samples = (ROOT / doc).read_text().splitlines(), {}
+    for line, cmds in bash_blocks(doc):
+        i = next(j for j in range(line - 1, len(lines)) if lines[j].strip() == "```") + 1   # past the bash block
+        while i < len(lines) and not lines[i].strip():
+            i += 1
+        if len(cmds) == 1 and i < len(lines) and lines[i].strip() == "```":
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            samples[f"{doc}:{line}"] = lines[i + 1:end]
+    return samples
+
+
+def missing_sample_lines(sample: list[str], printed: str) -> list[str]:
+    """The sample's lines that the printed output does not contain in the sample's order (none: it matches)."""
+    out = [line.rstrip() for line in printed.splitlines()]
+    missing, at = [], 0
+    for line in (s.rstrip() for s in sample):
+        try:
+            at = out.index(line, at) + 1
+        except ValueError:
+            missing.append(line)
+    return missing
 
 
 # ---- running a Python entry point in-process ----------------------------------------------------
@@ -268,7 +299,8 @@ def check_convert_from_hf(args: list[str], cwd: Path) -> None:
 REAL_TOOLS = {"tools/estimate_memory.py", "tools/plan_layout.py"}   # cheap: run for real (not --calibrate: GPU)
 
 
-def check_python(tokens: list[str], cwd: Path) -> None:
+def check_python(tokens: list[str], cwd: Path) -> str | None:
+    """Check one python command; returns what it printed when it ran for real."""
     if tokens[0] == "-m":
         module, args = tokens[1], tokens[2:]
         if module == "megapar.pretrain_gpt2":
@@ -295,6 +327,7 @@ def check_python(tokens: list[str], cwd: Path) -> None:
         best = next(line for line in out.splitlines() if line.startswith("bash scripts/pretrain_gpt2.sh"))
         check_pretrain_script(shlex.split(best, comments=True)[2:], (ROOT / "scripts/pretrain_gpt2.sh").read_text(),
                               cwd)
+    return out if real else None
 
 
 def check_bash(tokens: list[str], env: dict, cwd: Path) -> None:
@@ -338,7 +371,8 @@ def check_sbatch(args: list[str]) -> None:
                           (ROOT / "scripts/pretrain_gpt2.sh").read_text())
 
 
-def check_command(line: str, cwd: Path) -> None:
+def check_command(line: str, cwd: Path) -> str | None:
+    """Check one command line; returns what it printed when it ran for real (python tools only)."""
     tokens = shlex.split(line, comments=True)
     env = {}
     while tokens and ENV_ASSIGN.match(tokens[0]):
@@ -349,7 +383,7 @@ def check_command(line: str, cwd: Path) -> None:
     if prog == "bash":
         check_bash(rest, env, cwd)
     elif prog in ("python", "python3"):
-        check_python(rest, cwd)
+        return check_python(rest, cwd)
     elif prog == "sbatch":
         check_sbatch(rest)
     elif prog.startswith("megapar-"):  # console entry point megapar-x-y = megapar.cli.x_y:main (setup.py)
@@ -363,6 +397,7 @@ def check_command(line: str, cwd: Path) -> None:
 
 # ---- tests --------------------------------------------------------------------------------------
 BLOCKS = all_blocks()
+SAMPLES = {where: sample for doc in DOCS for where, sample in sample_outputs(doc).items()}
 
 
 def test_readme_has_commands():
@@ -376,9 +411,28 @@ def test_commands_work(where, commands, tmp_path):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     for line in commands:
         try:
-            check_command(line, tmp_path)
+            printed = check_command(line, tmp_path)
         except AssertionError as e:
             pytest.fail(f"{where}: `{line}`\n{e}")
+    if where in SAMPLES:
+        assert printed is not None, f"{where}: the sample output after this block is of a command that does not run"
+        missing = missing_sample_lines(SAMPLES[where], printed)
+        assert not missing, (f"{where}: the sample output after this block no longer matches what `{commands[0]}` "
+                             "prints; these lines are stale:\n" + "\n".join(missing) + f"\nit printed:\n{printed}")
+
+
+def test_the_guide_shows_sample_outputs():
+    """The guide's planner and memory-estimator samples are checked (a rename of the blocks would drop them)."""
+    shown = [SAMPLES[w] for w in SAMPLES if w.startswith("docs/guide.md")]
+    assert any(line.startswith("| tp | pp | v | dp | ZeRO | offload |") for s in shown for line in s), shown
+    assert sum(any(line.startswith("GPU: fits") for line in s) for s in shown) >= 2
+
+
+def test_a_stale_sample_fails():
+    printed = "header\n| a | b |\n|---|---|\n| 1 | 2.5 |\nbest: 2.5 ms  \n"
+    assert missing_sample_lines(["| a | b |", "| 1 | 2.5 |", "best: 2.5 ms"], printed) == []
+    assert missing_sample_lines(["| a | b |", "| 1 | 2.4 |"], printed) == ["| 1 | 2.4 |"]
+    assert missing_sample_lines(["best: 2.5 ms", "| a | b |"], printed) == ["| a | b |"]   # order counts
 
 
 @pytest.mark.parametrize("line", [
