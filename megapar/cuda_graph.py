@@ -2,10 +2,11 @@
 full-iteration scope): zeroing the gradient buffer, forward and backward of every microbatch,
 gradient reduction, clipping and AdamW, replayed with one launch per iteration.
 
-Why: the H100 profile of GPT-2 345M (micro-batch 8, compiled layers) showed the GPU busy for
-47-48 ms of a 52 ms step; the rest was the GPU waiting for the CPU to launch kernels through the
-autograd engine, the compiled layers' wrappers and the gradient hooks. A replay launches them all
-at once (measured: 53.5 -> 51.5 ms; with the bias-gradient GEMV and the read-back lag, 48.4 ms).
+Why: the H100 profile of GPT-2 345M (micro-batch 8, compiled layers) showed the GPU idle for part
+of every step, waiting for the CPU to launch kernels through the autograd engine, the compiled
+layers' wrappers and the gradient hooks. A replay launches them all at once, which measured faster
+on H100 (more so with the bias-gradient GEMV and the queued read-back; see
+docs/performance.md#performance-log-predicted-vs-measured).
 Per-layer graphs (Transformer Engine's way) would keep the hooks and the optimizer outside; one
 graph for the whole step is simpler here because the step is already free of host
 synchronisation (training.queue_step).

@@ -7,7 +7,8 @@ For the documents `docs` (sequence ids of one split) with token counts `sizes`:
               global tokens [j*L, (j+1)*L] inclusive (L = seq_length, so L+1 tokens; consecutive
               samples share one token, as in Megatron), crossing document boundaries.
   shuffle_idx a random permutation of the S samples.
-Everything is numpy (permutation, cumsum, searchsorted): ~1 s per billion tokens.
+Everything is numpy (permutation, cumsum, searchsorted): seconds for billions of tokens
+(docs/performance.md#data).
 """
 from __future__ import annotations
 

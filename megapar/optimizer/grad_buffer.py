@@ -5,8 +5,9 @@ accumulation adds `param.grad` into `main_grad` (fp32 accumulation across microb
 the parameter dtype) and frees `param.grad`; linear-layer weights and biases with
 gradient-accumulation fusion were accumulated by backward itself (tensor_parallel/linear.py),
 so the hook only frees their dummy. Vectors (LayerNorm weights and biases, unfused biases) are
-small and many, ~100 in GPT-2 345M, whose one-launch-each fp32 += bf16 adds took 0.58 ms of a
-47.8 ms H100 step: the hook queues them, and when the bucket is complete (or in `finish()`) they
+small and many, ~100 in GPT-2 345M, and one launch each for their fp32 += bf16 adds showed in the
+H100 profile (docs/performance.md#performance-log-predicted-vs-measured): the hook queues them, and
+when the bucket is complete (or in `finish()`) they
 are concatenated, cast once and added with one multi-tensor add (a foreach add straight from
 bf16 into fp32 would fall back to one add per tensor, as torch's foreach ops need equal dtypes).
 

@@ -4,39 +4,29 @@ The defaults are PLACEHOLDERS until `python tools/plan_layout.py --calibrate --o
 run on the machine that will train (then pass `--calibration calib.json`). Each number was taken from a
 measurement in docs/performance.md where one exists, otherwise from a datasheet:
 
-    peak_tflops           989: dense bf16 tensor-core peak of H100 / H200 SXM (megapar/throughput.py)
-    gemm_tflops           GEMM throughput by GEMM size (GFLOP of one GEMM -> TFLOP/s), H100: measured by
-                          --calibrate (configs/calibration_h100.json: 118 TFLOP/s at 2 GFLOP, 613 at 17, 671 at
-                          137, 692 at 1100). The earlier estimate, still the H200's: ~680 TFLOP/s at the
-                          GPT-2 345M shapes (17-69 GFLOP GEMMs, profile of the graphed 345M step on one H100:
-                          GEMMs 25.6 ms for 17.4 TFLOP); 664 at the tp 2 shapes (2x H200 profile: 13.1 ms for
-                          8.7 TFLOP); smaller and larger sizes extrapolated (small GEMMs lose efficiency,
-                          the 1.3B shape reached 53% MFU on one H200)
-    attn_fwd_tflops       270 / 210 (backward): cuDNN SDPA, head dim 64, causal FLOPs counted (345M profile)
-    hbm_gbps              3009: copy bandwidth of an H100 (read + write) measured by --calibrate;
-                          H200: scaled by the datasheet ratio 4.8 / 3.35 TB/s
-    intra_node            NVLink: NCCL 16 MB all-reduce at tp 2 on 2x H200 in 77 us, ~260 GB/s each way
-                          ("NCCL is already at this link's speed"); latency fitted as the rest (~15 us)
-    inter_node            not measured (only single-node machines were lent): 400 Gb/s InfiniBand NDR per
-                          GPU, ~45 GB/s bus bandwidth, 30 us latency
-    pcie_*_gbps           53.8 / 55.0 GB/s: pinned H2D / D2H copies measured by --calibrate on an H100 machine
-                          (configs/calibration_h100.json)
-    cpu_adam_gparams_s    4.83 G parameters/s: torch's fused CPU AdamW on the H100 machine's 16 cores
-                          (--calibrate; benchmarks/bench_cpu_adam.py measured 4.31); shared by the GPUs of a node
-    elementwise bytes     LayerNorm/residual/dropout (14 B per s·b·h element, replicated over TP unless
-                          sequence parallel) + GELU and the rest (16 B, split over TP), forward; backward 2x;
-                          chosen so that the 345M step's compiled elementwise kernels come out at the
-                          profiled 6.9 ms (with the loss: 8 B per logit)
-    optimizer bytes       30 B per owned parameter (the fused AdamW: masters, moments, bf16 params) + 8 B per
-                          local parameter (grad zeroing, norm): 4.6 ms for 355M parameters as profiled
-    tp_bwd_overlap        0.4: the backward all-reduces behind the weight-gradient GEMMs took 1.4 of ~3.7 ms
-    dp_overlap            0.5: 345M dp 4 ZeRO-1 on 4x H200 (52.9 ms against 50.4 ms on one GPU, with the
-                          optimizer step 4x smaller): about half the gradient reduce-scatter is hidden
-    layer_overhead_ms     0.2 per layer and microbatch: launch gaps, 345M compiled without a CUDA graph
-                          (52.1 ms) against graphed (47.2 ms), 24 layers
-    zero2/3 overheads     per layer and microbatch: 345M at dp 1 on one H100, GPU busy time of ZeRO-2 +2.0 ms
-                          and ZeRO-3 +3.1 ms against ZeRO-1 (48.1 ms), 24 layers, 1 microbatch (profiled: the
+    peak_tflops           dense bf16 tensor-core peak (datasheet; megapar/throughput.py)
+    gemm_tflops           GEMM throughput by GEMM size (GFLOP of one GEMM -> TFLOP/s): H100 measured by
+                          --calibrate (configs/calibration_h100.json); H200 still the earlier estimate from
+                          profiles of the 345M step, extrapolated to smaller and larger GEMMs
+    attn_*_tflops         cuDNN SDPA forward / backward, head dim 64, causal FLOPs counted (345M profile)
+    hbm_gbps              copy bandwidth (read + write): H100 measured by --calibrate; H200 scaled by the
+                          datasheet bandwidth ratio
+    intra_node            NVLink: a measured NCCL all-reduce at tp 2 (bandwidth), latency fitted as the rest
+    inter_node            not measured (only single-node machines were lent): InfiniBand NDR per GPU, datasheet
+    pcie_*_gbps           pinned H2D / D2H copies measured by --calibrate
+    cpu_adam_gparams_s    torch's fused CPU AdamW measured by --calibrate; shared by the GPUs of a node
+    elementwise bytes     LayerNorm/residual/dropout (replicated over TP unless sequence parallel) + GELU and the
+                          rest (split over TP) per s·b·h element, forward; backward 2x; chosen so that the 345M
+                          step's compiled elementwise kernels come out at their profiled time (the loss: per logit)
+    optimizer bytes       per owned parameter (the fused AdamW: masters, moments, bf16 params) + per local
+                          parameter (grad zeroing, norm), as profiled
+    tp_bwd_overlap        the share of the backward all-reduces hidden behind the weight-gradient GEMMs (profiled)
+    dp_overlap            the share of the gradient reduce-scatter hidden, from 345M dp 4 ZeRO-1 against one GPU
+    layer_overhead_ms     launch gaps per layer and microbatch: 345M compiled without a CUDA graph against graphed
+    zero2/3 overheads     per layer and microbatch: GPU busy time of ZeRO-2 / ZeRO-3 against ZeRO-1 (profiled: the
                           wall times of those runs were host-bound)
+
+The measurement behind each value, with device and date: docs/performance.md#where-the-cost-models-defaults-come-from.
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ fp32 into `main_grad` (cuBLAS with bf16 inputs, an fp32 C and beta = 1:
 `torch.addmm(..., out_dtype=float32)`), the bias gradient is added to its `main_grad` without a
 hook, and autograd receives uninitialised dummies so the GradBuffer's per-parameter hook still
 fires (it drives the bucketed all-reduce) but adds nothing. Tried against a 345M H100 profile that
-put 4.8 ms of a 49 ms step in the unfused path; the step's wall time moved by less than the
-run-to-run spread (it is partly launch-bound; docs/performance.md).
+put several ms of the step in the unfused path; the step's wall time moved by less than the
+run-to-run spread (it is partly launch-bound; docs/performance.md#performance-log-predicted-vs-measured).
 
 A parameter takes this path only when its layer marked it `fused_grad_accumulation` and it has a
 `main_grad` (set by the GradBuffer); the hook reads the same mark. The accumulations are custom
@@ -18,8 +18,9 @@ ops, so torch.compile keeps them (and their in-place writes) intact.
 Column-parallel layers pass their TP group (`grad_x_group`): backward then all-reduces the input
 gradient asynchronously and computes the weight gradient while it travels (Megatron's async
 tensor-parallel all-reduce), instead of a separate all-reduce after the whole backward of the layer
-(mappings.copy_to_tp), which also cloned the gradient first. On 2x H200, GPT-2 345M tp 2
-(compiled, CUDA graph) went from 35.8 to 34.4 ms per step. With sequence parallelism forward
+(mappings.copy_to_tp), which also cloned the gradient first; GPT-2 345M at tp 2 (compiled, CUDA
+graph) measured faster on 2x H200 (docs/performance.md#performance-log-predicted-vs-measured). With
+sequence parallelism forward
 all-gathers the input's sequence first and backward reduce-scatters the input gradient instead
 (both Megatron's; the gathered input is kept for the weight gradient, not gathered again).
 
@@ -56,10 +57,10 @@ def accumulate_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: boo
     """main_grad [out] += grad_out [T, out] summed over tokens.
 
     gemv (GPU, bf16/fp16 grad_out): [1, out] += ones [1, T] @ grad_out [T, out], accumulated in fp32
-    by cuBLAS. On a 345M H100 step it cut GPU time by 1.3 ms against torch's column sum
-    (grad_out.sum(0), then an fp32 add) and the CUDA-graphed step from 50.0 to 48.4 ms. Without a
-    graph it made the compiled step 13 ms slower (66.7 vs 53.4 ms, twice), although the profiler
-    showed it cheaper on the CPU and on the GPU; until that is understood only graphed runs use it
+    by cuBLAS. On a 345M H100 step it cut GPU time against torch's column sum (grad_out.sum(0), then
+    an fp32 add) and made the CUDA-graphed step faster. Without a graph it made the compiled step much
+    slower (twice), although the profiler showed it cheaper on the CPU and on the GPU (numbers in
+    docs/performance.md#performance-log-predicted-vs-measured); until that is understood only graphed runs use it
     (`use_gemv_bias_grads`), in their eager warm-up steps too, so the capture meets no new kernel."""
     if gemv and main_grad.is_cuda and grad_out.dtype != main_grad.dtype:
         row = main_grad.view(1, -1)

@@ -17,7 +17,7 @@ sequence, dim 0 of [s, b, h]:
 
 Under torch.compile every mapping runs eagerly (a graph break each): traced into a compiled layer, the
 in-place all-reduce inside an autograd.Function crashed the first tp 2 step on 2x H200 with an
-illegal memory access.
+illegal memory access (docs/performance.md#performance-log-predicted-vs-measured).
 """
 from __future__ import annotations
 
