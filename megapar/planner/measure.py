@@ -1,5 +1,5 @@
 """`--calibrate`: measure the cost model's constants on the machine at hand (one CUDA GPU or more) and
-write them as a calibration JSON (under 3 minutes on an H100 node).
+write them as a calibration JSON (minutes at most; docs/performance.md#the-layout-planner-on-paper).
 
     bf16 GEMM TFLOP/s         torch.matmul at 8 shapes from 2 to 1100 GFLOP        -> gemm_tflops
     attention TFLOP/s         causal SDPA forward and backward, head dim 64 and 128 -> attn_fwd/bwd_tflops
