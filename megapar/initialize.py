@@ -79,6 +79,8 @@ class Run:
     optimizer: Any
     scheduler: OptimizerParamScheduler
     saves: Optional[AsyncSaves] = None   # --async-save: the save in flight
+    sharded: Optional[ShardedParams] = None   # ZeRO-3: the store of the layers' weights (checkpoints read and
+                                              # write them through it)
 
     @property
     def coord(self):
@@ -103,7 +105,6 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
     sharded = ShardedParams(topo.groups.dp, offload=p.param_cpu_offload) if p.zero_stage == 3 else None
     model = build_model(cfg.model, topo, rank, cfg.train.seed, device, params_dtype(cfg),
                         on_layer_built=sharded.shard_layer if sharded else None, layer_hooks=p.zero_stage >= 2)
-    model.sharded_params = sharded   # checkpoints read and write ZeRO-3 weights through it
     grad_buffer = build_grad_buffer(cfg, model, topo, device, sharded)
     t = cfg.train
     scaler = (ConstantGradScaler(t.loss_scale or 1.0, t.hysteresis) if not t.fp16 or t.loss_scale else
@@ -121,7 +122,7 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
         f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}{', CPU offload' if p.optimizer_cpu_offload else ''})")
     scheduler = build_scheduler(cfg, optimizer)
     saves = AsyncSaves(device) if cfg.ckpt.async_save else None
-    return Run(cfg, topo, rank, device, model, grad_buffer, optimizer, scheduler, saves)
+    return Run(cfg, topo, rank, device, model, grad_buffer, optimizer, scheduler, saves, sharded)
 
 
 def build_grad_buffer(cfg: Config, model: GPT2Model, topo: Topology, device: torch.device,

@@ -288,7 +288,7 @@ def save(run: Run, state: TrainState) -> None:
     save_checkpoint(ck.save, state.iteration, run.model, run.optimizer, run.scheduler,
                     checkpoint_args(run, state.consumed_samples), run.cfg.model, run.topo, run.rank,
                     save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng, fmt=ck.ckpt_format,
-                    saves=run.saves)
+                    saves=run.saves, sharded=run.sharded)
     if run.saves is None:
         print_rank0(f"  successfully saved checkpoint at iteration {state.iteration:7d} to {ck.save}")
     else:
@@ -304,7 +304,7 @@ def reserve_saves(run: Run) -> None:
     from .checkpoint.dist import reserve_async_buffers
     start = time.time()
     gib = reserve_async_buffers(run.saves, run.model, run.optimizer, run.cfg.model, run.topo, run.rank,
-                                save_optim=not run.cfg.ckpt.no_save_optim)
+                                save_optim=not run.cfg.ckpt.no_save_optim, sharded=run.sharded)
     print_rank0(f"> async saves: {gib:.2f} GiB of host memory on rank 0 for the staging copies "
                 f"({time.time() - start:.1f} s)")
 
@@ -321,7 +321,7 @@ def load(run: Run, state: TrainState) -> None:
     ck = run.cfg.ckpt
     state.iteration, state.consumed_samples = load_checkpoint(
         ck.load, run.model, run.optimizer, run.scheduler, run.cfg.model, run.topo, run.rank,
-        load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune)
+        load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune, sharded=run.sharded)
 
 
 class NonFiniteLossError(MegaparError, FloatingPointError):
@@ -334,7 +334,8 @@ def refuse_non_finite_weights(run: Run, iteration: int) -> None:
     """Before a save: NonFiniteLossError on every rank when any rank's weights (the model's, and the
     fp32 masters where the optimizer keeps its own) hold NaN/Inf, so the checkpoint already in --save
     is kept. An fp16 run whose weights overflowed skips every step after, and would save inf weights."""
-    named = [(pc.key, pc.views["param"]) for pc in model_pieces(run.model)]  # ZeRO-3: the shards this rank holds
+    # ZeRO-3: the shards this rank holds
+    named = [(pc.key, pc.views["param"]) for pc in model_pieces(run.model, run.sharded)]
     named += [("an fp32 master weight", m) for m in getattr(run.optimizer, "masters", None) or [] if m is not None]
     finite = [torch.isfinite(t).all().to(run.device) for _, t in named]  # one read-back below, not one each
     ok = bool(torch.stack(finite).all()) if finite else True

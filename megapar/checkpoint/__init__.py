@@ -32,26 +32,28 @@ FORMATS = ("torch", "torch_dist")
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args, model_config, topo, rank: int,
                     save_optim: bool = True, save_rng: bool = True, fmt: str = "torch",
-                    saves: Optional[AsyncSaves] = None) -> None:
+                    saves: Optional[AsyncSaves] = None, sharded=None) -> None:
     """Collective: save in format `fmt` ("torch": legacy, "torch_dist"); `saves`: write in the
-    background (torch_dist only)."""
+    background (torch_dist only); `sharded`: the ZeRO-3 parameter store (ShardedParams) holding the
+    model's layer weights, None without ZeRO-3."""
     if fmt == "torch_dist":
         dist.save_checkpoint(root, iteration, model, optimizer, scheduler, args, model_config, topo, rank,
-                             save_optim, save_rng, saves)
+                             save_optim, save_rng, saves, sharded)
     elif fmt == "torch" and saves is None:
         legacy.save_checkpoint(root, iteration, model, optimizer, scheduler, args, model_config, topo, rank,
-                               save_optim, save_rng)
+                               save_optim, save_rng, sharded)
     else:
         raise ValueError(f"checkpoint format {fmt!r} (async: {saves is not None}) is not one of {FORMATS}")
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, model_config, topo, rank: int, load_optim: bool = True,
-                    load_rng: bool = True, finetune: bool = False) -> tuple[int, int]:
+                    load_rng: bool = True, finetune: bool = False, sharded=None) -> tuple[int, int]:
     """Collective: load the tracker's iteration of `root`, whichever format it was saved in.
-    Returns (iteration, consumed_train_samples); (0, 0) when `root` holds no checkpoint yet."""
+    Returns (iteration, consumed_train_samples); (0, 0) when `root` holds no checkpoint yet.
+    `sharded`: as for save_checkpoint."""
     iteration = read_tracker(root)
     if iteration is not None and is_dist_checkpoint(iter_dir(root, iteration)):
         return dist.load_checkpoint(root, model, optimizer, scheduler, model_config, topo, rank, load_optim,
-                                    load_rng, finetune)
+                                    load_rng, finetune, sharded)
     return legacy.load_checkpoint(root, model, optimizer, scheduler, model_config, topo, rank, load_optim,
-                                  load_rng, finetune)
+                                  load_rng, finetune, sharded)

@@ -151,10 +151,9 @@ class Piece:
     views: dict[str, torch.Tensor]
 
 
-def model_pieces(model) -> list[Piece]:
-    """This rank's model weights: every parameter whole, except ZeRO-3 layers' (the owned range of
-    each parameter in its unit's shard)."""
-    sharded = getattr(model, "sharded_params", None)
+def model_pieces(model, sharded=None) -> list[Piece]:
+    """This rank's model weights: every parameter whole, except ZeRO-3 layers' (`sharded`: the
+    ShardedParams holding them; the owned range of each parameter in its unit's shard)."""
     units = sharded.unit_of() if sharded is not None else {}
     out = []
     for key, p in model.named_parameters():
@@ -178,14 +177,13 @@ def optimizer_pieces(optimizer) -> list[Piece]:
 class StateMap:
     """The global tensors of one rank's model (and optimizer) as DCP entries, by canonical name."""
 
-    def __init__(self, model, optimizer, model_config: ModelConfig, topo, rank: int):
+    def __init__(self, model, optimizer, model_config: ModelConfig, topo, rank: int, sharded=None):
         c = topo.coord(rank)
         self.c, self.tp = c, topo.tp
         self.chunks = chunk_layout(model_config, topo.pp)[c.pp]
         self.vocab = model_config.vocab_size
-        sharded = getattr(model, "sharded_params", None)
+        self.model, self.optimizer, self.sharded = model, optimizer, sharded
         self.units = sharded.unit_of() if sharded is not None else {}
-        self.model, self.optimizer = model, optimizer
 
     def canonical(self, key: str) -> str:
         if key == HEAD or key.endswith("." + HEAD):
@@ -195,7 +193,7 @@ class StateMap:
     def entries(self, for_save: bool, with_optim: bool) -> dict[str, Entry]:
         """{fqn: Entry}. For a save, each stored element comes from one rank only (replicas skip)."""
         out: dict[str, Entry] = {}
-        groups = [(model_pieces(self.model), True)]          # replicated over dp but for ZeRO-3 layers' shards
+        groups = [(model_pieces(self.model, self.sharded), True)]   # replicated over dp but for ZeRO-3 layers' shards
         if with_optim:
             groups.append((optimizer_pieces(self.optimizer), not self.optimizer.is_distributed))
         for pieces, dp_replicated in groups:
@@ -375,14 +373,16 @@ def _write(root: str, iteration: int, entries: dict[str, Entry], common: dict, g
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
                     model_config: ModelConfig, topo, rank: int, save_optim: bool = True, save_rng: bool = True,
-                    saves: Optional["AsyncSaves"] = None) -> None:
+                    saves: Optional["AsyncSaves"] = None, sharded=None) -> None:
     """Collective: every rank writes what it owns. With `saves` (--async-save) the state is copied to
-    host memory and written in the background; the call returns once the copy is made."""
+    host memory and written in the background; the call returns once the copy is made. `sharded`:
+    the ZeRO-3 ShardedParams holding the layers' weights."""
     group = topo.groups.ckpt
     if saves is not None:
         saves.wait()        # the writer thread uses `group`: no collective on it until that save is done
     with_optim = save_optim and optimizer is not None
-    entries = StateMap(model, optimizer, model_config, topo, rank).entries(for_save=True, with_optim=with_optim)
+    entries = StateMap(model, optimizer, model_config, topo, rank, sharded).entries(for_save=True,
+                                                                                    with_optim=with_optim)
     optim = {"step": optimizer.step_count(), "grad_scaler": optimizer.scaler.state_dict(),
              "param_groups": optimizer.saved_param_groups()} if with_optim else None
     layout = {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "virtual": model_config.virtual_pipeline_model_parallel_size}
@@ -395,10 +395,10 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
 
 
 def reserve_async_buffers(saves: "AsyncSaves", model, optimizer, model_config: ModelConfig, topo, rank: int,
-                          save_optim: bool) -> float:
+                          save_optim: bool, sharded=None) -> float:
     """Allocate `saves`' host buffers for what this rank will save; returns their GiB."""
     with_optim = save_optim and optimizer is not None
-    return saves.reserve(StateMap(model, optimizer, model_config, topo, rank).entries(True, with_optim))
+    return saves.reserve(StateMap(model, optimizer, model_config, topo, rank, sharded).entries(True, with_optim))
 
 
 class AsyncSaves:
@@ -479,9 +479,10 @@ def read_common(folder: str) -> dict:
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelConfig, topo, rank: int,
-                    load_optim: bool = True, load_rng: bool = True, finetune: bool = False) -> tuple[int, int]:
+                    load_optim: bool = True, load_rng: bool = True, finetune: bool = False,
+                    sharded=None) -> tuple[int, int]:
     """Collective: every rank reads what it owns at this run's layout, whatever the saved layout.
-    Returns (iteration, consumed_train_samples); (0, 0) with `finetune`."""
+    Returns (iteration, consumed_train_samples); (0, 0) with `finetune`. `sharded`: as for a save."""
     iteration = read_tracker(root)
     folder = published_dir(root, iteration)
     common = read_common(folder)
@@ -491,7 +492,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
     if restore_optim and common["optimizer"] is None:
         raise CheckpointError(f"checkpoint {folder} has no optimizer state (saved with --no-save-optim); "
                               f"load it with --no-load-optim or --finetune")
-    entries = StateMap(model, optimizer, model_config, topo, rank).entries(for_save=False, with_optim=restore_optim)
+    entries = StateMap(model, optimizer, model_config, topo, rank, sharded).entries(for_save=False,
+                                                                                    with_optim=restore_optim)
     load_entries(entries, folder, topo.groups.ckpt)
     if restore_optim:
         optimizer.finish_load(int(common["optimizer"]["step"]), common["optimizer"]["grad_scaler"])

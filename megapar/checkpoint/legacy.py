@@ -82,7 +82,7 @@ def feed(saver: StreamingSaver, stream: Iterator[tuple]) -> None:
 # ---- save ---------------------------------------------------------------------------------------
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
                     model_config: ModelConfig, topo, rank: int, save_optim: bool = True,
-                    save_rng: bool = True) -> None:
+                    save_rng: bool = True, sharded=None) -> None:
     """Collective: every rank calls it. `args` is stored as the checkpoint's `args` (it must
     carry consumed_train_samples), `model_config` as its `model_config` (vocabulary sizes set).
     Data-parallel rank 0 of each (tp, pp) position writes that shard, streamed (module docstring);
@@ -91,18 +91,18 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     write raises one CheckpointError on every rank."""
     with staged_iteration(root, iteration, rank) as staging:
         _stream_shard(staging, iteration, model, optimizer, scheduler, args, model_config, topo, rank, save_optim,
-                      save_rng)
+                      save_rng, sharded)
 
 
 def _stream_shard(staging: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
-                  model_config: ModelConfig, topo, rank: int, save_optim: bool, save_rng: bool) -> None:
+                  model_config: ModelConfig, topo, rank: int, save_optim: bool, save_rng: bool, sharded) -> None:
     """This rank's part of the save into `staging`: dp rank 0 writes the shard's files, the other
     dp ranks feed the collectives of its streams."""
     c = topo.coord(rank)
     writer = c.dp == 0
     with_optim = save_optim and optimizer is not None and (writer or optimizer.is_distributed)
     optim_meta = optimizer.saved_meta() if with_optim else None
-    model_stream = model_tensors(model) if writer or getattr(model, "sharded_params", None) else iter(())
+    model_stream = model_tensors(model, sharded) if writer or sharded is not None else iter(())
     optim_stream = optimizer.saved_tensors() if with_optim else iter(())
     if writer:
         model_ph = {k: LazyTensor(v.shape, v.dtype, tag=(k,)) for k, v in model.state_dict().items()}
@@ -132,11 +132,11 @@ def _write_shard(shard: str, obj: dict, dist_obj: Optional[dict], model_stream: 
             feed(saver, stream)
 
 
-def model_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+def model_tensors(model, sharded=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) of the model's state dict, in order, for writing (no copies: the live
-    weights). With ZeRO-3 (`model.sharded_params`) it is collective over the data-parallel
-    group: every dp rank iterates it, and each layer is gathered while its tensors are written."""
-    sharded = getattr(model, "sharded_params", None)
+    weights). With ZeRO-3 (`sharded`: the ShardedParams holding its layers) it is collective over
+    the data-parallel group: every dp rank iterates it, and each layer is gathered while its
+    tensors are written."""
     units = sharded.unit_of() if sharded is not None else {}
     params = dict(model.named_parameters())
     state = model.state_dict()
@@ -146,9 +146,9 @@ def model_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, t
 
 
-def load_model_state(model, flat: dict[str, torch.Tensor], path: str) -> None:
-    """model.load_state_dict(flat), strictly; ZeRO-3 layers take only this rank's shard of each weight."""
-    sharded = getattr(model, "sharded_params", None)
+def load_model_state(model, flat: dict[str, torch.Tensor], path: str, sharded=None) -> None:
+    """model.load_state_dict(flat), strictly; ZeRO-3 layers (`sharded`) take only this rank's shard
+    of each weight."""
     if sharded is None:
         model.load_state_dict(flat)
         return
@@ -222,7 +222,8 @@ def _state_mismatch(state: dict, expected: dict[str, tuple[int, ...]]) -> Option
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelConfig, topo, rank: int,
-                    load_optim: bool = True, load_rng: bool = True, finetune: bool = False) -> tuple[int, int]:
+                    load_optim: bool = True, load_rng: bool = True, finetune: bool = False,
+                    sharded=None) -> tuple[int, int]:
     """Load this rank's shard. Returns (iteration, consumed_train_samples); (0, 0) when `root`
     holds no checkpoint yet (the first run of a job whose --load is its --save: a note is printed,
     training starts from scratch; check_load_dir refuses a --load that names nothing otherwise).
@@ -243,7 +244,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
         _explain_missing_shard(root, iteration, path, topo, model_config)
     state = read_shard(path)
     check_compatible(read_saved_config(state, path), model_config, topo, path)
-    load_model_state(model, flatten_model_states(state), path)
+    load_model_state(model, flatten_model_states(state), path, sharded)
     if load_optim and not finetune and optimizer is not None:
         _load_optimizer(state, path, optimizer)
         if scheduler is not None and "opt_param_scheduler" in state:
