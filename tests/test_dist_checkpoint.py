@@ -105,7 +105,7 @@ def test_torch_dist_refusals(tmp_path, capsys):
     from megapar.cli.checkpoint_util import main as checkpoint_util
 
     assert checkpoint_util(["--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "o"), "--target-ckpt-format",
-                            "torch_dist", "--target-tensor-parallel-size", "2"]) == 1
+                            "torch_dist", "--target-tensor-parallel-size", "2"]) == 2
     assert "has no layout" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--async-save needs --ckpt-format torch_dist"):
         config_from_namespace(parse_flags(TINY_TRAIN + ["--train-iters", "1", "--async-save", "--ckpt-format",
