@@ -2,7 +2,7 @@
 # Lints the code, then runs the CPU test suite (GPU-marked tests skip themselves without CUDA; see
 # scripts/gpu_checks.sh).
 #   bash scripts/run_tests.sh            full CPU suite (what CI runs via .ci/run): -m "not gpu"
-#   bash scripts/run_tests.sh --quick    quick tier, about 5 minutes on 2 cores: -m "not gpu and not slow"
+#   bash scripts/run_tests.sh --quick    quick tier (its size and time: docs/testing.md): -m "not gpu and not slow"
 # Every other argument goes to pytest (a -m given there replaces the tier's). See docs/testing.md.
 # Installs megapar and its dependencies first if they are missing (fresh machine). The lint is
 # `python3 -m ruff check .` (rules in pyproject.toml): a finding fails the run before any test; without
