@@ -210,6 +210,7 @@ def _printed_finetune_command(output: str) -> list[str]:
     return shlex.split(line, comments=True)
 
 
+@pytest.mark.slow  # --quick skips it (two training runs); the printed command's check below stays quick
 def test_finetuning_an_import_continues_from_its_weights(embedded_data, tmp_path, capsys):
     """Train 8 iterations, export to HF, import at tp 2, fine-tune with the command the importer prints (its
     processes, model and tokenizer flags; or --no-load-optim --no-load-rng instead of --finetune): the losses
