@@ -336,8 +336,7 @@ class Leader:
 
     def _send(self, cmd: str, prompts=None, params: Optional[SamplingParams] = None) -> None:
         if self.engine.distributed:
-            dist.broadcast_object_list([(cmd, prompts, params)], src=dist.get_global_rank(self.group, 0)
-                                       if self.group is not None else 0, group=self.group)
+            dist.broadcast_object_list([(cmd, prompts, params)], src=_leader_rank(self.group), group=self.group)
 
     def _keepalive(self, every: float) -> None:
         if self.engine.device.type == "cuda":      # the current device is per thread
@@ -348,12 +347,16 @@ class Leader:
                     self._send("ping")
 
 
+def _leader_rank(group) -> int:
+    """The global rank of the Leader: rank 0 of `group` (None: the world)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
 def follow(engine: InferenceEngine, group=None) -> None:
     """Ranks other than 0: generate whatever rank 0's Leader asks for, until it says stop."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=src, group=group)
+        dist.broadcast_object_list(box, src=_leader_rank(group), group=group)
         cmd, prompts, params = box[0]
         if cmd == "stop":
             return

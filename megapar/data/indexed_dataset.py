@@ -40,6 +40,15 @@ class DatasetNotFoundError(IndexedDatasetError):
     """PREFIX.bin or PREFIX.idx does not exist."""
 
 
+def existing_pair(prefix: str) -> tuple[str, str]:
+    """(PREFIX.idx, PREFIX.bin), both existing; DatasetNotFoundError (with a hint, missing_pair) otherwise."""
+    idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
+    for p in (idx_path, bin_path):
+        if not os.path.isfile(p):
+            raise missing_pair(prefix, p)
+    return idx_path, bin_path
+
+
 def missing_pair(prefix: str, path: str) -> DatasetNotFoundError:
     """The error for `path`, a missing .bin/.idx of `prefix`, with the prefix the user likely meant:
     tools/preprocess_data.py writes OUTPUT_PREFIX_<json key>_document.bin/.idx, and a prefix is given
@@ -94,10 +103,7 @@ class IndexedDataset:
 
     def __init__(self, prefix: str):
         self.prefix = prefix
-        idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
-        for p in (idx_path, bin_path):
-            if not os.path.isfile(p):
-                raise missing_pair(prefix, p)
+        idx_path, bin_path = existing_pair(prefix)
         self._idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
         self.dtype, n, d = _read_header(idx_path, memoryview(self._idx))
         expected = HEADER_SIZE + 12 * n + 8 * d

@@ -24,8 +24,8 @@ from typing import Optional
 import numpy as np
 
 from ..errors import USER_ERROR_EXIT, MegaparError, OneLineErrorParser
-from .indexed_dataset import (HEADER_SIZE, IndexedDatasetError, _read_header, data_file_path, index_file_path,
-                              missing_pair)
+from .indexed_dataset import (HEADER_SIZE, IndexedDatasetError, _read_header, data_file_path, existing_pair,
+                              index_file_path)
 
 _CHUNK = 1 << 22
 
@@ -72,10 +72,7 @@ def _check_documents(idx_path: str, docs: np.ndarray, n: int) -> None:
 
 def validate(prefix: str) -> dict:
     """Validate PREFIX.bin/.idx; return {"dtype", "num_sequences", "num_documents", "num_tokens"}."""
-    idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
-    for p in (idx_path, bin_path):
-        if not os.path.isfile(p):
-            raise missing_pair(prefix, p)
+    idx_path, bin_path = existing_pair(prefix)
     size = os.path.getsize(idx_path)
     buf = np.memmap(idx_path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     dtype, n, d = _read_header(idx_path, memoryview(buf))
