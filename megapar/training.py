@@ -337,9 +337,9 @@ def refuse_non_finite_weights(run: Run, iteration: int) -> None:
     # ZeRO-3: the shards this rank holds
     named = [(pc.key, pc.views["param"]) for pc in model_pieces(run.model, run.sharded)]
     named += [("an fp32 master weight", m) for m in getattr(run.optimizer, "masters", None) or [] if m is not None]
-    finite = [torch.isfinite(t).all().to(run.device) for _, t in named]  # one read-back below, not one each
+    finite = [_all_finite(t).to(run.device) for _, t in named]  # one read-back below, not one each
     ok = bool(torch.stack(finite).all()) if finite else True
-    local = None if ok else next(name for name, t in named if not torch.isfinite(t).all())
+    local = None if ok else next(name for name, t in named if not _all_finite(t))
     flag = torch.tensor([0.0 if local is None else 1.0 + run.rank], device=run.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() == 0:
@@ -348,6 +348,14 @@ def refuse_non_finite_weights(run: Run, iteration: int) -> None:
     raise NonFiniteLossError(f"refusing to save iteration {iteration} to {run.cfg.ckpt.save}: the weights hold "
                              f"NaN/Inf ({where}); the checkpoint already there is kept; lower --lr, use --bf16, "
                              f"or resume from that checkpoint")
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor: no NaN/Inf in `t`. Through its min and max (both propagate NaN), so the
+    check allocates nothing the size of `t` (torch.isfinite would: a save must not need more memory)."""
+    if t.numel() == 0:
+        return torch.tensor(True, device=t.device)
+    return torch.isfinite(torch.stack(torch.aminmax(t))).all()
 
 
 def check_finite(state: TrainState, iteration: int, loss: float, applied: bool, grad_norm: float,

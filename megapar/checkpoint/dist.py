@@ -48,6 +48,7 @@ from .layout import HEAD, WORD, canonical_key, chunk_layout
 from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_same_model, get_rng_state,
                      load_file, loaded_line, read_saved_config, read_tracker, restore_scheduler, set_rng_state)
 from .publish import published_dir, staged_iteration
+from .stream import exact_storage
 
 COMMON_FILE = "common.pt"
 FORMAT = "torch_dist"
@@ -239,7 +240,10 @@ class _SavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         for ch in self.entries[write_item.index.fqn].chunks:
             if tuple(ch.offsets) == tuple(write_item.index.offset):
-                return ch.tensor.make() if isinstance(ch.tensor, Deferred) else ch.tensor
+                t = ch.tensor.make() if isinstance(ch.tensor, Deferred) else ch.tensor
+                # DCP's writer clones a host view into a larger storage and keeps what it wrote
+                # until the file ends: an alias of the view's memory costs nothing
+                return exact_storage(t) if t.is_cpu and t.is_contiguous() else t
         raise KeyError(write_item.index)
 
 

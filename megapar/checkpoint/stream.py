@@ -21,6 +21,17 @@ import torch
 import torch.serialization as ser
 
 
+def exact_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` (contiguous, on the host) itself, or an alias of its memory whose storage holds exactly
+    its elements: writers that take whole storages (torch.save, DCP's) then write `t` without
+    copying a view into a larger storage (a ZeRO shard, a parameter inside a flat buffer)."""
+    es = t.element_size()
+    start, nbytes = t.storage_offset() * es, t.numel() * es
+    if not start and t.untyped_storage().nbytes() == nbytes:
+        return t
+    return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage()[start:start + nbytes], 0, t.shape, t.stride())
+
+
 class LazyTensor:
     """Placeholder for a contiguous CPU tensor written later by StreamingSaver.write_next."""
 
@@ -157,11 +168,8 @@ class StreamingSaver:
         self._flush_ready()
 
     def _write(self, lazy: LazyTensor, t: torch.Tensor) -> None:
-        """One record from `t`'s elements (a view into a larger storage is copied first: the
-        writer takes whole storages)."""
-        t = t.detach().cpu().contiguous()
-        if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
-            t = t.clone()
+        """One record from `t`'s elements (a view is written in place: nothing is copied)."""
+        t = exact_storage(t.detach().cpu().contiguous())
         self._record(f"data/{lazy.key}", t.untyped_storage(), t.numel() * t.element_size())
         self.next += 1
 

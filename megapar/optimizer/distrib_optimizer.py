@@ -250,17 +250,20 @@ class DistributedOptimizer(BaseOptimizer):
         """Collective over the DP group: each parameter's state assembled on dp rank 0 from the
         parts the dp ranks own, one parameter and kind at a time (never the whole state)."""
         bucket_of = {id(p): i for i, b in enumerate(self.buffer.buckets) for p in b.params}
+        largest = max((p.numel() for _, p in self.named), default=0)
+        # one buffer for every item, so rank 0 holds one parameter's state at a time
+        buf = torch.empty(largest, dtype=torch.float32, device=self.device) if self.dp_rank == 0 else None
         for n, p in self.named:
             for kind in OPTIM_KINDS:
-                yield n, kind, self._assembled(bucket_of[id(p)], p, kind)
+                yield n, kind, self._assembled(bucket_of[id(p)], p, kind, buf)
 
-    def _assembled(self, i: int, p: nn.Parameter, kind: str) -> Optional[torch.Tensor]:
-        """Parameter `p`'s full fp32 `kind` state (p's shape, on the host) on dp rank 0, None on
-        the others: each dp rank sends rank 0 its owned range of p in bucket `i` (point to point,
-        so no other rank holds more than its own shard)."""
+    def _assembled(self, i: int, p: nn.Parameter, kind: str, buf: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Parameter `p`'s full fp32 `kind` state (p's shape, on the host) on dp rank 0, assembled
+        in `buf`; None on the others: each dp rank sends rank 0 its owned range of p in bucket `i`
+        (point to point, so no other rank holds more than its own shard)."""
         start, end = self.buffer.param_range[id(p)]
         b = self.buffer.buckets[i]
-        full = torch.empty(end - start, dtype=torch.float32, device=self.device) if self.dp_rank == 0 else None
+        full = buf[:end - start] if buf is not None else None
         for d in range(self.dp):
             lo, hi = b.shard(d, self.dp)
             a, z = max(lo, start), min(hi, end)
