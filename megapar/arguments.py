@@ -117,6 +117,10 @@ class ParallelConfig:
               "layer by layer); default 0, or 1 with --use-distributed-optimizer", choices=(0, 1, 2, 3))
     optimizer_cpu_offload: bool = arg(
         False, "fp32 master weights, Adam moments and the Adam step on the CPU (GPUs; --zero-stage >= 1)")
+    optimizer_nvme_offload: Optional[str] = arg(
+        None, "a folder on a fast local disk (NVMe): the fp32 master weights and Adam moments live in files under "
+              "PATH/rank_NNNNN/ (made by the run, removed at its end), read and written bucket by bucket around "
+              "the CPU Adam step (implies --optimizer-cpu-offload's CPU step; --zero-stage >= 1)")
     param_cpu_offload: bool = arg(False, "--zero-stage 3: parameter shards live in CPU memory, fetched ahead "
                                          "of their layer (GPUs)")
     grad_reduce_dtype: str = arg("fp32", "the dtype gradients are summed over data parallelism in: fp32 "
@@ -653,6 +657,8 @@ def _check_zero(ns: argparse.Namespace, gpus: bool) -> None:
         if on and not gpus:
             _fail(f"{flag} moves GPU state to CPU memory, but this run has no CUDA GPU (or uses gloo); "
                   f"drop {flag} on a CPU-only run")
+    if ns.optimizer_nvme_offload is not None:
+        _check_nvme_offload(ns, stage)
     if ns.optimizer_cpu_offload and ns.adam_impl == "fused":
         _fail("--adam-impl fused is csrc's GPU kernel, but --optimizer-cpu-offload steps AdamW on the CPU (torch's "
               "fused CPU kernel); drop --adam-impl fused or --optimizer-cpu-offload")
@@ -660,6 +666,23 @@ def _check_zero(ns: argparse.Namespace, gpus: bool) -> None:
         _fail(f"--zero-stage {stage} allocates and frees each layer's {'parameters and ' if stage == 3 else ''}"
               f"gradients during the step, which a CUDA graph cannot replay; use --zero-stage 1 (or 0) with "
               f"--enable-cuda-graph, or drop --enable-cuda-graph")
+
+
+def _check_nvme_offload(ns: argparse.Namespace, stage: int) -> None:
+    """--optimizer-nvme-offload PATH: ZeRO >= 1, the CPU step's AdamW, and a writable folder (its room
+    is checked once the model's size is known: megapar/optimizer/nvme.py)."""
+    path = ns.optimizer_nvme_offload
+    if stage < 1:
+        _fail(f"--optimizer-nvme-offload moves the sharded optimizer state to files: it needs --zero-stage 1, 2 or "
+              f"3 (or --use-distributed-optimizer); add one or drop --optimizer-nvme-offload")
+    if ns.adam_impl == "fused":
+        _fail("--adam-impl fused is csrc's GPU kernel, but --optimizer-nvme-offload steps AdamW on the CPU (torch's "
+              "fused CPU kernel); drop --adam-impl fused or --optimizer-nvme-offload")
+    if not os.path.isdir(path):
+        _fail(f"--optimizer-nvme-offload {path} is not a directory; create it on a fast local disk (NVMe) or "
+              f"give an existing one")
+    if not os.access(path, os.W_OK | os.X_OK):
+        _fail(f"--optimizer-nvme-offload {path} is not writable by this user; give a folder you can write to")
 
 
 def _check_fp8(ns: argparse.Namespace, gpus: bool) -> None:

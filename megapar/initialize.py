@@ -114,15 +114,23 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
         from .optimizer.distrib_optimizer import DistributedOptimizer
         optimizer = DistributedOptimizer(model, grad_buffer, t, scaler, c.tp, topo.groups.dp,
                                          norm_group=None, inf_group=None, sharded_params=sharded,
-                                         offload=p.optimizer_cpu_offload, stage=p.zero_stage)
+                                         offload=p.optimizer_cpu_offload, stage=p.zero_stage,
+                                         nvme_root=p.optimizer_nvme_offload)
     else:
         optimizer = MixedPrecisionOptimizer(model, grad_buffer, t, scaler, c.tp, norm_group=topo.groups.mp,
                                             inf_group=None)
     log(f"> optimizer: AdamW ({'csrc fused, one launch' if optimizer.adam_impl == 'fused' else 'torch'}"
-        f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}{', CPU offload' if p.optimizer_cpu_offload else ''})")
+        f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}{offload_text(p)})")
     scheduler = build_scheduler(cfg, optimizer)
     saves = AsyncSaves(device) if cfg.ckpt.async_save else None
     return Run(cfg, topo, rank, device, model, grad_buffer, optimizer, scheduler, saves, sharded)
+
+
+def offload_text(p) -> str:
+    """Where the optimizer state lives, for the optimizer's log line."""
+    if p.optimizer_nvme_offload is not None:
+        return f", NVMe offload to {p.optimizer_nvme_offload}"
+    return ", CPU offload" if p.optimizer_cpu_offload else ""
 
 
 def build_grad_buffer(cfg: Config, model: GPT2Model, topo: Topology, device: torch.device,

@@ -24,6 +24,7 @@ from .checkpoint import SaveDirLock, check_finetune_dirs, check_load_dir, check_
 from .heartbeat import Heartbeat, is_timeout, timeout_error
 from .launch import Processes, command_line, training_command
 from .initialize import build_run, init_distributed, print_rank0, train_iters
+from .optimizer.nvme import check_nvme_offload
 from .pipeline.p2p import current_step
 from .topology import Topology
 from .scalar_writer import build_writer
@@ -94,6 +95,21 @@ def on_rank0_for_all(check: Callable[[], object], rank: int) -> None:
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
         raise box[0]
+
+
+def every_rank_for_all(check: Callable[[], object]) -> None:
+    """Run a check that differs by rank (its host's disk, its own folder) on every rank; the first
+    rank's user error, if any rank has one, is raised on every rank (none waits for a peer that stopped)."""
+    failure = None
+    try:
+        check()
+    except MegaparError as e:
+        failure = e
+    boxes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(boxes, failure)
+    first = next((e for e in boxes if e is not None), None)
+    if first is not None:
+        raise first
 
 
 @contextlib.contextmanager
@@ -203,7 +219,17 @@ def _pretrain(cfg: Config, topo: Topology, rank: int, device, argv: Optional[Seq
         on_rank0_for_all(lambda: check_token_ids(cfg.data.data_path, tokenizer.vocab_size), rank)
     if cfg.ckpt.save and train_iters(cfg) > 0:  # before the model is built: a run that cannot save stops here
         on_rank0_for_all(lambda: check_save_space(cfg, tokenizer.vocab_size), rank)
+    if cfg.parallel.optimizer_nvme_offload is not None:  # the state files' folder and room, on every host
+        every_rank_for_all(lambda: check_nvme_offload(cfg, tokenizer.vocab_size, rank))
     run = build_run(cfg, topo, rank, device, tokenizer.vocab_size)
+    try:
+        return _load_and_train(cfg, run, argv, state)
+    finally:
+        run.optimizer.close()
+
+
+def _load_and_train(cfg: Config, run, argv: Optional[Sequence[str]], state: TrainState) -> TrainState:
+    """pretrain() once the model and optimizer are built."""
     if cfg.ckpt.load:
         load(run, state)
     if train_iters(cfg) == 0:
@@ -216,7 +242,7 @@ def _pretrain(cfg: Config, topo: Topology, rank: int, device, argv: Optional[Seq
     train_ds, valid_ds, test_ds = build_datasets(cfg)
     reserve_saves(run)
     start = time.time()
-    writer = build_writer(cfg, rank)  # TensorBoard and/or W&B on rank 0, as the flags ask
+    writer = build_writer(cfg, run.rank)  # TensorBoard and/or W&B on rank 0, as the flags ask
     try:
         state = train(run, train_ds, valid_ds, state, writer)
     finally:

@@ -497,7 +497,7 @@ def runs_ahead(cfg, iteration: int, total: int) -> bool:
     waits for the device itself (fp16's overflow check, the offloaded optimizer): the next step
     would gain nothing, and this one's read-back, hence its logged time, would wait for it."""
     t = cfg.train
-    if t.fp16 or cfg.parallel.optimizer_cpu_offload:
+    if t.fp16 or cfg.parallel.optimizer_cpu_offload or cfg.parallel.optimizer_nvme_offload is not None:
         return False
     return not (iteration == total or _evaluates_at(cfg, iteration) or _saves_at(cfg, iteration)
                 or (t.exit_interval and iteration % t.exit_interval == 0)

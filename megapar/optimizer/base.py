@@ -28,6 +28,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.adamw import adamw as adamw_functional
 
 from ..arguments import TrainConfig
 from ..model.sharding import tp_partition_dim
@@ -119,6 +120,22 @@ def adamw_update(adam: torch.optim.AdamW, impl: str, fused, masters: list[torch.
     for m in masters:
         m.grad = None
     return None
+
+
+def adamw_group_update(adam: torch.optim.AdamW, group: dict, masters: list[torch.Tensor], grads: list[torch.Tensor],
+                       exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor]) -> None:
+    """What `adam.step()` does for the tensors of param group `group`, on given tensors: AdamW with
+    the group's hyper-parameters (and the clipping's `grad_scale`) on `masters` and their moments,
+    each of whose step counts `steps` (from adam.state) goes up by one. For state that is not
+    resident (NVMe offload: a bucket at a time in host buffers); elementwise, so updating the
+    tensors in any grouping gives the bits one `adam.step()` over all of them would."""
+    beta1, beta2 = group["betas"]
+    adamw_functional(masters, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"],
+                     capturable=group["capturable"], differentiable=group["differentiable"],
+                     fused=group["fused"], grad_scale=getattr(adam, "grad_scale", None),
+                     found_inf=getattr(adam, "found_inf", None), amsgrad=group["amsgrad"], beta1=beta1,
+                     beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                     maximize=group["maximize"])
 
 
 def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fused: bool) -> dict:
@@ -255,10 +272,14 @@ class BaseOptimizer(ABC):
         norm = global_norm(self.norm_grads, self.norm_group, self.device)
         self._stage_grads()
         clip_grads_(self.step_grads, norm, self.cfg.clip_grad, self.adam)
-        self.fused_adam = adamw_update(self.adam, self.adam_impl, self.fused_adam, self.masters, self.step_grads,
-                                       self.params)
+        self._update()
         self._publish_params(params_written=self.fused_adam is not None)
         return True, norm
+
+    def _update(self) -> None:
+        """Step 5: AdamW on the owned masters from `step_grads` (already clipped)."""
+        self.fused_adam = adamw_update(self.adam, self.adam_impl, self.fused_adam, self.masters, self.step_grads,
+                                       self.params)
 
     def _stage_grads(self) -> None:
         """Bring the reduced gradients to where AdamW runs (`step_grads`); nothing by default."""
@@ -267,6 +288,9 @@ class BaseOptimizer(ABC):
     def _publish_params(self, params_written: bool) -> None:
         """Make every model parameter equal its (new) master on every rank; params_written: the
         fused AdamW already wrote this rank's `params`."""
+
+    def close(self) -> None:
+        """Release what outlives the process's memory (NVMe offload: the state files); at the run's end."""
 
     @abstractmethod
     def optimizer_state_bytes(self) -> int:

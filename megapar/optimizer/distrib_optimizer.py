@@ -2,7 +2,8 @@
 weights and moments are sharded over the data-parallel group (the shared step path, AdamW and the
 checkpoint format: base.py). Stage 1 reads its gradients from the flat GradBuffer, stages 2-3 from
 the ShardedGradBuffer's owned shard (sharded_grads.py); at stage 3 the layers' weights are the
-ShardedParams' shards (sharded_params.py); `offload` keeps masters and moments on the CPU.
+ShardedParams' shards (sharded_params.py); `offload` keeps masters and moments on the CPU, and
+`nvme_root` in files there (nvme.py), stepped bucket by bucket.
 
 Layout. The GradBuffer (mode="reduce_scatter") lays every gradient out in one flat fp32 buffer,
 cut into buckets each padded to a multiple of dp; dp rank d owns shard d of every bucket. This
@@ -26,6 +27,10 @@ Where the shared step differs from the non-sharded optimizer's:
            `norm_group` (every rank: tp x pp x dp)
   publish  masters -> owned model-dtype shards (cast), all-gather each whole bucket over the DP
            group (offload: the host masters are copied in first)
+With NVMe offload the step and the copy to the owned shards run bucket by bucket over the state
+read from the files into host buffers (`NvmeState.stream`), and the flat master and moment shards
+are memory maps of the files, so the checkpoint paths below read and write them as they do the
+host buffers of CPU offload.
 
 Checkpoints: `saved_tensors()` (collective over the DP group) assembles on dp rank 0 one
 parameter's full state at a time from the parts the dp ranks own: the same name-keyed state as
@@ -43,7 +48,8 @@ import torch.nn as nn
 
 from ..checkpoint.common import OPTIM_KINDS
 from ..tensor_parallel.mappings import all_gather_tensor
-from .base import BaseOptimizer, Owned, adam_state
+from .base import BaseOptimizer, Owned, adam_state, adamw_group_update
+from .nvme import KINDS, NvmeState
 from .sharded_params import ShardedParams
 
 
@@ -72,18 +78,20 @@ class DistributedOptimizer(BaseOptimizer):
     def __init__(self, model: nn.Module, grad_buffer, cfg, scaler, tp_rank: int,
                  dp_group: Optional[dist.ProcessGroup], norm_group: Optional[dist.ProcessGroup] = None,
                  inf_group: Optional[dist.ProcessGroup] = None, sharded_params: Optional[ShardedParams] = None,
-                 offload: bool = False, stage: int = 1):
+                 offload: bool = False, stage: int = 1, nvme_root: Optional[str] = None):
         """grad_buffer: built over this model's parameters with mode="reduce_scatter" and
         `dp_group` (a GradBuffer at stage 1, a ShardedGradBuffer at stages 2-3). norm_group: every
         rank whose owned shards together make up the whole model's gradient (all tp x pp x dp
         ranks; None = the world when torch.distributed is initialised). inf_group: every rank (an
         overflow anywhere skips the step everywhere). sharded_params: stage 3's layer units, whose
         owned shards are the parameters this optimizer writes. offload: masters, moments and the
-        AdamW step on the CPU. Model parameters outside the units are re-pointed into one
-        buffer per bucket (their values are kept)."""
+        AdamW step on the CPU; nvme_root (implies offload): masters and moments in files under
+        nvme_root/rank_NNNNN/ (call `close()` at the end to delete them). Model parameters outside
+        the units are re-pointed into one buffer per bucket (their values are kept)."""
         if norm_group is None and dist.is_initialized():
             norm_group = dist.group.WORLD
-        self.stage = stage
+        self.stage, self.nvme_root = stage, nvme_root
+        offload = offload or nvme_root is not None
         super().__init__(model, grad_buffer, cfg, scaler, tp_rank, norm_group, inf_group, offload)
         self.dp_group, self.dp, self.dp_rank = dp_group, grad_buffer.dp, grad_buffer.dp_rank
         self.dtype = self.named[0][1].dtype
@@ -99,6 +107,9 @@ class DistributedOptimizer(BaseOptimizer):
         if offload:
             self.step_grads = [self.cpu_grads[pt.lo:pt.hi] for pt in self.parts]
             self._stream_layer_grads()
+        group_of = {id(m): g for g, group in enumerate(self.adam.param_groups) for m in group["params"]}
+        self.bucket_parts = [[(j, group_of[id(m)]) for j, (pt, m) in enumerate(zip(self.parts, self.masters))
+                              if pt.bucket == i] for i in range(len(self.shards))]
         self._reset_moments(step=0)
 
     # ---- layout --------------------------------------------------------------------------
@@ -136,12 +147,19 @@ class DistributedOptimizer(BaseOptimizer):
         pinned = dict(dtype=torch.float32, device="cpu", pin_memory=self.device.type == "cuda")
         f32 = pinned if self.offload else dict(dtype=torch.float32, device=self.device)
         separate = self.dtype != torch.float32 or self.offload
-        self.master_shard = torch.zeros(shard_numel, **f32) if separate else None
+        self.nvme: Optional[NvmeState] = None
+        if self.nvme_root is not None:  # the flat shards are memory maps of the files
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            largest = max((hi - lo for lo, hi, _ in self.shards), default=0)
+            self.nvme = NvmeState(self.nvme_root, rank, shard_numel, largest, pin=pinned["pin_memory"])
+            self.master_shard, self.exp_avg, self.exp_avg_sq = (self.nvme.mapped[k] for k in KINDS)
+        else:
+            self.master_shard = torch.zeros(shard_numel, **f32) if separate else None
+            moments = dict(dtype=torch.float32, device="cpu") if self.offload else f32  # never copied: not pinned
+            self.exp_avg, self.exp_avg_sq = torch.zeros(shard_numel, **moments), torch.zeros(shard_numel, **moments)
         if self.master_shard is not None:
             for owned, (lo, hi, off) in zip(self.owned_params, self.shards):
                 self.master_shard[off:off + hi - lo].copy_(owned)
-        moments = dict(dtype=torch.float32, device="cpu") if self.offload else f32  # never copied: not pinned
-        self.exp_avg, self.exp_avg_sq = torch.zeros(shard_numel, **moments), torch.zeros(shard_numel, **moments)
         if self.offload:  # the reduced gradients come to the CPU for the step
             self.cpu_grads = torch.zeros(shard_numel, **pinned)
 
@@ -185,9 +203,35 @@ class DistributedOptimizer(BaseOptimizer):
         """One log line: optimizer-state bytes on this rank vs the non-sharded optimizer."""
         full = 3 * 4 * sum(p.numel() for _, p in self.named)
         mine = self.optimizer_state_bytes()
-        where = "CPU" if self.offload else "GPU" if self.device.type == "cuda" else "CPU"
+        where = (f"NVMe files (under {self.nvme.folder})" if self.nvme is not None else
+                 "CPU" if self.offload else "GPU" if self.device.type == "cuda" else "CPU")
         return (f"distributed optimizer (ZeRO-{self.stage}, dp={self.dp}): optimizer state {mine / 2**20:.2f} MiB "
                 f"on this rank's {where} ({mine / max(full, 1):.3f} of the non-sharded {full / 2**20:.2f} MiB)")
+
+    def close(self) -> None:
+        if self.nvme is not None:
+            self.nvme.close()
+
+    # ---- NVMe offload: the step a bucket at a time ------------------------------------------------
+    def _update(self) -> None:
+        if self.nvme is None:
+            return super()._update()
+        self.nvme.stream([(off, hi - lo) for lo, hi, off in self.shards], self._step_bucket)
+
+    def _step_bucket(self, i: int, state: dict[str, torch.Tensor]) -> None:
+        """AdamW on bucket `i`'s parts, its state (`state[kind]`: the bucket's owned shard) in host
+        buffers, then the new masters into the owned model-dtype shard (publishing's first half)."""
+        off = self.shards[i][2]
+        for g, group in enumerate(self.adam.param_groups):
+            mine = [j for j, gj in self.bucket_parts[i] if gj == g]
+            if not mine:
+                continue
+            views = {k: [state[k][self.parts[j].lo - off:self.parts[j].hi - off] for j in mine] for k in KINDS}
+            adamw_group_update(self.adam, group, views["master_param"], [self.step_grads[j] for j in mine],
+                               views["exp_avg"], views["exp_avg_sq"],
+                               [self.adam.state[self.masters[j]]["step"] for j in mine])
+        with torch.no_grad():
+            self.owned_params[i].copy_(state["master_param"])
 
     # ---- offload: gradients to the CPU, weights back -------------------------------------------
     def _stream_layer_grads(self) -> None:
@@ -235,7 +279,9 @@ class DistributedOptimizer(BaseOptimizer):
         forward instead)."""
         handles = []
         for i, (b, (lo, hi, off)) in enumerate(zip(self.buffer.buckets, self.shards)):
-            if self.offload:  # pinned fp32 -> the device, cast there (a model-dtype host copy would cost 2 B/param)
+            if self.nvme is not None:
+                pass  # the owned shards were written by _step_bucket, from the host buffers
+            elif self.offload:  # pinned fp32 -> the device, cast there (a model-dtype host copy would cost 2 B/param)
                 self.owned_params[i].copy_(self.master_shard[off:off + hi - lo])
             elif not params_written and self.master_shard is not None:
                 self.owned_params[i].copy_(self._master_of_bucket(i))
