@@ -129,6 +129,18 @@ def test_a_run_planned_for_gpus_is_checked_as_on_gpus(monkeypatch):
         config_from_namespace(parse_flags(BASE + ["--param-cpu-offload"]), 2, assume_gpus=True)
 
 
+def test_nvme_offload_runs_on_a_cpu_and_goes_with_cpu_offload(monkeypatch, tmp_path):
+    """--optimizer-nvme-offload moves host state to disk, so a CPU-only run takes it; beside
+    --optimizer-cpu-offload (whose CPU step it implies) it is accepted, not a contradiction."""
+    import torch
+    from megapar.arguments import config_from_namespace, parse_flags
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    nvme = ["--zero-stage", "1", "--optimizer-nvme-offload", str(tmp_path)]
+    assert parse_config(BASE + nvme, 2).parallel.optimizer_nvme_offload == str(tmp_path)
+    both = config_from_namespace(parse_flags(BASE + nvme + ["--optimizer-cpu-offload"]), 2, assume_gpus=True)
+    assert both.parallel.optimizer_cpu_offload and both.parallel.optimizer_nvme_offload == str(tmp_path)
+
+
 # ---- --help -------------------------------------------------------------------------------------------
 def test_every_training_flag_has_help_and_shows_its_default():
     """Each setting says what it does (a new field without help fails here) and --help shows its default
