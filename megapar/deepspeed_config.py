@@ -94,9 +94,13 @@ HONOURED: dict[str, str] = {
     "scheduler.params.last_batch_iteration": "-1 (others refused: megapar resumes the schedule from its checkpoint)",
     "zero_optimization": "true: `--zero-stage 1`, false: `--zero-stage 0` (DeepSpeed's legacy boolean)",
     "zero_optimization.stage": "`--zero-stage`",
-    "zero_optimization.offload_optimizer.device": "cpu / none: `--optimizer-cpu-offload` on / off (nvme refused)",
+    "zero_optimization.offload_optimizer.device": "cpu: `--optimizer-cpu-offload`; nvme: `--optimizer-nvme-offload "
+                                                  "nvme_path`; none: neither",
+    "zero_optimization.offload_optimizer.nvme_path": "with device nvme: `--optimizer-nvme-offload` (the state files go "
+                                                     "in nvme_path/rank_NNNNN/); otherwise noted",
     "zero_optimization.offload_optimizer.ratio": "1.0 (a partial offload is refused)",
-    "zero_optimization.offload_param.device": "cpu / none: `--param-cpu-offload` on / off (nvme refused)",
+    "zero_optimization.offload_param.device": "cpu / none: `--param-cpu-offload` on / off (nvme refused: parameters "
+                                              "offload to CPU memory only)",
     "zero_optimization.cpu_offload": "`--optimizer-cpu-offload` (DeepSpeed's older spelling)",
     "zero_optimization.cpu_offload_param": "`--param-cpu-offload` (DeepSpeed's older spelling)",
     "pipeline.stages": "`--pipeline-model-parallel-size` (\"auto\": the command line decides)",
@@ -126,7 +130,9 @@ DEFAULTS: dict[str, Any] = {
 
 # Accepted, not acted on: key path -> why (section.* : every key of the section).
 _OWN_COMMS = "megapar schedules its own gradient and parameter communication, per layer"
-_NVME = "an NVMe setting; megapar offloads to CPU memory only"
+_NVME_IO = ("tunes DeepSpeed's NVMe I/O; megapar reads and writes the state files with pread/pwrite from one I/O "
+            "thread, a bucket ahead of the CPU step, through two buckets' host buffers")
+_NVME_PARAM = "an NVMe setting; megapar offloads parameters to CPU memory only"
 _RECOMPUTE = ("--recompute-granularity / --checkpoint-activations switch recompute on, as Megatron-DeepSpeed's "
               "flags do")
 _STAGE3 = "stage 3 gathers exactly one layer ahead and frees it after use"
@@ -199,11 +205,13 @@ NOTED: dict[str, str] = {
         "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
         "max_reuse_distance", "module_granularity_threshold", "use_all_reduce_for_fetch_params")},
 }
-_OFFLOAD_NOTED = {"pin_memory": "offloaded state is always in pinned CPU memory", "buffer_count": _NVME,
-                  "buffer_size": _NVME, "max_in_cpu": _NVME, "nvme_path": _NVME, "fast_init": _NVME,
-                  "pipeline_read": _NVME, "pipeline_write": _NVME, "pipeline": _NVME}
-NOTED.update({f"zero_optimization.{o}.{k}": why for o in ("offload_optimizer", "offload_param")
-              for k, why in _OFFLOAD_NOTED.items()})
+_NVME_TUNING = ("buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline_read", "pipeline_write", "pipeline")
+NOTED.update({f"zero_optimization.{o}.pin_memory": "offloaded state is always in pinned CPU memory"
+              for o in ("offload_optimizer", "offload_param")})
+NOTED.update({f"zero_optimization.offload_optimizer.{k}": _NVME_IO for k in _NVME_TUNING})
+NOTED.update({f"zero_optimization.offload_param.{k}": _NVME_PARAM for k in (*_NVME_TUNING, "nvme_path")})
+NOTED.update({f"aio.{k}": _NVME_IO for k in ("block_size", "queue_depth", "intra_op_parallelism", "thread_count",
+                                              "single_submit", "overlap_events", "use_gds")})
 # Values at which a "false only" key above asks for nothing.
 NOTED_ONLY_AT = {k: False for k, why in NOTED.items() if why.startswith("false only")}
 
@@ -257,7 +265,7 @@ REDUCE_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
              "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"}
 OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad"}
-OFFLOAD_KEYS = {"device", "ratio"} | set(_OFFLOAD_NOTED)
+OFFLOAD_KEYS = {"device", "ratio", "nvme_path", "pin_memory", *_NVME_TUNING}
 MONITOR_KEYS = {"tensorboard": {"enabled", "output_path", "job_name"},
                 "wandb": {"enabled", "group", "team", "project"},
                 "csv_monitor": {"enabled", "output_path", "job_name"}}
@@ -275,7 +283,7 @@ def _section_keys(section: str) -> set[str]:
 
 ZERO_KEYS = _section_keys("zero_optimization")
 TOP_KEYS = ({k.split(".")[0] for k in (*HONOURED, *NOTED)} | set(SWITCHED) | set(IGNORED_BY_DEEPSPEED)
-            | {"fp16", "bf16", "bfloat16", "optimizer", "scheduler", "aio"})
+            | {"fp16", "bf16", "bfloat16", "optimizer", "scheduler"})
 
 
 @dataclass
@@ -664,21 +672,37 @@ def _cosine(s: DeepSpeedSettings, params: dict, source: dict[str, str], absent: 
 
 
 def _offload(s: DeepSpeedSettings, zero: dict, name: str, dest: str) -> None:
-    """zero_optimization.offload_optimizer / offload_param {device cpu | none, ...}."""
+    """zero_optimization.offload_optimizer / offload_param {device cpu | nvme (optimizer only) | none, ...}."""
     key = f"zero_optimization.{name}"
     sec = _section(s, zero, name, "zero_optimization.", OFFLOAD_KEYS)
     device = _value(s, sec, "device", key + ".", str)
-    if device == "nvme":
-        _refuse(s, key + ".device", device, "is not supported (megapar offloads to CPU memory only)",
+    nvme_ok = name == "offload_optimizer"
+    if device == "nvme" and nvme_ok:
+        _nvme_offload(s, sec, key)
+    elif device == "nvme":
+        _refuse(s, key + ".device", device, "is not supported (megapar offloads parameters to CPU memory only)",
                 'use "cpu" (or "none")')
     elif device not in (None, "cpu", "none"):
-        _refuse(s, key + ".device", device, "is not a device", 'use "cpu" or "none"')
+        _refuse(s, key + ".device", device, "is not a device", 'use "cpu", "nvme" or "none"' if nvme_ok else
+                'use "cpu" or "none"')
     elif device is not None:
         s.set(key + ".device", dest, device == "cpu")
+    if nvme_ok and device != "nvme" and "nvme_path" in sec:
+        s.note(key + ".nvme_path", "used with device nvme only")
     ratio = _value(s, sec, "ratio", key + ".", float)
     if ratio is not None and ratio != 1.0:
         _refuse(s, key + ".ratio", ratio, "is not supported (megapar offloads all of the optimizer state)",
                 "use 1.0 or drop it")
+
+
+def _nvme_offload(s: DeepSpeedSettings, sec: dict, key: str) -> None:
+    """offload_optimizer {device: nvme, nvme_path: PATH} -> --optimizer-nvme-offload PATH."""
+    path = _value(s, sec, "nvme_path", key + ".", str, ("optimizer_nvme_offload",))
+    if path is None and sec.get("nvme_path") != AUTO:
+        s.problem(f'{key}.device: "nvme" needs {key}.nvme_path, the folder on the NVMe disk for the state files; '
+                  f"add it")
+    elif path is not None:
+        s.set(key + ".nvme_path", "optimizer_nvme_offload", path)
 
 
 def _zero(s: DeepSpeedSettings, raw: dict) -> None:
@@ -752,7 +776,7 @@ def _layout(s: DeepSpeedSettings, raw: dict) -> None:
 
 def _noted_sections(s: DeepSpeedSettings, raw: dict) -> None:
     """Sections whose every key is noted (activation_checkpointing, ...), data_types, and the
-    SWITCHED sections: noted while off, refused when on; aio only while empty (no NVMe offload)."""
+    SWITCHED sections: noted while off, refused when on; aio (tunes NVMe I/O)."""
     _section(s, raw, "activation_checkpointing", "", ACTIVATION_KEYS)
     for name in ("comms_logger", "timers", "checkpoint", "compile"):
         sec = raw.get(name)
@@ -775,10 +799,7 @@ def _noted_sections(s: DeepSpeedSettings, raw: dict) -> None:
         else:
             for k in sec:
                 s.note(f"{name}.{k}", f"{name} is switched off")
-    aio = raw.get("aio")
-    if aio:
-        s.problem("aio tunes NVMe offload, which megapar does not have (it offloads to CPU memory); drop the "
-                  "aio section")
+    _section(s, raw, "aio", "", _section_keys("aio"))
 
 
 def read(path: str, cli: dict[str, Any], strict: bool = True) -> DeepSpeedSettings:
@@ -851,8 +872,7 @@ def key_table() -> str:
     rows += [f"| `{k}.*` | refused when given | {fix} |" if k in ON_WHEN_GIVEN else
              f"| `{k}.*` | noted while `enabled` is false; refused when true | {fix} |" for k, fix in SWITCHED.items()]
     rows += [f"| `optimizer.type` {t} | refused | {why} |" for t, why in REFUSED_OPTIMIZERS.items()]
-    rows += ["| `aio.*` | refused (an empty section is fine) | megapar has no NVMe offload |",
-             "| any other key in a section | refused | with \"did you mean\" for a near miss |",
+    rows += ["| any other key in a section | refused | with \"did you mean\" for a near miss |",
              "| any other top-level key | noted | DeepSpeed ignores it (a near miss of a known key is refused) |"]
     return "\n".join(["| key | class | megapar |", "|---|---|---|", *rows])
 

@@ -73,6 +73,10 @@ def refused(tmp_path, config, *fragments: str, extra=(), world: int = 1) -> str:
      {"zero_stage": 1, "optimizer_cpu_offload": True}),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "none"}}},
      {"zero_stage": 3, "param_cpu_offload": True, "optimizer_cpu_offload": False}),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme",
+                                                              "buffer_count": 4, "pipeline_read": True}},
+      "aio": {"block_size": 1048576, "queue_depth": 8}},
+     {"zero_stage": 3, "optimizer_nvme_offload": "/local_nvme"}),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
                                                    "warmup_num_steps": 100, "warmup_type": "linear"}}},
      {"lr_decay_style": "constant", "lr": 1e-3, "lr_warmup_iters": 100, "lr_warmup_style": "linear",
@@ -135,6 +139,23 @@ def test_accepted_not_acted_on_keys_are_listed_once(tmp_path):
     assert "--zero-stage 2" in lines[0] and "--optimizer-cpu-offload" in lines[0]
     assert "accepted, not acted on:" in lines[1]
     assert "zero_optimization.overlap_comm, zero_optimization.reduce_bucket_size (megapar schedules" in lines[1]
+
+
+def test_nvme_offload_keys_that_tune_io_are_noted(tmp_path):
+    """NVMe offload of the optimizer: nvme_path becomes the flag; DeepSpeed's I/O tuning (buffers,
+    pipelining, aio) is noted with megapar's I/O; nvme_path beside device cpu is noted, not used."""
+    given = parse_flags([*BASE, "--deepspeed-config", write(tmp_path, {
+        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_size": 1e8,
+                                                                "pipeline_write": True}},
+        "aio": {"thread_count": 2, "single_submit": False}})])
+    s = given[DEEPSPEED_CONFIG]
+    assert s.flags["optimizer_nvme_offload"] == "/nvme" and "optimizer_cpu_offload" not in s.flags
+    assert set(s.noted) == {"zero_optimization.offload_optimizer.buffer_size",
+                            "zero_optimization.offload_optimizer.pipeline_write", "aio.thread_count", "aio.single_submit"}
+    assert all("pread/pwrite" in why for why in s.noted.values())
+    cpu = parse_flags([*BASE, "--deepspeed-config", write(tmp_path, {
+        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "nvme_path": "/nvme"}}})])
+    assert cpu[DEEPSPEED_CONFIG].noted == {"zero_optimization.offload_optimizer.nvme_path": "used with device nvme only"}
 
 
 @pytest.mark.parametrize("name", ["ds_config_zero2.json", "ds_config_zero3_offload.json"])
@@ -238,7 +259,7 @@ def test_two_keys_for_one_flag_must_agree(tmp_path):
      ["curriculum_learning.enabled: true is not supported", "one --seq-length"]),
     ({"moe": {"enabled": True, "ep_size": 2}}, ["moe.enabled: true is not supported", "dense"]),
     ({"sparse_attention": {"mode": "fixed", "block": 16}}, ["sparse_attention is not supported"]),
-    ({"aio": {"block_size": 1048576, "queue_depth": 8}}, ["aio tunes NVMe offload", "drop the aio section"]),
+    ({"aio": {"block_size": 1048576, "queue_deep": 8}}, ["unknown key aio.queue_deep: did you mean aio.queue_depth?"]),
     ({"communication_data_type": "fp8"}, ['communication_data_type: "fp8" is not a dtype', '"bf16"']),
     ({"sequence_parallel_size": 4}, ["sequence_parallel_size: 4 is not supported (megapar has no DeepSpeed-Ulysses",
                                      "--sequence-parallel"]),
@@ -247,7 +268,7 @@ def test_two_keys_for_one_flag_must_agree(tmp_path):
     ({"tensorboard": {"enabled": True, "outputpath": "tb"}},
      ["unknown key tensorboard.outputpath: did you mean tensorboard.output_path?"]),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
-     ['zero_optimization.offload_optimizer.device: "nvme"', 'use "cpu"']),
+     ['zero_optimization.offload_optimizer.device: "nvme" needs zero_optimization.offload_optimizer.nvme_path']),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
      ['zero_optimization.offload_param.device: "nvme"']),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}, ["is not a device"]),

@@ -1,7 +1,8 @@
 """--deepspeed-config and the memory estimator's own options, faulted the way users meet them.
 
-deepspeed config: a key megapar cannot honour (NVMe offload, a 1-bit optimizer, curriculum learning,
-aio tuning without NVMe offload, a misspelt key, a config with several such problems), a file that
+deepspeed config: a key megapar cannot honour (NVMe parameter offload, NVMe optimizer offload without
+its nvme_path, a 1-bit optimizer, curriculum learning, a misspelt key, a config with several such
+problems), a file that
 is missing or is not JSON, a flag given on the command line and in the config with different
 values, and a batch triple that does not hold at the world size the launcher starts -- each is
 refused by `bash scripts/pretrain_gpt2.sh` before torchrun starts a process: one `error:` line
@@ -34,8 +35,11 @@ def _config(folder: Path, content) -> Path:
 
 
 LAUNCHER_CASES = [  # (id, config or text, extra flags, expected fragments)
-    ("nvme offload", {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}, [],
-     ['zero_optimization.offload_optimizer.device: "nvme" is not supported', 'use "cpu"']),
+    ("nvme offload", {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+     [], ['zero_optimization.offload_param.device: "nvme" is not supported', 'use "cpu"']),
+    ("nvme optimizer offload without nvme_path",
+     {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}, [],
+     ['zero_optimization.offload_optimizer.device: "nvme" needs zero_optimization.offload_optimizer.nvme_path']),
     ("malformed JSON", '{\n  "train_batch_size": 8,\n  "bf16": {"enabled": true,}\n}', [],
      ["is not valid JSON", "line 3 column"]),
     ("missing file", None, [], ["no such file"]),
@@ -49,12 +53,12 @@ LAUNCHER_CASES = [  # (id, config or text, extra flags, expected fragments)
      ["unknown key zero_optimization.overlap_com: did you mean zero_optimization.overlap_comm?"]),
     ("every problem at once (1-bit optimizer, curriculum learning, aio, misspelt key, warmup type)",
      {"train_batch_sise": 8, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}},
-      "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}, "aio": {"block_size": 1048576},
+      "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}, "aio": {"block_sise": 1048576},
       "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "exp"}}}, [],
      ["unknown key train_batch_sise: did you mean train_batch_size?; ",
       'optimizer.type: "OneBitAdam" is not supported (1-bit Adam', 'use "AdamW"',
       'scheduler.params.warmup_type: "exp" is not a warmup DeepSpeed knows',
-      "curriculum_learning.enabled: true is not supported", "aio tunes NVMe offload"]),
+      "curriculum_learning.enabled: true is not supported", "did you mean aio.block_size?"]),
 ]
 
 
