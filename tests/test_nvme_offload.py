@@ -12,10 +12,16 @@ from train_helpers import TINY_TRAIN
 ITERS, STOP = 4, 2
 
 
+CHUNK = 20_000   # elements per streamed chunk in these runs: many chunks per bucket, the embeddings alone
+
+
 def _body(rank, world_size, argv, cpu_offload):
     """pretrain; CPU offload is refused on a CPU-only run at the command line, so it is switched on
-    after validation (as tests/test_zero_stages.py does); NVMe offload comes as its flag."""
+    after validation (as tests/test_zero_stages.py does); NVMe offload comes as its flag, streamed
+    in chunks of CHUNK elements (the tiny model would otherwise be one chunk per bucket)."""
+    import megapar.optimizer.distrib_optimizer as distrib
     from megapar.pretrain_gpt2 import parse, pretrain
+    distrib.CHUNK_NUMEL = CHUNK
     cfg = parse(argv, world_size)
     cfg.parallel.optimizer_cpu_offload = cpu_offload
     state = pretrain(cfg)
@@ -96,7 +102,7 @@ def test_stream_reads_updates_and_writes_each_range(tmp_path):
     """Each range's three kinds come in host slots, are changed in place and land in the files (seen
     through the memory maps); two slots serve any number of ranges; close() removes only its files."""
     from megapar.optimizer.nvme import KINDS, NvmeState
-    state = NvmeState(str(tmp_path), 3, numel=10, slot_numel=4)
+    state = NvmeState(str(tmp_path), 3, numel=10)
     folder = tmp_path / "rank_00003"
     assert sorted(os.listdir(folder)) == sorted(f"{k}.bin" for k in KINDS)
     state.mapped["master_param"].copy_(torch.arange(10, dtype=torch.float32))
@@ -129,3 +135,42 @@ def test_folder_checks(tmp_path):
         check_folder(str(tmp_path), 1, need=1000, ranks_on_host=2)
     with pytest.raises(ConfigError, match="GiB free, but the optimizer state of the 8 rank.*larger disk"):
         check_folder(str(tmp_path), 0, need=2**62, ranks_on_host=8)
+
+
+def test_chunked_stream_steps_like_cpu_offload_in_process(tmp_path):
+    """dp 1 in this process, several buckets, chunks of whole parts no larger than the limit (or one
+    part) within a bucket: three steps give CPU offload's masters, moments and weights bit for bit."""
+    from gpt_helpers import batch
+    from test_distrib_optimizer import TRAIN, _model
+    from megapar.arguments import TrainConfig
+    from megapar.optimizer.distrib_optimizer import DistributedOptimizer
+    from megapar.optimizer.grad_buffer import GradBuffer
+    from megapar.optimizer.grad_scaler import ConstantGradScaler
+
+    def build(**offload):
+        model = _model()
+        buf = GradBuffer(model.parameters(), None, mode="reduce_scatter", bucket_numel=3000)
+        return model, buf, DistributedOptimizer(model, buf, TrainConfig(**TRAIN), ConstantGradScaler(), tp_rank=0,
+                                                dp_group=None, **offload)
+
+    runs = [build(offload=True), build(nvme_root=str(tmp_path))]
+    nvme = runs[1][2]
+    nvme.chunks = nvme._plan_chunks(1000)
+    sizes = [c.hi - c.lo for c in nvme.chunks]
+    assert len(nvme.chunks) > len(nvme.shards) and max(sizes) > 1000          # cut, and a big part alone
+    assert all(s <= 1000 or len(c.members) == 1 for s, c in zip(sizes, nvme.chunks))
+    assert sorted(j for c in nvme.chunks for j, _ in c.members) == list(range(len(nvme.parts)))
+    for it in range(3):
+        ids, labels = batch(b=2, seed=it)
+        for model, buf, opt in runs:
+            buf.start_step()
+            model(ids, labels=labels).mean().backward()
+            buf.finish()
+            assert opt.step()[0]
+    (cpu_model, _, cpu), (nvme_model, _, _) = runs
+    for a, b in ((cpu.master_shard, nvme.master_shard), (cpu.exp_avg, nvme.exp_avg), (cpu.exp_avg_sq, nvme.exp_avg_sq)):
+        assert torch.equal(a, b)
+    assert all(torch.equal(p, q) for p, q in zip(cpu_model.parameters(), nvme_model.parameters()))
+    assert nvme._step_count() == 3
+    nvme.close()
+    assert os.listdir(tmp_path) == []

@@ -27,8 +27,9 @@ Where the shared step differs from the non-sharded optimizer's:
            `norm_group` (every rank: tp x pp x dp)
   publish  masters -> owned model-dtype shards (cast), all-gather each whole bucket over the DP
            group (offload: the host masters are copied in first)
-With NVMe offload the step and the copy to the owned shards run bucket by bucket over the state
-read from the files into host buffers (`NvmeState.stream`), and the flat master and moment shards
+With NVMe offload the step and the copy to the owned shards run chunk by chunk (whole parts of one
+bucket, up to nvme.CHUNK_NUMEL elements) over the state read from the files into host buffers
+(`NvmeState.stream`), and the flat master and moment shards
 are memory maps of the files, so the checkpoint paths below read and write them as they do the
 host buffers of CPU offload.
 
@@ -49,8 +50,18 @@ import torch.nn as nn
 from ..checkpoint.common import OPTIM_KINDS
 from ..tensor_parallel.mappings import all_gather_tensor
 from .base import BaseOptimizer, Owned, adam_state, adamw_group_update
-from .nvme import KINDS, NvmeState
+from .nvme import CHUNK_NUMEL, KINDS, NvmeState
 from .sharded_params import ShardedParams
+
+
+@dataclass
+class Chunk:
+    """NVMe offload: what one streamed range steps: [lo, hi) of the shard buffers, covering whole
+    consecutive parts of one bucket ((index in `parts`, AdamW param group) of each)."""
+    bucket: int
+    lo: int
+    hi: int
+    members: list[tuple[int, int]]
 
 
 @dataclass
@@ -107,9 +118,7 @@ class DistributedOptimizer(BaseOptimizer):
         if offload:
             self.step_grads = [self.cpu_grads[pt.lo:pt.hi] for pt in self.parts]
             self._stream_layer_grads()
-        group_of = {id(m): g for g, group in enumerate(self.adam.param_groups) for m in group["params"]}
-        self.bucket_parts = [[(j, group_of[id(m)]) for j, (pt, m) in enumerate(zip(self.parts, self.masters))
-                              if pt.bucket == i] for i in range(len(self.shards))]
+        self.chunks = self._plan_chunks(CHUNK_NUMEL) if self.nvme is not None else []
         self._reset_moments(step=0)
 
     # ---- layout --------------------------------------------------------------------------
@@ -150,8 +159,7 @@ class DistributedOptimizer(BaseOptimizer):
         self.nvme: Optional[NvmeState] = None
         if self.nvme_root is not None:  # the flat shards are memory maps of the files
             rank = dist.get_rank() if dist.is_initialized() else 0
-            largest = max((hi - lo for lo, hi, _ in self.shards), default=0)
-            self.nvme = NvmeState(self.nvme_root, rank, shard_numel, largest, pin=pinned["pin_memory"])
+            self.nvme = NvmeState(self.nvme_root, rank, shard_numel, pin=pinned["pin_memory"])
             self.master_shard, self.exp_avg, self.exp_avg_sq = (self.nvme.mapped[k] for k in KINDS)
         else:
             self.master_shard = torch.zeros(shard_numel, **f32) if separate else None
@@ -173,6 +181,21 @@ class DistributedOptimizer(BaseOptimizer):
                 if a < z:
                     parts.append(Part(names[id(p)], p, i, a - start, z - start, a, z, off + a - lo, off + z - lo))
         return parts
+
+    def _plan_chunks(self, limit: int) -> list[Chunk]:
+        """The parts in shard order, cut into chunks of at most `limit` elements (or one part) that
+        never straddle a bucket; a part is never split, so AdamW sees the tensors CPU offload gives it."""
+        group_of = {id(m): g for g, group in enumerate(self.adam.param_groups) for m in group["params"]}
+        chunks: list[Chunk] = []
+        for j in sorted(range(len(self.parts)), key=lambda j: self.parts[j].lo):
+            pt, member = self.parts[j], (j, group_of[id(self.masters[j])])
+            last = chunks[-1] if chunks else None
+            if last is not None and last.bucket == pt.bucket and last.hi == pt.lo and pt.hi - last.lo <= limit:
+                last.hi = pt.hi
+                last.members.append(member)
+            else:
+                chunks.append(Chunk(pt.bucket, pt.lo, pt.hi, [member]))
+        return chunks
 
     def _owned_param(self, pt: Part) -> torch.Tensor:
         """The model-dtype weights of part `pt` (in its bucket's owned shard)."""
@@ -212,26 +235,27 @@ class DistributedOptimizer(BaseOptimizer):
         if self.nvme is not None:
             self.nvme.close()
 
-    # ---- NVMe offload: the step a bucket at a time ------------------------------------------------
+    # ---- NVMe offload: the step a chunk at a time --------------------------------------------------
     def _update(self) -> None:
         if self.nvme is None:
             return super()._update()
-        self.nvme.stream([(off, hi - lo) for lo, hi, off in self.shards], self._step_bucket)
+        self.nvme.stream([(c.lo, c.hi - c.lo) for c in self.chunks], self._step_chunk)
 
-    def _step_bucket(self, i: int, state: dict[str, torch.Tensor]) -> None:
-        """AdamW on bucket `i`'s parts, its state (`state[kind]`: the bucket's owned shard) in host
-        buffers, then the new masters into the owned model-dtype shard (publishing's first half)."""
-        off = self.shards[i][2]
+    def _step_chunk(self, i: int, state: dict[str, torch.Tensor]) -> None:
+        """AdamW on chunk `i`'s parts, its state (`state[kind]`: [lo, hi) of the shard buffers) in
+        host buffers, then its new masters into the owned model-dtype shard (publishing's first half)."""
+        c = self.chunks[i]
         for g, group in enumerate(self.adam.param_groups):
-            mine = [j for j, gj in self.bucket_parts[i] if gj == g]
+            mine = [j for j, gj in c.members if gj == g]
             if not mine:
                 continue
-            views = {k: [state[k][self.parts[j].lo - off:self.parts[j].hi - off] for j in mine] for k in KINDS}
+            views = {k: [state[k][self.parts[j].lo - c.lo:self.parts[j].hi - c.lo] for j in mine] for k in KINDS}
             adamw_group_update(self.adam, group, views["master_param"], [self.step_grads[j] for j in mine],
                                views["exp_avg"], views["exp_avg_sq"],
                                [self.adam.state[self.masters[j]]["step"] for j in mine])
+        off = self.shards[c.bucket][2]
         with torch.no_grad():
-            self.owned_params[i].copy_(state["master_param"])
+            self.owned_params[c.bucket][c.lo - off:c.hi - off].copy_(state["master_param"])
 
     # ---- offload: gradients to the CPU, weights back -------------------------------------------
     def _stream_layer_grads(self) -> None:
@@ -280,7 +304,7 @@ class DistributedOptimizer(BaseOptimizer):
         handles = []
         for i, (b, (lo, hi, off)) in enumerate(zip(self.buffer.buckets, self.shards)):
             if self.nvme is not None:
-                pass  # the owned shards were written by _step_bucket, from the host buffers
+                pass  # the owned shards were written by _step_chunk, from the host buffers
             elif self.offload:  # pinned fp32 -> the device, cast there (a model-dtype host copy would cost 2 B/param)
                 self.owned_params[i].copy_(self.master_shard[off:off + hi - lo])
             elif not params_written and self.master_shard is not None:

@@ -37,6 +37,9 @@ from ..topology import ConfigError
 
 KINDS = ("master_param", "exp_avg", "exp_avg_sq")
 BYTES_PER_PARAM = 4 * len(KINDS)                 # fp32 master + two fp32 moments per owned parameter
+# Elements of state a streamed range holds, unless one parameter's owned part alone is larger: two
+# host slots of three kinds then hold 6 x 4 B x this (192 MiB).
+CHUNK_NUMEL = 2**23
 
 
 def rank_folder(root: str, rank: int) -> str:
@@ -106,9 +109,9 @@ def _remove(folder: str, paths: list[str], fds: list[int]) -> None:
 
 class NvmeState:
     """This rank's master and moment shards (`numel` fp32 each) in files under rank_folder(root,
-    rank); host slots for two buckets of up to `slot_numel` elements (pinned with `pin`)."""
+    rank); two host slots as large as the largest range streamed (pinned with `pin`)."""
 
-    def __init__(self, root: str, rank: int, numel: int, slot_numel: int, pin: bool = False):
+    def __init__(self, root: str, rank: int, numel: int, pin: bool = False):
         self.folder = rank_folder(root, rank)
         os.mkdir(self.folder)
         self.paths = [os.path.join(self.folder, f"{k}.bin") for k in KINDS]
@@ -119,8 +122,7 @@ class NvmeState:
             self.fds.append(fd)
             os.ftruncate(fd, 4 * numel)                   # reads as zeros: the moments' initial value
         self.mapped = {k: self._map(path, numel) for k, path in zip(KINDS, self.paths)}
-        self.slots = [{k: torch.empty(slot_numel, dtype=torch.float32, pin_memory=pin) for k in KINDS}
-                      for _ in range(2)]
+        self.pin, self.slots = pin, []
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvme-offload")
 
     @staticmethod
@@ -143,6 +145,10 @@ class NvmeState:
         overlapped with the neighbouring ranges' updates. Returns when every write is done."""
         if not ranges:
             return
+        largest = max(n for _, n in ranges)
+        if not self.slots or self.slots[0][KINDS[0]].numel() < largest:
+            self.slots = [{k: torch.empty(largest, dtype=torch.float32, pin_memory=self.pin) for k in KINDS}
+                          for _ in range(2)]
         reads: list[Future] = [self.io.submit(self._read, 0, *ranges[0])]
         writes: list[Future] = []
         for i, (off, n) in enumerate(ranges):
