@@ -16,6 +16,10 @@ training flags.
     CPU offload = --optimizer-cpu-offload moves masters + moments to pinned host memory (12 n / dp)
                   and adds a host fp32 gradient copy (4 n / dp); --param-cpu-offload (stage 3) moves
                   the parameter shards (2 L / dp). Host memory is summed over the ranks of a node.
+    NVMe offload = --optimizer-nvme-offload puts masters + moments in files (12 n / dp of disk per
+                  rank) and keeps in host memory the gradient copy (4 n / dp) and two chunks of
+                  state (2 x 12 B x the chunk: nvme.CHUNK_NUMEL elements, or the largest parameter
+                  when it is larger, at most n / dp). Disk is summed over the ranks of a node too.
     activations = per layer and microbatch, bytes saved for backward (flash attention: no score
                   matrix), with s·b·h = seq × micro-batch × hidden:
                     LayerNorm inputs/outputs (replicated over TP)           8 s·b·h · bytes/2
@@ -43,6 +47,7 @@ from typing import Optional
 from .arguments import Config
 from .pipeline.interleaved import num_warmup
 from .model.sharding import tp_partition_dim
+from .optimizer.nvme import BYTES_PER_PARAM, CHUNK_NUMEL
 from .topology import ConfigError, Topology, layer_counts
 
 GiB = 2**30
@@ -57,6 +62,7 @@ class StageMemory:
     head_bytes: float
     transient_bytes: float = 0.0  # stage 2-3: per-layer gradient buffers and gathered layers
     cpu_bytes: float = 0.0        # host memory of this rank's offloaded state
+    disk_bytes: float = 0.0       # NVMe offload: this rank's optimizer state files
 
     @property
     def total(self) -> float:
@@ -93,9 +99,18 @@ def zero_stage(cfg: Config) -> int:
     return p.zero_stage if p.zero_stage is not None else int(p.use_distributed_optimizer)
 
 
-def state_bytes(cfg: Config, n: int, layers: int) -> tuple[float, float, float]:
-    """(GPU static, GPU transient, host) bytes of the weights, gradients and optimizer state of a
-    rank holding `n` parameters, `layers` transformer layers of them (the table in the docstring)."""
+def largest_param(cfg: Config, stage: int) -> int:
+    """Elements of the largest parameter one tensor-parallel rank of pipeline stage `stage` holds."""
+    m, tp, pp = cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    layer = max(3 * m.hidden_size * m.hidden_size, m.hidden_size * m.ffn_hidden_size) // tp
+    embedding = m.padded_vocab_size * m.hidden_size // tp if stage in (0, pp - 1) else 0
+    return max(layer, embedding)
+
+
+def state_bytes(cfg: Config, n: int, layers: int, largest: int = 0) -> tuple[float, float, float, float]:
+    """(GPU static, GPU transient, host, disk) bytes of the weights, gradients and optimizer state of
+    a rank holding `n` parameters, `layers` transformer layers of them, the largest of `largest`
+    elements (the table in the docstring)."""
     t, p = cfg.train, cfg.parallel
     dp, stage = p.data_parallel_size, zero_stage(cfg)
     elem = 2 if (t.bf16 or t.fp16) else 4
@@ -116,11 +131,15 @@ def state_bytes(cfg: Config, n: int, layers: int) -> tuple[float, float, float]:
     else:
         gpu += 4 * n
     optimizer = (12 if elem == 2 else 8) * n / (dp if stage >= 1 else 1)
-    if p.optimizer_cpu_offload:
+    disk = 0.0
+    if p.optimizer_nvme_offload is not None:
+        disk = BYTES_PER_PARAM * n / dp                     # masters + moments in files
+        host += 4 * n / dp + 2 * BYTES_PER_PARAM * min(n / dp, max(CHUNK_NUMEL, largest))  # grads, two chunks
+    elif p.optimizer_cpu_offload:
         host += (12 + 4) * n / dp                           # masters + moments, and a gradient copy
     else:
         gpu += optimizer
-    return gpu, transient, host
+    return gpu, transient, host, disk
 
 
 def layer_activation_bytes(cfg: Config) -> float:
@@ -162,7 +181,7 @@ def estimate(cfg: Config) -> list[StageMemory]:
     counts, out = layer_counts(m, pp), []
     for stage in range(pp):
         n = stage_params(cfg, stage)
-        static, transient, host = state_bytes(cfg, n, counts[stage])
+        static, transient, host, disk = state_bytes(cfg, n, counts[stage], largest_param(cfg, stage))
         layer_input = elem * sbh / (p.tensor_model_parallel_size if m.sequence_parallel else 1)
         v = m.virtual_pipeline_model_parallel_size or 1
         acts_one = activations_one_microbatch(cfg, counts[stage] // v, per_layer, layer_input)   # one chunk
@@ -172,17 +191,18 @@ def estimate(cfg: Config) -> list[StageMemory]:
         head = 0.0
         if stage == pp - 1:
             head = 2 * elem * m.seq_length * t.micro_batch_size * m.padded_vocab_size / p.tensor_model_parallel_size
-        out.append(StageMemory(stage, n, static, acts_one * in_flight, head, transient, host))
+        out.append(StageMemory(stage, n, static, acts_one * in_flight, head, transient, host, disk))
     return out
 
 
-def host_bytes_per_node(cfg: Config, rows: list[StageMemory], gpus_per_node: int) -> float:
+def host_bytes_per_node(cfg: Config, rows: list[StageMemory], gpus_per_node: int, kind: str = "cpu_bytes") -> float:
     """Host memory of the fullest node: the offloaded state of the ranks it runs (ranks are placed
-    on nodes in order, gpus_per_node each; a rank's pipeline stage follows from the topology)."""
+    on nodes in order, gpus_per_node each; a rank's pipeline stage follows from the topology).
+    kind "disk_bytes": the NVMe offload files of the fullest node instead."""
     p = cfg.parallel
     topo = Topology(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
     world = topo.world_size
-    per_node = [sum(rows[topo.coord(r).pp].cpu_bytes for r in range(first, min(first + gpus_per_node, world)))
+    per_node = [sum(getattr(rows[topo.coord(r).pp], kind) for r in range(first, min(first + gpus_per_node, world)))
                 for first in range(0, world, gpus_per_node)]
     return max(per_node)
 
@@ -224,13 +244,15 @@ def with_zero(cfg: Config, stage: int, optimizer_offload: bool, param_offload: b
     p = other.parallel
     p.zero_stage, p.use_distributed_optimizer = stage, stage >= 1
     p.optimizer_cpu_offload, p.param_cpu_offload = optimizer_offload, param_offload
+    p.optimizer_nvme_offload = None
     return other
 
 
 def offload_name(cfg: Config) -> str:
     p = cfg.parallel
-    return " + ".join(n for n, on in (("optimizer", p.optimizer_cpu_offload), ("params", p.param_cpu_offload))
-                      if on) or "none"
+    optimizer = "optimizer (NVMe)" if p.optimizer_nvme_offload is not None else "optimizer"
+    return " + ".join(n for n, on in ((optimizer, p.optimizer_cpu_offload or p.optimizer_nvme_offload is not None),
+                                      ("params", p.param_cpu_offload)) if on) or "none"
 
 
 def compare_zero(cfg: Config, gpus_per_node: int, gpu_memory: Optional[float], host_memory: Optional[float]
@@ -247,11 +269,14 @@ def compare_zero(cfg: Config, gpus_per_node: int, gpu_memory: Optional[float], h
 
 
 def format_table(rows: list[StageMemory]) -> str:
+    """One line per stage; a "disk GiB/rank" column with NVMe offload."""
+    disk = any(r.disk_bytes for r in rows)
     lines = ["| stage | params/rank | static GiB | transient GiB | activations GiB | logits GiB | predicted peak GiB "
-             "| host GiB/rank |", "|---|---|---|---|---|---|---|---|"]
+             "| host GiB/rank |" + (" disk GiB/rank |" if disk else ""), "|---|---|---|---|---|---|---|---|"
+             + ("---|" if disk else "")]
     for r in rows:
         lines.append(f"| {r.stage} | {r.params / 1e6:.1f}M | {r.static_bytes / GiB:.2f} "
                      f"| {r.transient_bytes / GiB:.2f} | {r.activation_bytes / GiB:.2f} | {r.head_bytes / GiB:.2f} "
                      f"| {r.total / GiB:.2f} "
-                     f"| {r.cpu_bytes / GiB:.2f} |")
+                     f"| {r.cpu_bytes / GiB:.2f} |" + (f" {r.disk_bytes / GiB:.2f} |" if disk else ""))
     return "\n".join(lines)

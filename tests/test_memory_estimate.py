@@ -93,6 +93,22 @@ def test_zero_stage_and_offload_columns(flags, static, transient, host):
     assert (row.static_bytes, row.transient_bytes, row.cpu_bytes) == (static, transient, host)
 
 
+def test_nvme_offload_moves_the_state_from_host_memory_to_disk(tmp_path, capsys):
+    """--optimizer-nvme-offload: 12 n / dp of disk per rank, summed over a node; host memory keeps
+    the gradient copy and two chunks of state (here the whole small shard); the tool prints both."""
+    from megapar.cli.estimate_memory import main
+    from megapar.memory_estimate import host_bytes_per_node
+    flags = ["--zero-stage", "1", "--optimizer-nvme-offload", str(tmp_path)]
+    cfg = _tiny(flags)
+    (row,) = estimate(cfg)
+    assert (row.static_bytes, row.disk_bytes, row.cpu_bytes) == (2 * N + 4 * N, 12 * N / 4, 4 * N / 4 + 24 * N / 4)
+    assert host_bytes_per_node(cfg, [row], 2, "disk_bytes") == 2 * 12 * N / 4
+    assert main(["--world-size", "4", "--vocab-size", "1000", *TINY, *flags, "--gpus-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "disk GiB/rank" in out and "CPU offload optimizer (NVMe)" in out
+    assert f"NVMe offload: {2 * 12 * N / 4 / GiB:.1f} GiB of optimizer state files per node (2 GPUs per node)" in out
+
+
 def test_host_memory_is_summed_over_a_node():
     from megapar.memory_estimate import host_bytes_per_node
     cfg = _tiny(["--zero-stage", "3", "--optimizer-cpu-offload", "--param-cpu-offload"])

@@ -1,8 +1,9 @@
-"""Predict peak GPU memory per pipeline stage, and host memory for CPU offload, for a training configuration.
+"""Predict peak GPU memory per pipeline stage, and host memory (and NVMe disk) for offload, for a training configuration.
 
     python tools/estimate_memory.py --world-size 4 --tensor-parallel 2 --pipeline-parallel 2 \
         --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \
         --micro-batch-size 8 --global-batch-size 64 --bf16 [--zero-stage 0-3] [--optimizer-cpu-offload] \
+        [--optimizer-nvme-offload PATH] \
         [--param-cpu-offload] [--checkpoint-activations] [--gpu-memory 80GB --host-memory 1TB] [--compare-stages]
 
 Takes the training flags (megapar/arguments.py; `--recipe NAME` and `--deepspeed-config FILE` too) plus:
@@ -13,7 +14,7 @@ Takes the training flags (megapar/arguments.py; `--recipe NAME` and `--deepspeed
   --host-memory SIZE   CPU memory of one node (1TB): say whether the offloaded state of its GPUs fits
   --compare-stages     also a table of ZeRO stages 0-3 x CPU offload for this model and layout
 Prints parameters, static memory (weights, fp32 grads, optimizer state), transient per-layer buffers (ZeRO 2-3),
-activations, logits, the predicted GPU peak and the host memory per stage. Model: megapar/memory_estimate.py.
+activations, logits, the predicted GPU peak and the host memory per stage (and the NVMe offload files). Model: megapar/memory_estimate.py.
 """
 import argparse
 import sys
@@ -21,7 +22,7 @@ from typing import Optional
 
 from megapar.arguments import ConfigError, apply_config_files, build_parser, config_from_namespace
 from megapar.errors import OneLineErrorParser
-from megapar.memory_estimate import (compare_zero, estimate, format_table, host_bytes_per_node, offload_name,
+from megapar.memory_estimate import (GiB, compare_zero, estimate, format_table, host_bytes_per_node, offload_name,
                                      parse_size, verdict, zero_stage)
 from megapar.model import set_vocab
 from megapar.recipes import expand_recipes
@@ -75,6 +76,10 @@ def main(argv=None) -> int:
         print(f"GPU: {verdict(peak, gpu_memory, 'GPU')}")
     if host_memory is not None:
         print(f"host ({per_node} GPU{'s' if per_node > 1 else ''} per node): {verdict(host, host_memory, 'host')}")
+    if any(r.disk_bytes for r in rows):
+        disk = host_bytes_per_node(cfg, rows, per_node, "disk_bytes")
+        print(f"NVMe offload: {disk / GiB:.1f} GiB of optimizer state files per node ({per_node} GPU"
+              f"{'s' if per_node > 1 else ''} per node) under --optimizer-nvme-offload {p.optimizer_nvme_offload}")
     if known.compare_stages:
         print(compare_zero(cfg, per_node, gpu_memory, host_memory))
     return 0
