@@ -174,3 +174,21 @@ def test_chunked_stream_steps_like_cpu_offload_in_process(tmp_path):
     assert nvme._step_count() == 3
     nvme.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_files_are_allocated_and_a_full_disk_while_making_them_is_one_line(tmp_path, monkeypatch):
+    """The state files hold their blocks from the start (no sparse file to fail a later write); a
+    disk that fills up while they are made (injected ENOSPC) is a ConfigError, and nothing is left."""
+    import errno
+    from megapar.arguments import ConfigError
+    from megapar.optimizer.nvme import NvmeState
+    state = NvmeState(str(tmp_path), 0, numel=300_000)
+    assert all(os.stat(p).st_blocks * 512 >= 4 * 300_000 for p in state.paths)
+    state.close()
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ConfigError, match="the disk filled up while this rank's optimizer state files were made"):
+        NvmeState(str(tmp_path), 0, numel=10)
+    assert os.listdir(tmp_path) == []

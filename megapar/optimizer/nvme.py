@@ -5,7 +5,8 @@ CPU AdamW step, as DeepSpeed ZeRO-Infinity's `offload_optimizer.device: nvme`.
 Storage. Each rank owns a folder PATH/rank_NNNNN/ (its global rank), made by the run with
 os.mkdir, so nothing the user had is ever written into; in it one flat fp32 file per kind
 (master_param.bin, exp_avg.bin, exp_avg_sq.bin), laid out like the CPU-offload shard buffers (the
-concatenation of this rank's owned shard of every bucket). `close()` deletes those files and the
+concatenation of this rank's owned shard of every bucket), allocated in full when made
+(posix_fallocate), so the disk cannot run out under a step. `close()` deletes those files and the
 folder (only if nothing else appeared in it) at the end of the run, or when the process exits.
 
 Two ways in:
@@ -24,6 +25,7 @@ recently touched pages may stay cached; the kernel reclaims them as memory is ne
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import weakref
@@ -97,7 +99,25 @@ def _io(op: Callable, fd: int, buf: torch.Tensor, offset: int) -> None:
         done += n
 
 
+def _reserve(fd: int, size: int, root: str) -> None:
+    """Give the file `size` bytes of zeros, allocated now where the file system can (so a disk that
+    fills up during the run cannot fail a step's write), else sparse."""
+    if size == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ConfigError(f"--optimizer-nvme-offload {root}: the disk filled up while this rank's optimizer "
+                              f"state files were made ({size / 2**30:.1f} GiB each); free space there or give a "
+                              f"folder on a larger disk") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)
+
+
 def _remove(folder: str, paths: list[str], fds: list[int]) -> None:
+    """Close `fds`, delete `paths` and then `folder` if nothing else is in it."""
     for fd in fds:
         os.close(fd)
     for path in paths:
@@ -117,10 +137,14 @@ class NvmeState:
         self.paths = [os.path.join(self.folder, f"{k}.bin") for k in KINDS]
         self.fds: list[int] = []
         self._cleanup = weakref.finalize(self, _remove, self.folder, self.paths, self.fds)
-        for path in self.paths:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            self.fds.append(fd)
-            os.ftruncate(fd, 4 * numel)                   # reads as zeros: the moments' initial value
+        try:
+            for path in self.paths:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                self.fds.append(fd)
+                _reserve(fd, 4 * numel, root)             # reads as zeros: the moments' initial value
+        except BaseException:
+            self._cleanup()
+            raise
         self.mapped = {k: self._map(path, numel) for k, path in zip(KINDS, self.paths)}
         self.pin, self.slots = pin, []
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvme-offload")
