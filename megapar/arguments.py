@@ -294,8 +294,30 @@ class Config:
 
 
 # ---- the command line, derived from the fields ---------------------------------------------------
-def _flag(name: str) -> str:
+def flag(name: str) -> str:
+    """The flag of setting `name`: `zero_stage` -> `--zero-stage` (the one place it is spelled)."""
     return "--" + name.replace("_", "-")
+
+
+def flag_words(name: str, value: Any) -> list[str]:
+    """The command-line words that set `name` to `value` (what the parser reads back as `value`):
+    `--zero-stage 3`, `--bf16`, a default-on switch's negative flag for False, nothing for None."""
+    negative = _negative_flags().get(name)
+    if value is False and negative:
+        return [negative]
+    if value is True:
+        return [flag(name)]
+    if value is False or value is None:
+        return []
+    if isinstance(value, list):
+        return [flag(name), *map(str, value)]
+    return [flag(name), str(value)]
+
+
+def _negative_flags() -> dict[str, str]:
+    """{name: --no-... flag} of the settings that default to True."""
+    return {f.name: f.metadata["negative"] for cls, _ in SECTIONS.values() for f in fields(cls)
+            if f.metadata.get("negative")}
 
 
 def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
@@ -316,7 +338,7 @@ def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
         kw.update(type=kind, choices=m["choices"])
         if m["choices"] is None and kind in (int, float):
             kw["metavar"] = "N" if kind is int else "X"
-    group.add_argument(_flag(f.name), *m["aliases"], **kw)
+    group.add_argument(flag(f.name), *m["aliases"], **kw)
 
 
 TRAINING_PROG = "python -m megapar.pretrain_gpt2"
@@ -342,7 +364,7 @@ def build_parser(prog: str = TRAINING_PROG, launcher: bool = False) -> argparse.
                 group = groups.get(title_f) or groups.setdefault(title_f, p.add_argument_group(title_f))
                 _add_field(group, f, hints[f.name])
     for name, help in ALIAS_FLAGS.items():
-        groups["model"].add_argument(_flag(name), action="store_true", help=help)
+        groups["model"].add_argument(flag(name), action="store_true", help=help)
     groups["model"].add_argument("--recipe", metavar="NAME", help="start from a named run configuration "
                                  "(megapar/recipes.py); flags given after it override it")
     ds = p.add_argument_group("DeepSpeed users")
@@ -617,7 +639,7 @@ def _check_ranges(ns: argparse.Namespace) -> None:
             if v is not None and v < low:
                 default = default_of(name)
                 fix = _WHY.get(name) or (f"the default is {default}" if default is not None else "")
-                _fail(f"{_flag(name)} {v} must be >= {low}" + (f"; {fix}" if fix else ""))
+                _fail(f"{flag(name)} {v} must be >= {low}" + (f"; {fix}" if fix else ""))
     for name, (low, high, low_in, high_in) in _FLOAT_RANGES.items():
         v = getattr(ns, name)
         if v is None:
@@ -627,7 +649,7 @@ def _check_ranges(ns: argparse.Namespace) -> None:
             ok = v <= high if high_in else v < high
         if not ok:
             default = default_of(name)
-            _fail(f"{_flag(name)} {v} is out of range: it must be {_range_text(low, high, low_in, high_in)}"
+            _fail(f"{flag(name)} {v} is out of range: it must be {_range_text(low, high, low_in, high_in)}"
                   + (f"; the default is {default:g}" if default is not None else ""))
     if not 0 <= ns.seed < 2**32:
         _fail(f"--seed {ns.seed} must be in [0, 2**32); e.g. the default {default_of('seed')}")
@@ -715,8 +737,8 @@ def _check_loggers(ns: argparse.Namespace) -> None:
     if ns.wandb_project is None:
         for flag in ("wandb_exp_name", "wandb_save_dir"):
             if getattr(ns, flag) is not None:
-                _fail(f"{_flag(flag)} is a setting of the W&B run that --wandb-project starts; add --wandb-project "
-                      f"NAME or drop {_flag(flag)}")
+                _fail(f"{flag(flag)} is a setting of the W&B run that --wandb-project starts; add --wandb-project "
+                      f"NAME or drop {flag(flag)}")
     elif not ns.wandb_project.strip():
         _fail("--wandb-project is empty; name the W&B project, e.g. --wandb-project gpt2")
     for flag, folder in (("--wandb-save-dir", ns.wandb_save_dir), ("--csv-log-dir", ns.csv_log_dir)):

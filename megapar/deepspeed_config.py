@@ -39,6 +39,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .arguments import flag
 from .topology import _fail
 
 AUTO = "auto"
@@ -339,7 +340,7 @@ class DeepSpeedSettings:
     def explain(self, message: str) -> str:
         """A validation error about flags this config set, with the keys they came from."""
         keys = [key for dest, key in self.origin.items()
-                if re.search(re.escape(f"--{dest.replace('_', '-')}") + r"(?![\w-])", message)]
+                if re.search(re.escape(flag(dest)) + r"(?![\w-])", message)]
         return f"{message} (set by {', '.join(keys)} in {self.path})" if keys else message
 
 
@@ -363,10 +364,9 @@ def _same(a: Any, b: Any) -> bool:
 
 def _as_flag(dest: str, v: Any) -> str:
     """A flag and its value as a user would type it: `--zero-stage 3`, `--bf16`, `no --fp16`."""
-    flag = f"--{dest.replace('_', '-')}"
     if v is True:
-        return flag
-    return f"no {flag}" if v is False or v is None else f"{flag} {v if isinstance(v, str) else _show(v)}"
+        return flag(dest)
+    return f"no {flag(dest)}" if v is False or v is None else f"{flag(dest)} {v if isinstance(v, str) else _show(v)}"
 
 
 def _show(v: Any) -> str:

@@ -89,6 +89,33 @@ def test_flags_not_given_take_the_field_default_and_given_ones_win():
     assert parse_config(["--no-gradient-accumulation-fusion"], 1).model.gradient_accumulation_fusion is False
 
 
+def test_flag_words_render_every_setting_as_the_parser_reads_it_back():
+    """The one renderer from settings to command lines (planner, next-step commands, DeepSpeed
+    notes): for every flag and a value unlike its default, the words parse back to that value."""
+    import typing
+    from dataclasses import fields
+
+    from megapar.arguments import SECTIONS, build_parser, flag_words
+    parser = build_parser()
+    checked = 0
+    for cls, _ in SECTIONS.values():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if not f.metadata["cli"]:
+                continue
+            hint = hints[f.name]
+            kind = hint if typing.get_origin(hint) is list else \
+                next(a for a in typing.get_args(hint) or (hint,) if a is not type(None))
+            choices = f.metadata["choices"]
+            value = (not f.default if kind is bool else choices[-1] if choices else
+                     [kind.__args__[0](3), kind.__args__[0](4)] if typing.get_origin(kind) is list else
+                     kind(7) if kind in (int, float) else "x")
+            got = vars(parser.parse_args(flag_words(f.name, value)))
+            assert got.get(f.name) == value, (f.name, flag_words(f.name, value), got)
+            checked += 1
+    assert checked > 80
+
+
 def test_checkpoint_args_namespace_keeps_megatron_fields():
     cfg = parse_config(BASE + ["--recompute-activations"], world_size=1)
     ns = cfg.namespace()

@@ -20,6 +20,7 @@ import sys
 from typing import Optional
 
 from megapar.arguments import ConfigError, apply_config_files, build_parser, config_from_namespace
+from megapar.data.tokenizer import GPT2_VOCAB_SIZE
 from megapar.errors import OneLineErrorParser
 from megapar.memory_estimate import (compare_zero, estimate, format_table, host_bytes_per_node, offload_name,
                                      parse_size, verdict, zero_stage)
@@ -31,7 +32,7 @@ def _own_flags(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
     """This tool's flags (the rest are training flags). A bad value ends in one `error:` line."""
     pre = OneLineErrorParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--world-size", type=int, default=1)
-    pre.add_argument("--vocab-size", type=int, default=50257)
+    pre.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE)
     pre.add_argument("--gpus-per-node", type=int, default=None)
     pre.add_argument("--gpu-memory", default=None)
     pre.add_argument("--host-memory", default=None)
