@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import sys
 import typing
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
@@ -18,7 +20,7 @@ from typing import Any, Optional, Sequence
 from .data.tokenizer import TOKENIZER_TYPES
 from .errors import OneLineErrorParser
 from .fp8 import FP8_FORMATS, FP8_RECIPES
-from .recipes import expand_recipes
+from .recipes import recipe, recipe_names
 from .topology import ConfigError, _fail, check_parallel_shape, pipeline_layer_counts
 
 
@@ -280,6 +282,7 @@ class Config:
     log: LogConfig
     aliases: dict[str, bool] = field(default_factory=dict)  # the ALIAS_FLAGS as given (kept in `args`)
     deepspeed: Any = None  # the DeepSpeedSettings of --deepspeed-config (not kept in `args`)
+    origin: dict[str, Origin] = field(default_factory=dict)  # settings not typed on the command line
 
     @property
     def num_microbatches(self) -> int:
@@ -376,24 +379,68 @@ def build_parser(prog: str = TRAINING_PROG, launcher: bool = False) -> argparse.
 
 
 DEEPSPEED_CONFIG = "deepspeed_config"   # the parsed flag; in the given flags, replaced by its settings
+ORIGINS = "origins"                     # in the given flags: {dest: Origin} of values not typed by the user
 
 
-def parse_flags(argv: Optional[Sequence[str]]) -> dict[str, Any]:
-    """The flags the user gave ({dest: value}; recipes expanded, --deepspeed-config merged in),
-    without defaults."""
-    return apply_config_files(vars(build_parser().parse_args(expand_recipes(argv))))
+@dataclass(frozen=True)
+class Origin:
+    """Where a setting's value came from when the command line did not type it: `what` set it
+    (`--recipe 1.3b`, a DeepSpeed key, the embedded default), in `where` (the config file) if any."""
+    what: str
+    where: str = ""
+
+
+def parse_flags(argv: Optional[Sequence[str]], parser: Optional[argparse.ArgumentParser] = None
+                ) -> dict[str, Any]:
+    """The flags the user gave ({dest: value}, without defaults), merged in a stated order: each
+    `--recipe` in turn < `--deepspeed-config` < the command line (a flag both set must agree,
+    deepspeed_config.py). Under ORIGINS: the Origin of each recipe's value the command line did not
+    override (config_from_namespace adds the DeepSpeed keys'). `parser`: build_parser()'s, renamed."""
+    names, typed = recipe_names(list(sys.argv[1:] if argv is None else argv))
+    parser = parser or build_parser()
+    given: dict[str, Any] = {}
+    origins: dict[str, Origin] = {}
+    for name in names:
+        values = vars(parser.parse_args(recipe(name).flags))
+        given.update(values)
+        origins.update(dict.fromkeys(values, Origin(f"--recipe {name}")))
+    own = vars(parser.parse_args(typed))
+    given.update(own)
+    for dest in own:
+        origins.pop(dest, None)
+    if origins:
+        given[ORIGINS] = origins
+    return apply_config_files(given)
 
 
 def apply_config_files(given: dict[str, Any]) -> dict[str, Any]:
     """Merge a --deepspeed-config file into the parsed flags `given` (in place, returned): its
     settings become flags, and the DeepSpeedSettings under DEEPSPEED_CONFIG carry the rest (the
-    gradient accumulation steps, resolved at world size, and what to print at start)."""
+    gradient accumulation steps, resolved at world size, what to print at start, and the key
+    each setting came from)."""
     given.pop("deepspeed", None)
     path = given.pop(DEEPSPEED_CONFIG, None)
     if path is not None:
         from .deepspeed_config import apply
-        given[DEEPSPEED_CONFIG] = apply(path, given)
+        origins = given.pop(ORIGINS, {})
+        given[DEEPSPEED_CONFIG] = apply(path, given, below=frozenset(origins))
+        if origins:
+            given[ORIGINS] = origins
     return given
+
+
+def explain(message: str, origins: dict[str, Origin]) -> str:
+    """A validation error with where the values of the flags it names came from, when they were
+    not typed on the command line: `... (--micro-batch-size set by --recipe 124m; set by
+    train_batch_size in ds.json)`."""
+    named = {dest: o for dest, o in origins.items() if re.search(re.escape(flag(dest)) + r"(?![\w-])", message)}
+    groups: dict[Origin, list[str]] = {}
+    for dest, o in named.items():  # a file's keys name themselves; a recipe's flags are named
+        key = Origin("", o.where) if o.where else o
+        groups.setdefault(key, []).append(o.what if o.where else flag(dest))
+    parts = [f"set by {', '.join(dict.fromkeys(names))} in {o.where}" if o.where else
+             f"{', '.join(names)} set by {o.what}" for o, names in groups.items()]
+    return f"{message} ({'; '.join(parts)})" if parts else message
 
 
 def default_of(name: str) -> Any:
@@ -437,15 +484,18 @@ def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: i
     if isinstance(given.get(DEEPSPEED_CONFIG), str):  # a namespace straight from build_parser()
         apply_config_files(given)
     ds = given.pop(DEEPSPEED_CONFIG, None)
+    origins = given.pop(ORIGINS, {})
+    if ds is not None:
+        origins = {**origins, **{dest: Origin(key, ds.path) for dest, key in ds.origin.items()}}
     aliases = _resolve_aliases(given)
     cfg = Config(**{section: _pick(cls, given) for section, (cls, _) in SECTIONS.items()}, aliases=aliases,
-                 deepspeed=ds)
+                 deepspeed=ds, origin=origins)
     try:
         _resolve_and_validate(cfg, given, world_size, assume_gpus)
     except ConfigError as e:
-        if ds is None:
+        if not origins:
             raise
-        raise ConfigError(ds.explain(str(e))) from None  # a value the config set: name its key
+        raise ConfigError(explain(str(e), origins)) from None  # a value the user did not type: say who set it
     return cfg
 
 

@@ -34,7 +34,6 @@ import difflib
 import json
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -336,12 +335,6 @@ class DeepSpeedSettings:
             why = "; ".join(f"{', '.join(keys)} ({reason})" for reason, keys in by_reason.items())
             lines.append(f"> --deepspeed-config {self.path}: accepted, not acted on: {why}")
         return lines
-
-    def explain(self, message: str) -> str:
-        """A validation error about flags this config set, with the keys they came from."""
-        keys = [key for dest, key in self.origin.items()
-                if re.search(re.escape(flag(dest)) + r"(?![\w-])", message)]
-        return f"{message} (set by {', '.join(keys)} in {self.path})" if keys else message
 
 
 def _resolved(key: str, dests: tuple[str, ...], cfg) -> str:
@@ -801,16 +794,18 @@ def read(path: str, cli: dict[str, Any], strict: bool = True) -> DeepSpeedSettin
     return s
 
 
-def apply(path: str, given: dict[str, Any], strict: bool = True) -> DeepSpeedSettings:
-    """Merge the config at `path` into the command line's flags `given` (in place): a flag set on
-    both sides must agree, and a flag given on the command line wins over DeepSpeed's default for
-    an absent key. Returns the settings (kept for `resolve_batch` and the start-up lines)."""
+def apply(path: str, given: dict[str, Any], strict: bool = True, below: frozenset[str] = frozenset()
+          ) -> DeepSpeedSettings:
+    """Merge the config at `path` into the flags `given` (in place): a flag set on the command line
+    and by a key must agree, and a given flag wins over DeepSpeed's default for an absent key.
+    `below`: the flags of `given` that a key overrides (a recipe's: recipes < config < command line).
+    Returns the settings (kept for `resolve_batch` and the start-up lines)."""
     s = read(path, given, strict=False)
     for dest in list(s.flags):
         value = s.flags[dest]
         if dest in given and dest in s.defaulted:
             del s.flags[dest], s.origin[dest]
-        elif dest in given and not _same(given[dest], value):
+        elif dest in given and dest not in below and not _same(given[dest], value):
             s.problem(f"{_as_flag(dest, given[dest])} on the command line and {s.origin[dest]} "
                       f"(= {_as_flag(dest, value)}) differ; drop one or make them equal")
         else:

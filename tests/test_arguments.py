@@ -116,6 +116,29 @@ def test_flag_words_render_every_setting_as_the_parser_reads_it_back():
     assert checked > 80
 
 
+def test_an_error_names_where_a_value_came_from_when_the_command_line_did_not_type_it(tmp_path):
+    """Values merge as defaults < recipes < DeepSpeed config < command line; each kept Origin
+    is named in an error about its flag (a typed value needs no note)."""
+    import json
+
+    from megapar.arguments import Origin
+    cfg = parse_config(["--recipe", "cpu-tiny", "--hidden-size", "64", "--train-iters", "1"], world_size=1)
+    assert cfg.origin["num_layers"] == Origin("--recipe cpu-tiny") and "hidden_size" not in cfg.origin
+    assert cfg.model.hidden_size == 64 and cfg.model.num_layers == 2
+    with pytest.raises(ConfigError, match=r"by --micro-batch-size 3 .*\(--global-batch-size set by --recipe cpu-tiny\)$"):
+        parse_config(["--recipe", "cpu-tiny", "--micro-batch-size", "3", "--train-iters", "1"], world_size=1)
+    with pytest.raises(ConfigError, match=r"--micro-batch-size 3 x data-parallel size 1 = 3; use a multiple of 3$"):
+        parse_config(["--micro-batch-size", "3", "--global-batch-size", "4", "--train-iters", "1"], world_size=1)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3}))
+    with pytest.raises(ConfigError, match=r"\(set by train_micro_batch_size_per_gpu in .*ds.json; "
+                                          r"--global-batch-size set by --recipe cpu-tiny\)$"):
+        parse_config(["--recipe", "cpu-tiny", "--deepspeed-config", str(ds), "--train-iters", "1"], world_size=1)
+    from megapar.pretrain_gpt2 import parse
+    with pytest.raises(ConfigError, match=r"\(--global-batch-size set by the embedded default \(no --data-path\)\)$"):
+        parse(["--micro-batch-size", "3", "--save", str(tmp_path / "ck")], world_size=1)
+
+
 def test_checkpoint_args_namespace_keeps_megatron_fields():
     cfg = parse_config(BASE + ["--recompute-activations"], world_size=1)
     ns = cfg.namespace()

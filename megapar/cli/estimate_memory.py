@@ -19,13 +19,12 @@ import argparse
 import sys
 from typing import Optional
 
-from megapar.arguments import ConfigError, apply_config_files, build_parser, config_from_namespace
+from megapar.arguments import ConfigError, build_parser, config_from_namespace, parse_flags
 from megapar.data.tokenizer import GPT2_VOCAB_SIZE
 from megapar.errors import OneLineErrorParser
 from megapar.memory_estimate import (compare_zero, estimate, format_table, host_bytes_per_node, offload_name,
                                      parse_size, verdict, zero_stage)
 from megapar.model import set_vocab
-from megapar.recipes import expand_recipes
 
 
 def _own_flags(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
@@ -59,7 +58,7 @@ def main(argv=None) -> int:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     try:
         per_node, gpu_memory, host_memory = _check_own(known)
-        given = apply_config_files(vars(parser.parse_args(expand_recipes(rest))))
+        given = parse_flags(rest, parser)
         cfg = config_from_namespace(given, known.world_size, assume_gpus=True)  # a plan for GPUs, checked anywhere
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
