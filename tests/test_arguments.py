@@ -125,7 +125,8 @@ def test_an_error_names_where_a_value_came_from_when_the_command_line_did_not_ty
     cfg = parse_config(["--recipe", "cpu-tiny", "--hidden-size", "64", "--train-iters", "1"], world_size=1)
     assert cfg.origin["num_layers"] == Origin("--recipe cpu-tiny") and "hidden_size" not in cfg.origin
     assert cfg.model.hidden_size == 64 and cfg.model.num_layers == 2
-    with pytest.raises(ConfigError, match=r"by --micro-batch-size 3 .*\(--global-batch-size set by --recipe cpu-tiny\)$"):
+    with pytest.raises(ConfigError, match=r"by --micro-batch-size 3 .*"
+                                          r"\(--global-batch-size set by --recipe cpu-tiny\)$"):
         parse_config(["--recipe", "cpu-tiny", "--micro-batch-size", "3", "--train-iters", "1"], world_size=1)
     with pytest.raises(ConfigError, match=r"--micro-batch-size 3 x data-parallel size 1 = 3; use a multiple of 3$"):
         parse_config(["--micro-batch-size", "3", "--global-batch-size", "4", "--train-iters", "1"], world_size=1)
