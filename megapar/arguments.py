@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import sys
 import typing
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
@@ -18,7 +20,7 @@ from typing import Any, Optional, Sequence
 from .data.tokenizer import TOKENIZER_TYPES
 from .errors import OneLineErrorParser
 from .fp8 import FP8_FORMATS, FP8_RECIPES
-from .recipes import expand_recipes
+from .recipes import recipe, recipe_names
 from .topology import ConfigError, _fail, check_parallel_shape, pipeline_layer_counts
 
 
@@ -284,6 +286,7 @@ class Config:
     log: LogConfig
     aliases: dict[str, bool] = field(default_factory=dict)  # the ALIAS_FLAGS as given (kept in `args`)
     deepspeed: Any = None  # the DeepSpeedSettings of --deepspeed-config (not kept in `args`)
+    origin: dict[str, Origin] = field(default_factory=dict)  # settings not typed on the command line
 
     @property
     def num_microbatches(self) -> int:
@@ -298,8 +301,30 @@ class Config:
 
 
 # ---- the command line, derived from the fields ---------------------------------------------------
-def _flag(name: str) -> str:
+def flag(name: str) -> str:
+    """The flag of setting `name`: `zero_stage` -> `--zero-stage` (the one place it is spelled)."""
     return "--" + name.replace("_", "-")
+
+
+def flag_words(name: str, value: Any) -> list[str]:
+    """The command-line words that set `name` to `value` (what the parser reads back as `value`):
+    `--zero-stage 3`, `--bf16`, a default-on switch's negative flag for False, nothing for None."""
+    negative = _negative_flags().get(name)
+    if value is False and negative:
+        return [negative]
+    if value is True:
+        return [flag(name)]
+    if value is False or value is None:
+        return []
+    if isinstance(value, list):
+        return [flag(name), *map(str, value)]
+    return [flag(name), str(value)]
+
+
+def _negative_flags() -> dict[str, str]:
+    """{name: --no-... flag} of the settings that default to True."""
+    return {f.name: f.metadata["negative"] for cls, _ in SECTIONS.values() for f in fields(cls)
+            if f.metadata.get("negative")}
 
 
 def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
@@ -320,7 +345,7 @@ def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
         kw.update(type=kind, choices=m["choices"])
         if m["choices"] is None and kind in (int, float):
             kw["metavar"] = "N" if kind is int else "X"
-    group.add_argument(_flag(f.name), *m["aliases"], **kw)
+    group.add_argument(flag(f.name), *m["aliases"], **kw)
 
 
 TRAINING_PROG = "python -m megapar.pretrain_gpt2"
@@ -346,7 +371,7 @@ def build_parser(prog: str = TRAINING_PROG, launcher: bool = False) -> argparse.
                 group = groups.get(title_f) or groups.setdefault(title_f, p.add_argument_group(title_f))
                 _add_field(group, f, hints[f.name])
     for name, help in ALIAS_FLAGS.items():
-        groups["model"].add_argument(_flag(name), action="store_true", help=help)
+        groups["model"].add_argument(flag(name), action="store_true", help=help)
     groups["model"].add_argument("--recipe", metavar="NAME", help="start from a named run configuration "
                                  "(megapar/recipes.py); flags given after it override it")
     ds = p.add_argument_group("DeepSpeed users")
@@ -358,24 +383,68 @@ def build_parser(prog: str = TRAINING_PROG, launcher: bool = False) -> argparse.
 
 
 DEEPSPEED_CONFIG = "deepspeed_config"   # the parsed flag; in the given flags, replaced by its settings
+ORIGINS = "origins"                     # in the given flags: {dest: Origin} of values not typed by the user
 
 
-def parse_flags(argv: Optional[Sequence[str]]) -> dict[str, Any]:
-    """The flags the user gave ({dest: value}; recipes expanded, --deepspeed-config merged in),
-    without defaults."""
-    return apply_config_files(vars(build_parser().parse_args(expand_recipes(argv))))
+@dataclass(frozen=True)
+class Origin:
+    """Where a setting's value came from when the command line did not type it: `what` set it
+    (`--recipe 1.3b`, a DeepSpeed key, the embedded default), in `where` (the config file) if any."""
+    what: str
+    where: str = ""
+
+
+def parse_flags(argv: Optional[Sequence[str]], parser: Optional[argparse.ArgumentParser] = None
+                ) -> dict[str, Any]:
+    """The flags the user gave ({dest: value}, without defaults), merged in a stated order: each
+    `--recipe` in turn < `--deepspeed-config` < the command line (a flag both set must agree,
+    deepspeed_config.py). Under ORIGINS: the Origin of each recipe's value the command line did not
+    override (config_from_namespace adds the DeepSpeed keys'). `parser`: build_parser()'s, renamed."""
+    names, typed = recipe_names(list(sys.argv[1:] if argv is None else argv))
+    parser = parser or build_parser()
+    given: dict[str, Any] = {}
+    origins: dict[str, Origin] = {}
+    for name in names:
+        values = vars(parser.parse_args(recipe(name).flags))
+        given.update(values)
+        origins.update(dict.fromkeys(values, Origin(f"--recipe {name}")))
+    own = vars(parser.parse_args(typed))
+    given.update(own)
+    for dest in own:
+        origins.pop(dest, None)
+    if origins:
+        given[ORIGINS] = origins
+    return apply_config_files(given)
 
 
 def apply_config_files(given: dict[str, Any]) -> dict[str, Any]:
     """Merge a --deepspeed-config file into the parsed flags `given` (in place, returned): its
     settings become flags, and the DeepSpeedSettings under DEEPSPEED_CONFIG carry the rest (the
-    gradient accumulation steps, resolved at world size, and what to print at start)."""
+    gradient accumulation steps, resolved at world size, what to print at start, and the key
+    each setting came from)."""
     given.pop("deepspeed", None)
     path = given.pop(DEEPSPEED_CONFIG, None)
     if path is not None:
         from .deepspeed_config import apply
-        given[DEEPSPEED_CONFIG] = apply(path, given)
+        origins = given.pop(ORIGINS, {})
+        given[DEEPSPEED_CONFIG] = apply(path, given, below=frozenset(origins))
+        if origins:
+            given[ORIGINS] = origins
     return given
+
+
+def explain(message: str, origins: dict[str, Origin]) -> str:
+    """A validation error with where the values of the flags it names came from, when they were
+    not typed on the command line: `... (--micro-batch-size set by --recipe 124m; set by
+    train_batch_size in ds.json)`."""
+    named = {dest: o for dest, o in origins.items() if re.search(re.escape(flag(dest)) + r"(?![\w-])", message)}
+    groups: dict[Origin, list[str]] = {}
+    for dest, o in named.items():  # a file's keys name themselves; a recipe's flags are named
+        key = Origin("", o.where) if o.where else o
+        groups.setdefault(key, []).append(o.what if o.where else flag(dest))
+    parts = [f"set by {', '.join(dict.fromkeys(names))} in {o.where}" if o.where else
+             f"{', '.join(names)} set by {o.what}" for o, names in groups.items()]
+    return f"{message} ({'; '.join(parts)})" if parts else message
 
 
 def default_of(name: str) -> Any:
@@ -419,15 +488,18 @@ def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: i
     if isinstance(given.get(DEEPSPEED_CONFIG), str):  # a namespace straight from build_parser()
         apply_config_files(given)
     ds = given.pop(DEEPSPEED_CONFIG, None)
+    origins = given.pop(ORIGINS, {})
+    if ds is not None:
+        origins = {**origins, **{dest: Origin(key, ds.path) for dest, key in ds.origin.items()}}
     aliases = _resolve_aliases(given)
     cfg = Config(**{section: _pick(cls, given) for section, (cls, _) in SECTIONS.items()}, aliases=aliases,
-                 deepspeed=ds)
+                 deepspeed=ds, origin=origins)
     try:
         _resolve_and_validate(cfg, given, world_size, assume_gpus)
     except ConfigError as e:
-        if ds is None:
+        if not origins:
             raise
-        raise ConfigError(ds.explain(str(e))) from None  # a value the config set: name its key
+        raise ConfigError(explain(str(e), origins)) from None  # a value the user did not type: say who set it
     return cfg
 
 
@@ -621,7 +693,7 @@ def _check_ranges(ns: argparse.Namespace) -> None:
             if v is not None and v < low:
                 default = default_of(name)
                 fix = _WHY.get(name) or (f"the default is {default}" if default is not None else "")
-                _fail(f"{_flag(name)} {v} must be >= {low}" + (f"; {fix}" if fix else ""))
+                _fail(f"{flag(name)} {v} must be >= {low}" + (f"; {fix}" if fix else ""))
     for name, (low, high, low_in, high_in) in _FLOAT_RANGES.items():
         v = getattr(ns, name)
         if v is None:
@@ -631,7 +703,7 @@ def _check_ranges(ns: argparse.Namespace) -> None:
             ok = v <= high if high_in else v < high
         if not ok:
             default = default_of(name)
-            _fail(f"{_flag(name)} {v} is out of range: it must be {_range_text(low, high, low_in, high_in)}"
+            _fail(f"{flag(name)} {v} is out of range: it must be {_range_text(low, high, low_in, high_in)}"
                   + (f"; the default is {default:g}" if default is not None else ""))
     if not 0 <= ns.seed < 2**32:
         _fail(f"--seed {ns.seed} must be in [0, 2**32); e.g. the default {default_of('seed')}")
@@ -673,8 +745,8 @@ def _check_nvme_offload(ns: argparse.Namespace, stage: int) -> None:
     is checked once the model's size is known: megapar/optimizer/nvme.py)."""
     path = ns.optimizer_nvme_offload
     if stage < 1:
-        _fail(f"--optimizer-nvme-offload moves the sharded optimizer state to files: it needs --zero-stage 1, 2 or "
-              f"3 (or --use-distributed-optimizer); add one or drop --optimizer-nvme-offload")
+        _fail("--optimizer-nvme-offload moves the sharded optimizer state to files: it needs --zero-stage 1, 2 or "
+              "3 (or --use-distributed-optimizer); add one or drop --optimizer-nvme-offload")
     if ns.adam_impl == "fused":
         _fail("--adam-impl fused is csrc's GPU kernel, but --optimizer-nvme-offload steps AdamW on the CPU (torch's "
               "fused CPU kernel); drop --adam-impl fused or --optimizer-nvme-offload")
@@ -738,8 +810,8 @@ def _check_loggers(ns: argparse.Namespace) -> None:
     if ns.wandb_project is None:
         for flag in ("wandb_exp_name", "wandb_save_dir"):
             if getattr(ns, flag) is not None:
-                _fail(f"{_flag(flag)} is a setting of the W&B run that --wandb-project starts; add --wandb-project "
-                      f"NAME or drop {_flag(flag)}")
+                _fail(f"{flag(flag)} is a setting of the W&B run that --wandb-project starts; add --wandb-project "
+                      f"NAME or drop {flag(flag)}")
     elif not ns.wandb_project.strip():
         _fail("--wandb-project is empty; name the W&B project, e.g. --wandb-project gpt2")
     for flag, folder in (("--wandb-save-dir", ns.wandb_save_dir), ("--csv-log-dir", ns.csv_log_dir)):

@@ -34,11 +34,11 @@ import difflib
 import json
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .arguments import flag
 from .topology import _fail
 
 AUTO = "auto"
@@ -344,12 +344,6 @@ class DeepSpeedSettings:
             lines.append(f"> --deepspeed-config {self.path}: accepted, not acted on: {why}")
         return lines
 
-    def explain(self, message: str) -> str:
-        """A validation error about flags this config set, with the keys they came from."""
-        keys = [key for dest, key in self.origin.items()
-                if re.search(re.escape(f"--{dest.replace('_', '-')}") + r"(?![\w-])", message)]
-        return f"{message} (set by {', '.join(keys)} in {self.path})" if keys else message
-
 
 def _resolved(key: str, dests: tuple[str, ...], cfg) -> str:
     """What an "auto" key became in the resolved Config `cfg`."""
@@ -371,10 +365,9 @@ def _same(a: Any, b: Any) -> bool:
 
 def _as_flag(dest: str, v: Any) -> str:
     """A flag and its value as a user would type it: `--zero-stage 3`, `--bf16`, `no --fp16`."""
-    flag = f"--{dest.replace('_', '-')}"
     if v is True:
-        return flag
-    return f"no {flag}" if v is False or v is None else f"{flag} {v if isinstance(v, str) else _show(v)}"
+        return flag(dest)
+    return f"no {flag(dest)}" if v is False or v is None else f"{flag(dest)} {v if isinstance(v, str) else _show(v)}"
 
 
 def _show(v: Any) -> str:
@@ -822,16 +815,18 @@ def read(path: str, cli: dict[str, Any], strict: bool = True) -> DeepSpeedSettin
     return s
 
 
-def apply(path: str, given: dict[str, Any], strict: bool = True) -> DeepSpeedSettings:
-    """Merge the config at `path` into the command line's flags `given` (in place): a flag set on
-    both sides must agree, and a flag given on the command line wins over DeepSpeed's default for
-    an absent key. Returns the settings (kept for `resolve_batch` and the start-up lines)."""
+def apply(path: str, given: dict[str, Any], strict: bool = True, below: frozenset[str] = frozenset()
+          ) -> DeepSpeedSettings:
+    """Merge the config at `path` into the flags `given` (in place): a flag set on the command line
+    and by a key must agree, and a given flag wins over DeepSpeed's default for an absent key.
+    `below`: the flags of `given` that a key overrides (a recipe's: recipes < config < command line).
+    Returns the settings (kept for `resolve_batch` and the start-up lines)."""
     s = read(path, given, strict=False)
     for dest in list(s.flags):
         value = s.flags[dest]
         if dest in given and dest in s.defaulted:
             del s.flags[dest], s.origin[dest]
-        elif dest in given and not _same(given[dest], value):
+        elif dest in given and dest not in below and not _same(given[dest], value):
             s.problem(f"{_as_flag(dest, given[dest])} on the command line and {s.origin[dest]} "
                       f"(= {_as_flag(dest, value)}) differ; drop one or make them equal")
         else:

@@ -72,8 +72,13 @@ class StageMemory:
 
 def layer_params(cfg: Config) -> int:
     """Parameters of one transformer layer on one tensor-parallel rank."""
-    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
-    h, f = m.hidden_size, m.ffn_hidden_size
+    return layer_params_of(cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.parallel.tensor_model_parallel_size)
+
+
+def layer_params_of(h: int, f: int, tp: int) -> int:
+    """Parameters of one transformer layer of hidden size `h` and MLP width `f` on one of `tp`
+    tensor-parallel ranks: each tensor split as the model splits it (model/sharding.py); the one
+    count the estimator and the planner's cost model share."""
     split = lambda n, key: n // tp if tp_partition_dim(key) is not None else n  # noqa: E731
     return (4 * h                                                        # two LayerNorms
             + split(3 * h * h + 3 * h, "self_attention.query_key_value.weight")

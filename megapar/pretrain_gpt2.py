@@ -18,7 +18,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from .arguments import DEEPSPEED_CONFIG, Config, ConfigError, config_from_namespace, default_of, parse_flags
+from .arguments import (DEEPSPEED_CONFIG, ORIGINS, Config, ConfigError, Origin, config_from_namespace, default_of,
+                        parse_flags)
 from .errors import USER_ERROR_EXIT, MegaparError
 from .checkpoint import SaveDirLock, check_finetune_dirs, check_load_dir, check_save_space
 from .heartbeat import Heartbeat, is_timeout, timeout_error
@@ -55,7 +56,9 @@ def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
         if "lr_warmup_fraction" not in given:
             chosen["lr_warmup_iters"] = 30
         for k, v in chosen.items():
-            given.setdefault(k, v)
+            if k not in given:
+                given[k] = v
+                given.setdefault(ORIGINS, {})[k] = Origin("the embedded default (no --data-path)")
         if given.get("load") is None and given["save"] == save_dir:  # re-running resumes; never overwrites
             given["load"] = save_dir
     if given.get("train_iters") is None and given.get("train_samples") is None:

@@ -130,7 +130,7 @@ def recipe(name: str) -> Recipe:
     return RECIPES[name]
 
 
-def _recipe_names(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+def recipe_names(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(recipe names in order, argv without the --recipe flags)."""
     names, rest, i = [], [], 0
     while i < len(argv):
@@ -153,7 +153,7 @@ def expand_recipes(argv: Optional[Sequence[str]]) -> list[str]:
     """argv with every `--recipe NAME` / `--recipe=NAME` replaced by that recipe's flags, placed
     first (in the order the recipes were given) so that the flags in argv override them.
     argv None means sys.argv[1:], as for argparse."""
-    names, rest = _recipe_names(list(sys.argv[1:] if argv is None else argv))
+    names, rest = recipe_names(list(sys.argv[1:] if argv is None else argv))
     return [flag for name in names for flag in recipe(name).flags] + rest
 
 

@@ -89,6 +89,57 @@ def test_flags_not_given_take_the_field_default_and_given_ones_win():
     assert parse_config(["--no-gradient-accumulation-fusion"], 1).model.gradient_accumulation_fusion is False
 
 
+def test_flag_words_render_every_setting_as_the_parser_reads_it_back():
+    """The one renderer from settings to command lines (planner, next-step commands, DeepSpeed
+    notes): for every flag and a value unlike its default, the words parse back to that value."""
+    import typing
+    from dataclasses import fields
+
+    from megapar.arguments import SECTIONS, build_parser, flag_words
+    parser = build_parser()
+    checked = 0
+    for cls, _ in SECTIONS.values():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if not f.metadata["cli"]:
+                continue
+            hint = hints[f.name]
+            kind = hint if typing.get_origin(hint) is list else \
+                next(a for a in typing.get_args(hint) or (hint,) if a is not type(None))
+            choices = f.metadata["choices"]
+            value = (not f.default if kind is bool else choices[-1] if choices else
+                     [kind.__args__[0](3), kind.__args__[0](4)] if typing.get_origin(kind) is list else
+                     kind(7) if kind in (int, float) else "x")
+            got = vars(parser.parse_args(flag_words(f.name, value)))
+            assert got.get(f.name) == value, (f.name, flag_words(f.name, value), got)
+            checked += 1
+    assert checked > 80
+
+
+def test_an_error_names_where_a_value_came_from_when_the_command_line_did_not_type_it(tmp_path):
+    """Values merge as defaults < recipes < DeepSpeed config < command line; each kept Origin
+    is named in an error about its flag (a typed value needs no note)."""
+    import json
+
+    from megapar.arguments import Origin
+    cfg = parse_config(["--recipe", "cpu-tiny", "--hidden-size", "64", "--train-iters", "1"], world_size=1)
+    assert cfg.origin["num_layers"] == Origin("--recipe cpu-tiny") and "hidden_size" not in cfg.origin
+    assert cfg.model.hidden_size == 64 and cfg.model.num_layers == 2
+    with pytest.raises(ConfigError, match=r"by --micro-batch-size 3 .*"
+                                          r"\(--global-batch-size set by --recipe cpu-tiny\)$"):
+        parse_config(["--recipe", "cpu-tiny", "--micro-batch-size", "3", "--train-iters", "1"], world_size=1)
+    with pytest.raises(ConfigError, match=r"--micro-batch-size 3 x data-parallel size 1 = 3; use a multiple of 3$"):
+        parse_config(["--micro-batch-size", "3", "--global-batch-size", "4", "--train-iters", "1"], world_size=1)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3}))
+    with pytest.raises(ConfigError, match=r"\(set by train_micro_batch_size_per_gpu in .*ds.json; "
+                                          r"--global-batch-size set by --recipe cpu-tiny\)$"):
+        parse_config(["--recipe", "cpu-tiny", "--deepspeed-config", str(ds), "--train-iters", "1"], world_size=1)
+    from megapar.pretrain_gpt2 import parse
+    with pytest.raises(ConfigError, match=r"\(--global-batch-size set by the embedded default \(no --data-path\)\)$"):
+        parse(["--micro-batch-size", "3", "--save", str(tmp_path / "ck")], world_size=1)
+
+
 def test_checkpoint_args_namespace_keeps_megatron_fields():
     cfg = parse_config(BASE + ["--recompute-activations"], world_size=1)
     ns = cfg.namespace()

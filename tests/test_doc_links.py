@@ -34,3 +34,27 @@ def test_section_links_resolve():
 def test_anchors_follow_github():
     assert anchors(ROOT / "docs" / "performance.md") >= {"performance-log-predicted-vs-measured",
                                                          "where-the-cost-models-defaults-come-from", "data"}
+
+
+def test_the_design_maps_questions_to_names_that_exist():
+    """docs/design.md's "Where to look": in each row, `path: name` names a file that defines `name`,
+    and each bare `name` after it is defined in that file too; a folder named exists."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text.split("## Where to look", 1)[1].split("\n## ", 1)[0]
+    checked = 0
+    for row in section.splitlines():
+        path = None
+        for token in re.findall(r"`([^`]+)`", row):
+            m = re.fullmatch(r"(megapar/[\w/.]+)(?:: (\w+))?", token)
+            if m:
+                assert (ROOT / m.group(1)).exists(), m.group(1)
+                path, name = m.group(1), m.group(2)
+            elif re.fullmatch(r"\w+", token) and path and path.endswith(".py"):
+                name = token
+            else:
+                continue
+            if name:
+                source = (ROOT / path).read_text()
+                assert re.search(rf"^\s*(def|class) {name}\b", source, flags=re.M), f"{path} defines no {name}"
+                checked += 1
+    assert checked >= 20

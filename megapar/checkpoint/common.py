@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..arguments import ConfigError, DataConfig, ModelConfig, ParallelConfig, section_from_args
+from ..arguments import ConfigError, DataConfig, ModelConfig, ParallelConfig, flag, section_from_args
 from ..topology import layer_counts
 from ..atomic import atomic_write
 from ..errors import MegaparError
@@ -245,7 +245,7 @@ def saved_layout_flags(saved: SavedConfig) -> str:
     for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                  "virtual_pipeline_model_parallel_size"):
         if getattr(saved.model, name, None) is not None:
-            flags.append(f"--{name.replace('_', '-')} {getattr(saved.model, name)}")
+            flags.append(f"{flag(name)} {getattr(saved.model, name)}")
     return " ".join(flags)
 
 
@@ -277,7 +277,7 @@ def check_compatible(saved: SavedConfig, model: ModelConfig, topo, path: str) ->
 
 def check_same_model(saved: SavedConfig, model: ModelConfig, path: str) -> None:
     """The checkpoint's model must have this run's shape (the layout may differ)."""
-    diffs = [f"--{a.replace('_', '-')} {getattr(saved.model, a)} (checkpoint) vs {getattr(model, a)} (run)"
+    diffs = [f"{flag(a)} {getattr(saved.model, a)} (checkpoint) vs {getattr(model, a)} (run)"
              for a in SHAPE_FIELDS if getattr(saved.model, a) != getattr(model, a)]
     if diffs:
         raise CheckpointError(f"checkpoint {path} does not match this model: " + "; ".join(diffs) +

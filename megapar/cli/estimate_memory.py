@@ -20,19 +20,19 @@ import argparse
 import sys
 from typing import Optional
 
-from megapar.arguments import ConfigError, apply_config_files, build_parser, config_from_namespace
+from megapar.arguments import ConfigError, build_parser, config_from_namespace, parse_flags
+from megapar.data.tokenizer import GPT2_VOCAB_SIZE
 from megapar.errors import OneLineErrorParser
 from megapar.memory_estimate import (GiB, compare_zero, estimate, format_table, host_bytes_per_node, offload_name,
                                      parse_size, verdict, zero_stage)
 from megapar.model import set_vocab
-from megapar.recipes import expand_recipes
 
 
 def _own_flags(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
     """This tool's flags (the rest are training flags). A bad value ends in one `error:` line."""
     pre = OneLineErrorParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--world-size", type=int, default=1)
-    pre.add_argument("--vocab-size", type=int, default=50257)
+    pre.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE)
     pre.add_argument("--gpus-per-node", type=int, default=None)
     pre.add_argument("--gpu-memory", default=None)
     pre.add_argument("--host-memory", default=None)
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     try:
         per_node, gpu_memory, host_memory = _check_own(known)
-        given = apply_config_files(vars(parser.parse_args(expand_recipes(rest))))
+        given = parse_flags(rest, parser)
         cfg = config_from_namespace(given, known.world_size, assume_gpus=True)  # a plan for GPUs, checked anywhere
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

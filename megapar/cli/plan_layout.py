@@ -27,7 +27,8 @@ import argparse
 import sys
 from typing import Optional
 
-from megapar.arguments import ConfigError, build_parser
+from megapar.arguments import ConfigError, build_parser, flag
+from megapar.data.tokenizer import GPT2_VOCAB_SIZE
 from megapar.errors import OneLineErrorParser
 from megapar.memory_estimate import GiB, parse_size
 from megapar.planner import calibration as calibration_
@@ -44,11 +45,11 @@ GPU_MEMORY = {"h100": "80GB", "h200": "141GB"}
 
 def _parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(add_help=False, allow_abbrev=False)
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--global-batch-size",
+    for name in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--global-batch-size",
                  "--gpus"):
-        p.add_argument(flag, type=int, default=None)
+        p.add_argument(name, type=int, default=None)
     p.add_argument("--ffn-hidden-size", type=int, default=None)
-    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE)
     p.add_argument("--gpus-per-node", type=int, default=None)
     p.add_argument("--gpu", choices=sorted(calibration_.DEFAULTS), default="h100")
     p.add_argument("--gpu-memory", default=None)
@@ -66,16 +67,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def _request(own: argparse.Namespace, extra: dict) -> search.Request:
     """The planning request from the parsed flags; ConfigError (one line) for a value out of range."""
-    missing = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+    missing = [flag(n) for n in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                                                       "global_batch_size", "gpus") if getattr(own, n) is None]
     if missing:
         raise ConfigError(f"missing {', '.join(missing)}: the planner needs the model shape, the global batch and "
                           f"the GPU count (e.g. --gpus 8)")
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size", "gpus",
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size", "gpus",
                  "ffn_hidden_size", "vocab_size", "gpus_per_node", "max_micro_batch", "top"):
-        value = getattr(own, flag)
+        value = getattr(own, name)
         if value is not None and value < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} {value} must be >= 1")
+            raise ConfigError(f"{flag(name)} {value} must be >= 1")
     per_node = own.gpus_per_node or min(own.gpus, 8)
     if own.gpus > per_node and own.gpus % per_node:
         raise ConfigError(f"--gpus {own.gpus} is not a multiple of --gpus-per-node {per_node}: the launcher starts "
@@ -85,7 +86,7 @@ def _request(own: argparse.Namespace, extra: dict) -> search.Request:
         raise ConfigError(f"--show-rejected {own.show_rejected} must be >= 0")
     if not 0 < own.memory_fraction <= 1:
         raise ConfigError(f"--memory-fraction {own.memory_fraction} must be in (0, 1]")
-    chosen = sorted(f"--{n.replace('_', '-')}" for n in CHOSEN & set(extra))
+    chosen = sorted(flag(n) for n in CHOSEN & set(extra))
     if chosen:
         raise ConfigError(f"{', '.join(chosen)}: the planner chooses these itself; drop them (or use "
                           f"tools/estimate_memory.py to check one layout)")

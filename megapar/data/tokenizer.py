@@ -20,6 +20,7 @@ from ..errors import MegaparError
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "TikTokenizer")
 ENDOFTEXT = "<|endoftext|>"
+GPT2_VOCAB_SIZE = 50257   # GPT-2's BPE vocabulary: what the estimator and the planner assume by default
 # GPT-2's pre-tokenizer regex (tiktoken's r50k/gpt2 pattern).
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 

@@ -122,21 +122,12 @@ class DistributedOptimizer(BaseOptimizer):
         self._reset_moments(step=0)
 
     # ---- layout --------------------------------------------------------------------------
-    def _shard_ranges(self) -> list[tuple[int, int, int]]:
-        """Per bucket: (buf_lo, buf_hi, offset in the shard buffers) of this rank's shard."""
-        out, offset = [], 0
-        for b in self.buffer.buckets:
-            lo, hi = b.shard(self.dp_rank, self.dp)
-            out.append((lo, hi, offset))
-            offset += hi - lo
-        return out
-
     def _build_buffers(self) -> None:
         """Per bucket, the model-dtype tensors: the whole bucket (every parameter a view of it;
         None for a ZeRO-3 unit, whose weights are gathered on demand) and this rank's shard of it.
         Then the fp32 master and moment shards (on the CPU with offload)."""
-        self.shards = self._shard_ranges()
-        shard_numel = sum(hi - lo for lo, hi, _ in self.shards)
+        self.shards = self.buffer.layout.ranges()   # per bucket: (buf_lo, buf_hi, offset in the shard buffers)
+        shard_numel = self.buffer.layout.numel
         self.bucket_params: list[Optional[torch.Tensor]] = []
         self.owned_params: list[torch.Tensor] = []
         for b, (lo, hi, _) in zip(self.buffer.buckets, self.shards):

@@ -32,6 +32,7 @@ owned ranges were reduced, and only those are read).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -104,8 +105,88 @@ class Bucket:
         size = (self.end - self.start) // dp
         return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
 
+    def accumulate(self, p: nn.Parameter, add_grad: bool) -> None:
+        """A gradient of `p` arrived: add it into `p.main_grad` (vectors queued for one multi-tensor
+        add; add_grad=False: backward accumulated it there itself) and free `p.grad`."""
+        if add_grad and p.dim() == 1:
+            if id(p) in self.queued:  # a second microbatch: no repeated tensor in one foreach
+                self.add_queued()
+            self.queued[id(p)] = (p.main_grad, p.grad)
+        elif add_grad:
+            p.main_grad.add_(p.grad)
+        p.grad = None
 
-class GradBuffer:
+
+class ShardLayout:
+    """Where this data-parallel rank's shard lies, computed once for the gradient buffer, the
+    optimizer and the checkpoints: buckets end to end in one flat buffer, each padded to a multiple
+    of dp and cut into dp equal shards (rank d owns shard d of every bucket); this rank's shards,
+    concatenated in bucket order, form its shard buffer (ZeRO's fp32 masters and moments, ZeRO-2/3's
+    gradient shard)."""
+
+    def __init__(self, buckets: list[Bucket], dp: int, dp_rank: int):
+        self.buckets, self.dp, self.dp_rank = buckets, dp, dp_rank
+        self.starts = [b.start for b in buckets]
+        self.offsets: list[int] = []    # per bucket: where its shard starts in the shard buffer
+        pos = 0
+        for b in buckets:
+            self.offsets.append(pos)
+            pos += (b.end - b.start) // dp
+        self.numel = pos                # of the shard buffer
+
+    def shard(self, i: int) -> tuple[int, int]:
+        """Bucket i's [lo, hi) range of the flat buffer that this rank owns."""
+        return self.buckets[i].shard(self.dp_rank, self.dp)
+
+    def ranges(self) -> list[tuple[int, int, int]]:
+        """Per bucket: (lo, hi, offset in the shard buffer) of this rank's shard."""
+        return [(*self.shard(i), off) for i, off in enumerate(self.offsets)]
+
+    def bucket_at(self, buf_pos: int) -> int:
+        return bisect.bisect_right(self.starts, buf_pos) - 1
+
+    def in_shard(self, buf_lo: int, buf_hi: int) -> tuple[int, int]:
+        """The shard-buffer range of flat range [buf_lo, buf_hi), which lies in this rank's shard."""
+        i = self.bucket_at(buf_lo)
+        off = self.offsets[i] + buf_lo - self.shard(i)[0]
+        return off, off + buf_hi - buf_lo
+
+
+class GradReduction:
+    """What both gradient buffers (this file's GradBuffer, sharded_grads.py's ShardedGradBuffer)
+    share: the data-parallel group and the dtype the sums travel in, `no_sync`, the sum over the
+    tensor-parallel group of the sequence-parallel parameters' gradients, and the ShardLayout
+    (`layout`, set by the subclass once its buckets are laid out)."""
+    mode: str
+    layout: ShardLayout
+
+    def __init__(self, dp_group: Optional[dist.ProcessGroup], tp_group: Optional[dist.ProcessGroup],
+                 reduce_dtype: torch.dtype):
+        self.dp_group, self.tp_group, self.reduce_dtype = dp_group, tp_group, reduce_dtype
+        self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
+        self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
+        self.sync_enabled = True
+        self.tp_summed: list[torch.Tensor] = []   # flat main_grad views summed over tp_group in finish()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate only (no communication) inside this block: all but the last microbatch."""
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = True
+
+    def _sum_over_tp(self) -> None:
+        """The sequence-parallel parameters' partial gradients summed over tp_group (one flat
+        all-reduce, after the data-parallel reduction, which commutes with it)."""
+        if self.tp_summed:
+            flat = torch.cat(self.tp_summed)
+            dist.all_reduce(flat, group=self.tp_group)
+            torch._foreach_copy_(self.tp_summed, list(flat.split([g.numel() for g in self.tp_summed])))
+
+
+class GradBuffer(GradReduction):
     def __init__(self, params: Iterable[nn.Parameter], dp_group: Optional[dist.ProcessGroup],
                  mode: str = "all_reduce", bucket_numel: Optional[int] = None, overlap: bool = False,
                  late_params: Iterable[nn.Parameter] = (), tp_summed: Iterable[nn.Parameter] = (),
@@ -114,15 +195,15 @@ class GradBuffer:
         `before_late` callback (used to sum the tied embedding over the embedding group first)."""
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"unknown grad-buffer mode {mode}")
-        self.dp_group, self.mode, self.overlap, self.reduce_dtype = dp_group, mode, overlap, reduce_dtype
-        self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
-        self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
+        super().__init__(dp_group, tp_group, reduce_dtype)
+        self.mode, self.overlap = mode, overlap
         late = list(late_params)
         late_ids = {id(p) for p in late}
         params = [p for p in params if p.requires_grad and id(p) not in late_ids][::-1]
         device = (params or late)[0].device
         self.buckets = self._plan_buckets(params, bucket_numel) + ([Bucket(0, 0, late)] if late else [])
         self.param_range = self._lay_out()              # id(param) -> [start, end) in the buffer
+        self.layout = ShardLayout(self.buckets, self.dp, self.dp_rank)
         self.device = device
         self.data = torch.zeros(self.buckets[-1].end if self.buckets else 0, dtype=torch.float32, device=device)
         for b in self.buckets:
@@ -130,10 +211,8 @@ class GradBuffer:
                 start, end = self.param_range[id(p)]
                 p.main_grad = self.data[start:end].view_as(p)
                 p.register_post_accumulate_grad_hook(self._hook(b, add_grad=not fuses(p)))
-        self.sync_enabled = True
         self.late_bucket = self.buckets[-1] if late else None
-        self.tp_summed = [self.data[slice(*self.param_range[id(p)])] for p in tp_summed]  # flat main_grad views
-        self.tp_group = tp_group
+        self.tp_summed = [self.data[slice(*self.param_range[id(p)])] for p in tp_summed]
 
     # ---- layout ------------------------------------------------------------------------
     def _plan_buckets(self, params: list[nn.Parameter], bucket_numel: Optional[int]) -> list[Bucket]:
@@ -168,27 +247,12 @@ class GradBuffer:
     def _hook(self, bucket: Bucket, add_grad: bool) -> Callable[[nn.Parameter], None]:
         """add_grad=False: backward accumulates into main_grad itself (fixed once main_grad is set)."""
         def hook(p: nn.Parameter) -> None:
-            if add_grad and p.dim() == 1:
-                if id(p) in bucket.queued:  # a second microbatch: no repeated tensor in one foreach
-                    bucket.add_queued()
-                bucket.queued[id(p)] = (p.main_grad, p.grad)
-            elif add_grad:
-                p.main_grad.add_(p.grad)
-            p.grad = None
+            bucket.accumulate(p, add_grad)
             if self.sync_enabled and self.overlap and bucket is not self.late_bucket:
                 bucket.pending.discard(id(p))
                 if not bucket.pending:
                     self._launch(bucket, async_op=True)
         return hook
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate only (no communication) inside this block: all but the last microbatch."""
-        self.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.sync_enabled = True
 
     def start_step(self) -> None:
         """Reset for a new global batch: zero the gradients, arm the bucket triggers."""
@@ -218,7 +282,4 @@ class GradBuffer:
             if b.handle not in (None, "done"):
                 b.handle.wait()
             b.handle = "done"
-        if self.tp_summed:
-            flat = torch.cat(self.tp_summed)
-            dist.all_reduce(flat, group=self.tp_group)
-            torch._foreach_copy_(self.tp_summed, list(flat.split([g.numel() for g in self.tp_summed])))
+        self._sum_over_tp()

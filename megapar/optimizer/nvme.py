@@ -30,7 +30,7 @@ import os
 import shutil
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 import torch

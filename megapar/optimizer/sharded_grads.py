@@ -24,8 +24,6 @@ here (`owned_grad`) instead of from a full buffer.
 """
 from __future__ import annotations
 
-import bisect
-import contextlib
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -33,11 +31,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..tensor_parallel.linear import fuses
-from .grad_buffer import Bucket, reduce
+from .grad_buffer import Bucket, GradReduction, ShardLayout, reduce
 from .sharded_params import unit_offsets
 
 
-class ShardedGradBuffer:
+class ShardedGradBuffer(GradReduction):
+    """`no_sync` (GradReduction's) only decides when a shard is final: layers are reduced every
+    microbatch whatever is asked, as there is no full buffer to keep."""
     mode = "reduce_scatter"
     max_in_flight = 2
 
@@ -49,22 +49,15 @@ class ShardedGradBuffer:
         parameter. on_layer_reduced(i): called once layer i's gradients have been handed to the
         reduction (ZeRO-3 frees the layer's gathered weights there). reduce_dtype: the dtype the
         sums travel in (grad_buffer.reduce)."""
-        self.dp_group, self.tp_group, self.on_layer_reduced = dp_group, tp_group, on_layer_reduced
-        self.reduce_dtype = reduce_dtype
-        self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
-        self.dp_rank = 0 if dp_group is None else dist.get_rank(dp_group)
+        super().__init__(dp_group, tp_group, reduce_dtype)
+        self.on_layer_reduced = on_layer_reduced
         units = [[p for p in m.parameters() if p.requires_grad] for m in layers]
         edge = [p for p in edge_params if p.requires_grad]
         self.device = (units[0] if units else edge)[0].device
         self.buckets, self.param_range = self._lay_out(units + ([edge] if edge else []))
-        self.bucket_starts = [b.start for b in self.buckets]
+        self.layout = ShardLayout(self.buckets, self.dp, self.dp_rank)
         self.edge = self.buckets[-1] if edge else None
-        self.shard_off = []                  # per bucket: its shard's offset in shard_data
-        pos = 0
-        for b in self.buckets:
-            self.shard_off.append(pos)
-            pos += (b.end - b.start) // self.dp
-        self.shard_data = torch.zeros(pos, dtype=torch.float32, device=self.device)     # [sum of shards]
+        self.shard_data = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)  # [sum of shards]
         self.edge_data = torch.zeros(self.edge.end - self.edge.start if edge else 0, dtype=torch.float32,
                                      device=self.device)
         for i, b in enumerate(self.buckets):
@@ -81,7 +74,6 @@ class ShardedGradBuffer:
             layer.register_forward_hook(self._arm_on_output(i))
         self.tp_summed = [g for p in tp_summed for g in self._owned_views(p)]
         self.in_flight: list[tuple] = []
-        self.sync_enabled = True
         self.on_shard_final: Optional[Callable[[int], None]] = None
 
     # ---- layout ----------------------------------------------------------------------------------
@@ -95,19 +87,13 @@ class ShardedGradBuffer:
             pos += size
         return buckets, ranges
 
-    def _bucket_at(self, buf_pos: int) -> int:
-        return bisect.bisect_right(self.bucket_starts, buf_pos) - 1
-
     def owned_grad(self, buf_lo: int, buf_hi: int) -> torch.Tensor:
         """The reduced gradient of buffer range [buf_lo, buf_hi), which lies in this rank's shard."""
-        i = self._bucket_at(buf_lo)
-        lo, _ = self.buckets[i].shard(self.dp_rank, self.dp)
-        off = self.shard_off[i] + buf_lo - lo
-        return self.shard_data[off:off + buf_hi - buf_lo]
+        return self.shard_data[slice(*self.layout.in_shard(buf_lo, buf_hi))]
 
     def _owned_views(self, p: nn.Parameter) -> list[torch.Tensor]:
         start, end = self.param_range[id(p)]
-        lo, hi = self.buckets[self._bucket_at(start)].shard(self.dp_rank, self.dp)
+        lo, hi = self.layout.shard(self.layout.bucket_at(start))
         a, z = max(lo, start), min(hi, end)
         return [self.owned_grad(a, z)] if a < z else []
 
@@ -137,13 +123,7 @@ class ShardedGradBuffer:
 
     def _hook(self, i: int, b: Bucket, add_grad: bool) -> Callable[[nn.Parameter], None]:
         def hook(p: nn.Parameter) -> None:
-            if add_grad and p.dim() == 1:
-                if id(p) in b.queued:
-                    b.add_queued()
-                b.queued[id(p)] = (p.main_grad, p.grad)
-            elif add_grad:
-                p.main_grad.add_(p.grad)
-            p.grad = None
+            b.accumulate(p, add_grad)
             if b is not self.edge:
                 b.pending.discard(id(p))
                 if not b.pending:
@@ -152,9 +132,9 @@ class ShardedGradBuffer:
 
     # ---- reduction ---------------------------------------------------------------------------------
     def _shard_slot(self, i: int) -> torch.Tensor:
-        b = self.buckets[i]
-        size = (b.end - b.start) // self.dp
-        return self.shard_data[self.shard_off[i]:self.shard_off[i] + size]
+        lo, hi = self.layout.shard(i)
+        off = self.layout.offsets[i]
+        return self.shard_data[off:off + hi - lo]
 
     def _reduce_layer(self, i: int) -> None:
         """Hand layer i's bucket to the reduction (freed once the reduction completes)."""
@@ -181,16 +161,6 @@ class ShardedGradBuffer:
         self._free(self.buckets[i])
         self._shard_done(i)
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Layers are reduced every microbatch whatever is asked (there is no full buffer to keep);
-        outside this block runs the last microbatch, whose reductions complete the shards."""
-        self.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.sync_enabled = True
-
     def _shard_done(self, i: int) -> None:
         """Layer i's shard holds its final gradient when the last microbatch's reduction lands;
         `on_shard_final(i)` may take it from there (the offloaded optimizer streams it to the host)."""
@@ -215,10 +185,7 @@ class ShardedGradBuffer:
             else:
                 self.edge_data.div_(self.dp)
                 reduce("reduce_scatter", slot, self.edge_data, self.dp_group, self.reduce_dtype, async_op=False)
-        if self.tp_summed:
-            flat = torch.cat(self.tp_summed)
-            dist.all_reduce(flat, group=self.tp_group)
-            torch._foreach_copy_(self.tp_summed, list(flat.split([g.numel() for g in self.tp_summed])))
+        self._sum_over_tp()
 
     def gradient_bytes(self) -> int:
         """Persistent fp32 gradient bytes on this rank (the shard and the edge bucket)."""

@@ -54,7 +54,7 @@ class ScheduleConfig:
     no_sync: Callable[[], ContextManager] = contextlib.nullcontext  # wraps all but the last backward
     p2p_timeout: float = 600.0                         # seconds a p2p wait may take before it raises
     label: str = ""                                    # prefix for diagnostics, e.g. "iteration 12"
-    diagnose_hangs: bool = True                        # NCCL: poll waits against p2p_timeout (blocks the CPU)
+    diagnose_hangs: bool = False                       # NCCL: poll waits against p2p_timeout (blocks the CPU)
     stats: Optional[dict] = None                       # interleaved: receives "peak_live_outputs"
     pp_grad_group: Optional[dist.ProcessGroup] = None  # interleaved, pp == 2: gradients travel on this group
 

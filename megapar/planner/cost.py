@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..memory_estimate import layer_params_of
 from .calibration import Calibration, Link
 
 
@@ -206,9 +207,8 @@ def exposed(comm: float, window: float, overlap: float) -> float:
 
 
 def layer_params(model: Model, tp: int) -> float:
-    """Parameters of one layer on one TP rank: 4h² + 2hf split, biases and LayerNorms ~ 9h + f."""
-    h, f = model.hidden, model.ffn
-    return (4 * h * h + 2 * h * f + 3 * h + f) / tp + 6 * h
+    """Parameters of one layer on one TP rank (the memory estimator's count)."""
+    return layer_params_of(model.hidden, model.ffn, tp)
 
 
 def stage_params(model: Model, lay: Layout, last: bool) -> float:

@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from ..arguments import ConfigError, config_from_namespace
+from ..arguments import ConfigError, config_from_namespace, flag_words
+from ..data.tokenizer import GPT2_VOCAB_SIZE
 from ..memory_estimate import COMBINATIONS, GiB, estimate, host_bytes_per_node
 from ..model import set_vocab
 from ..topology import padded_vocab_size
@@ -42,7 +43,7 @@ class Request:
     gpu_memory: float                     # bytes
     host_memory: Optional[float]          # bytes per node; None: not checked
     ffn_hidden_size: Optional[int] = None
-    vocab_size: int = 50257
+    vocab_size: int = GPT2_VOCAB_SIZE
     max_micro_batch: int = 16
     memory_fraction: float = 0.9          # usable share of a GPU (CUDA context, NCCL, fragmentation)
     extra: dict[str, Any] = field(default_factory=dict)   # other training flags ({dest: value})
@@ -217,27 +218,6 @@ def table(plan_: Plan, top: int = 10) -> str:
     return "\n".join([HEADER, *(row(plan_, c) for c in plan_.accepted[:top])])
 
 
-def _negative_flags() -> dict[str, str]:
-    """{dest: --no-... flag} of the settings that default to True (turned off by their negative flag)."""
-    from dataclasses import fields
-    from ..arguments import SECTIONS
-    return {f.name: f.metadata["negative"] for cls, _ in SECTIONS.values() for f in fields(cls)
-            if f.metadata.get("negative")}
-
-
-def _flag_words(name: str, value: Any) -> list[str]:
-    flag = "--" + name.replace("_", "-")
-    if value is False and name in _negative_flags():
-        return [_negative_flags()[name]]
-    if value is True:
-        return [flag]
-    if value is False or value is None:
-        return []
-    if isinstance(value, list):
-        return [flag, *map(str, value)]
-    return [flag, str(value)]
-
-
 def command(req: Request, lay: cost.Layout) -> str:
     """The `bash scripts/pretrain_gpt2.sh ...` line of a layout (on node 0 when it spans nodes)."""
     from ..launch import Processes, training_command
@@ -249,5 +229,5 @@ def command(req: Request, lay: cost.Layout) -> str:
              "recompute_num_layers", "sequence_parallel"]
     given = flags(req, lay)
     words = [w for name in order + sorted(set(given) - set(order)) if name in given
-             for w in _flag_words(name, given[name])]
+             for w in flag_words(name, given[name])]
     return training_command(words, procs, "NODE0: the address of node 0" if procs.nodes > 1 else "")

@@ -12,8 +12,8 @@ put several ms of the step in the unfused path; the step's wall time moved by le
 run-to-run spread (it is partly launch-bound; docs/performance.md#performance-log-predicted-vs-measured).
 
 A parameter takes this path only when its layer marked it `fused_grad_accumulation` and it has a
-`main_grad` (set by the GradBuffer); the hook reads the same mark. The accumulations are custom
-ops, so torch.compile keeps them (and their in-place writes) intact.
+`main_grad` (set by the GradBuffer); the hook reads the same mark. Under torch.compile the
+accumulations are custom ops, so the compiler keeps them (and their in-place writes) intact.
 
 Column-parallel layers pass their TP group (`grad_x_group`): backward then all-reduces the input
 gradient asynchronously and computes the weight gradient while it travels (Megatron's async
@@ -43,8 +43,7 @@ if TYPE_CHECKING:
     from ..fp8 import Fp8Gemm
 
 
-@torch.library.custom_op("megapar::accumulate_wgrad_", mutates_args=("main_grad",))
-def accumulate_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+def _add_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
     """main_grad [out, in] += grad_out^T [out, T] @ x [T, in], accumulated in main_grad's dtype."""
     if main_grad.is_cuda and grad_out.dtype != main_grad.dtype:
         torch.addmm(main_grad, grad_out.t(), x, out_dtype=main_grad.dtype, out=main_grad)
@@ -52,8 +51,7 @@ def accumulate_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.
         main_grad.addmm_(grad_out.t().to(main_grad.dtype), x.to(main_grad.dtype))
 
 
-@torch.library.custom_op("megapar::accumulate_bgrad_", mutates_args=("main_grad",))
-def accumulate_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> None:
+def _add_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> None:
     """main_grad [out] += grad_out [T, out] summed over tokens.
 
     gemv (GPU, bf16/fp16 grad_out): [1, out] += ones [1, T] @ grad_out [T, out], accumulated in fp32
@@ -70,14 +68,31 @@ def accumulate_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: boo
         main_grad.add_(grad_out.sum(0))
 
 
-@accumulate_wgrad_.register_fake
+# The same accumulations as custom ops, so torch.compile keeps them (and their in-place writes) intact.
+_wgrad_op = torch.library.custom_op("megapar::accumulate_wgrad_", mutates_args=("main_grad",))(_add_wgrad_)
+_bgrad_op = torch.library.custom_op("megapar::accumulate_bgrad_", mutates_args=("main_grad",))(_add_bgrad_)
+
+
+@_wgrad_op.register_fake
 def _(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
     return None
 
 
-@accumulate_bgrad_.register_fake
+@_bgrad_op.register_fake
 def _(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> None:
     return None
+
+
+def accumulate_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+    """_add_wgrad_, through its custom op while torch.compile traces, called directly otherwise: a
+    custom op's Python dispatch costs more host time than a small layer's GEMM (eager runs are
+    host-bound at small widths; docs/performance.md#host-overhead-per-layer)."""
+    (_wgrad_op if torch.compiler.is_compiling() else _add_wgrad_)(main_grad, grad_out, x)
+
+
+def accumulate_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> None:
+    """_add_bgrad_, through its custom op while torch.compile traces (as accumulate_wgrad_)."""
+    (_bgrad_op if torch.compiler.is_compiling() else _add_bgrad_)(main_grad, grad_out, gemv)
 
 
 class _LinearAccumulateGrad(torch.autograd.Function):
