@@ -121,7 +121,7 @@ class ParallelConfig:
         False, "fp32 master weights, Adam moments and the Adam step on the CPU (GPUs; --zero-stage >= 1)")
     optimizer_nvme_offload: Optional[str] = arg(
         None, "a folder on a fast local disk (NVMe): the fp32 master weights and Adam moments live in files under "
-              "PATH/rank_NNNNN/ (made by the run, removed at its end), read and written bucket by bucket around "
+              "PATH/rank_NNNNN/ (made by the run, removed at its end), read and written chunk by chunk around "
               "the CPU Adam step (implies --optimizer-cpu-offload's CPU step; --zero-stage >= 1)")
     param_cpu_offload: bool = arg(False, "--zero-stage 3: parameter shards live in CPU memory, fetched ahead "
                                          "of their layer (GPUs)")

@@ -1,4 +1,4 @@
-"""--optimizer-nvme-offload: the master and moment shards in files, stepped a bucket at a time
+"""--optimizer-nvme-offload: the master and moment shards in files, stepped a chunk at a time
 (megapar/optimizer/nvme.py), give the bits of --optimizer-cpu-offload (losses, saved weights and
 optimizer state), checkpoints move between the two, and the state files are gone after the run."""
 import os

@@ -127,7 +127,7 @@ def adamw_group_update(adam: torch.optim.AdamW, group: dict, masters: list[torch
     """What `adam.step()` does for the tensors of param group `group`, on given tensors: AdamW with
     the group's hyper-parameters (and the clipping's `grad_scale`) on `masters` and their moments,
     each of whose step counts `steps` (from adam.state) goes up by one. For state that is not
-    resident (NVMe offload: a bucket at a time in host buffers); elementwise, so updating the
+    resident (NVMe offload: a chunk at a time in host buffers); elementwise, so updating the
     tensors in any grouping gives the bits one `adam.step()` over all of them would."""
     beta1, beta2 = group["betas"]
     adamw_functional(masters, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"],

@@ -3,7 +3,7 @@ weights and moments are sharded over the data-parallel group (the shared step pa
 checkpoint format: base.py). Stage 1 reads its gradients from the flat GradBuffer, stages 2-3 from
 the ShardedGradBuffer's owned shard (sharded_grads.py); at stage 3 the layers' weights are the
 ShardedParams' shards (sharded_params.py); `offload` keeps masters and moments on the CPU, and
-`nvme_root` in files there (nvme.py), stepped bucket by bucket.
+`nvme_root` in files there (nvme.py), stepped chunk by chunk.
 
 Layout. The GradBuffer (mode="reduce_scatter") lays every gradient out in one flat fp32 buffer,
 cut into buckets each padded to a multiple of dp; dp rank d owns shard d of every bucket. This

@@ -10,12 +10,13 @@ concatenation of this rank's owned shard of every bucket), allocated in full whe
 folder (only if nothing else appeared in it) at the end of the run, or when the process exits.
 
 Two ways in:
-  * `stream(ranges, update)`: the step. For each bucket range in turn, its three kinds are read
+  * `stream(ranges, update)`: the step. For each range in turn (the optimizer's chunks: whole
+    parameter parts of one bucket, up to CHUNK_NUMEL elements), its three kinds are read
     (os.preadv) into one of two host slots, `update` runs on them, and they are written back
-    (os.pwritev). One I/O thread works through the reads and writes in order, the next bucket's
-    read queued before this bucket's update, so the disk works while the CPU steps; a slot is
-    read into only after its previous bucket's write-back (the queue is FIFO). At most two
-    buckets' state is in host buffers at once.
+    (os.pwritev). One I/O thread works through the reads and writes in order, the next range's
+    read queued before this range's update, so the disk works while the CPU steps; a slot is
+    read into only after its previous range's write-back (the queue is FIFO). At most two
+    ranges' state is in host buffers at once.
   * `mapped[kind]`: the whole file as a tensor (np.memmap, MAP_SHARED): the checkpoint paths
     (saving, loading in place, the name-keyed state) read and write it as they read the
     CPU-offload buffers; the kernel pages it in and out. It and the preadv/pwritev of the step see
