@@ -145,17 +145,18 @@ def test_nvme_offload_keys_that_tune_io_are_noted(tmp_path):
     """NVMe offload of the optimizer: nvme_path becomes the flag; DeepSpeed's I/O tuning (buffers,
     pipelining, aio) is noted with megapar's I/O; nvme_path beside device cpu is noted, not used."""
     given = parse_flags([*BASE, "--deepspeed-config", write(tmp_path, {
-        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_size": 1e8,
-                                                                "pipeline_write": True}},
+        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme",
+                                                                "buffer_size": 1e8, "pipeline_write": True}},
         "aio": {"thread_count": 2, "single_submit": False}})])
     s = given[DEEPSPEED_CONFIG]
     assert s.flags["optimizer_nvme_offload"] == "/nvme" and "optimizer_cpu_offload" not in s.flags
-    assert set(s.noted) == {"zero_optimization.offload_optimizer.buffer_size",
-                            "zero_optimization.offload_optimizer.pipeline_write", "aio.thread_count", "aio.single_submit"}
+    assert set(s.noted) == {"zero_optimization.offload_optimizer.buffer_size", "aio.thread_count",
+                            "zero_optimization.offload_optimizer.pipeline_write", "aio.single_submit"}
     assert all("pread/pwrite" in why for why in s.noted.values())
     cpu = parse_flags([*BASE, "--deepspeed-config", write(tmp_path, {
         "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "nvme_path": "/nvme"}}})])
-    assert cpu[DEEPSPEED_CONFIG].noted == {"zero_optimization.offload_optimizer.nvme_path": "used with device nvme only"}
+    noted = cpu[DEEPSPEED_CONFIG].noted
+    assert noted == {"zero_optimization.offload_optimizer.nvme_path": "used with device nvme only"}
 
 
 @pytest.mark.parametrize("name", ["ds_config_zero2.json", "ds_config_zero3_offload.json"])

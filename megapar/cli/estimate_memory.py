@@ -1,4 +1,5 @@
-"""Predict peak GPU memory per pipeline stage, and host memory (and NVMe disk) for offload, for a training configuration.
+"""Predict peak GPU memory per pipeline stage, and host memory (and NVMe disk) for offload, for a training
+configuration.
 
     python tools/estimate_memory.py --world-size 4 --tensor-parallel 2 --pipeline-parallel 2 \
         --num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \
@@ -14,7 +15,8 @@ Takes the training flags (megapar/arguments.py; `--recipe NAME` and `--deepspeed
   --host-memory SIZE   CPU memory of one node (1TB): say whether the offloaded state of its GPUs fits
   --compare-stages     also a table of ZeRO stages 0-3 x CPU offload for this model and layout
 Prints parameters, static memory (weights, fp32 grads, optimizer state), transient per-layer buffers (ZeRO 2-3),
-activations, logits, the predicted GPU peak and the host memory per stage (and the NVMe offload files). Model: megapar/memory_estimate.py.
+activations, logits, the predicted GPU peak and the host memory per stage (and the NVMe offload
+files). Model: megapar/memory_estimate.py.
 """
 import argparse
 import sys

@@ -122,8 +122,9 @@ def adamw_update(adam: torch.optim.AdamW, impl: str, fused, masters: list[torch.
     return None
 
 
-def adamw_group_update(adam: torch.optim.AdamW, group: dict, masters: list[torch.Tensor], grads: list[torch.Tensor],
-                       exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor]) -> None:
+def adamw_group_update(adam: torch.optim.AdamW, group: dict, masters: list[torch.Tensor],
+                       grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+                       steps: list[torch.Tensor]) -> None:
     """What `adam.step()` does for the tensors of param group `group`, on given tensors: AdamW with
     the group's hyper-parameters (and the clipping's `grad_scale`) on `masters` and their moments,
     each of whose step counts `steps` (from adam.state) goes up by one. For state that is not
