@@ -22,7 +22,7 @@ from dataclasses import asdict
 
 import torch
 
-from megapar.arguments import parse_config
+from megapar.config.arguments import parse_config
 from megapar.checkpoint import read_saved_config
 from megapar.model import set_vocab
 from megapar.reshard import bounded_heap

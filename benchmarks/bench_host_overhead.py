@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib.util
 import os
 import pstats
 import statistics
-import sys
 import time
 from typing import Callable
 
@@ -41,8 +41,9 @@ def median_step(step: Callable[[], None], steps: int = 30, warmup: int = 5) -> f
 
 
 def nanogpt_step(nanogpt_dir: str, layers: int, dropout: float, device: str) -> Callable[[], None]:
-    sys.path.insert(0, nanogpt_dir)
-    import model as nano   # nanoGPT's model.py
+    spec = importlib.util.spec_from_file_location("nanogpt_model", os.path.join(nanogpt_dir, "model.py"))
+    nano = importlib.util.module_from_spec(spec)   # nanoGPT's model.py
+    spec.loader.exec_module(nano)
     cfg = nano.GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=layers, n_head=HEADS, n_embd=HIDDEN,
                          dropout=dropout, bias=True)
     gpt = nano.GPT(cfg).to(device)
@@ -56,8 +57,8 @@ def nanogpt_step(nanogpt_dir: str, layers: int, dropout: float, device: str) -> 
 
 
 def megapar_step(layers: int, dropout: float, device: str) -> Callable[[], None]:
-    from megapar.arguments import parse_config
-    from megapar.initialize import build_run
+    from megapar.config.arguments import parse_config
+    from megapar.run.initialize import build_run
     from megapar.topology import Topology
     cfg = parse_config(["--num-layers", str(layers), "--hidden-size", str(HIDDEN), "--num-attention-heads",
                         str(HEADS), "--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", "1",

@@ -47,7 +47,7 @@ def disk_speed(folder: str, mib: int) -> tuple[float, float]:
 
 def step_seconds(layers: int, hidden: int, steps: int, nvme_root: str | None) -> tuple[int, float]:
     """(parameters, seconds per optimizer.step()) of a GPT-2 model with CPU or NVMe offload."""
-    from megapar.arguments import TrainConfig, parse_flags, config_from_namespace
+    from megapar.config.arguments import TrainConfig, parse_flags, config_from_namespace
     from megapar.model import GPT2Model, Stage, set_vocab
     from megapar.optimizer.distrib_optimizer import DistributedOptimizer
     from megapar.optimizer.grad_buffer import GradBuffer

@@ -49,7 +49,7 @@ class Result:
 
 def build_checkpoint(root: str, vocab_file: str, merge_file: str, layers: int, hidden: int, heads: int) -> None:
     """A tiny GPT-2 checkpoint with random weights whose args name the GPT-2 BPE tokenizer."""
-    from megapar.arguments import parse_config
+    from megapar.config.arguments import parse_config
     from megapar.checkpoint import save_checkpoint
     from megapar.model import GPT2Model, Stage, set_vocab
     from megapar.topology import Topology

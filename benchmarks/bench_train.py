@@ -1,4 +1,4 @@
-"""Training throughput benchmark: runs named run recipes (megapar/recipes.py) through
+"""Training throughput benchmark: runs named run recipes (megapar/config/recipes.py) through
 scripts/pretrain_gpt2.sh and prints tokens/s, TFLOP/s per GPU, MFU and peak memory per recipe.
 
     python benchmarks/bench_train.py --vocab-file gpt2/encoder.json --merge-file gpt2/vocab.bpe \
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from megapar.recipes import RECIPES
+from megapar.config.recipes import RECIPES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITER_RE = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+).*tokens/s: (\d+) \| TFLOP/s/GPU: ([\d.]+) "
@@ -58,7 +58,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=["124m", "345m"],
                    choices=[n for n, r in RECIPES.items() if not r.cpu],
-                   help="recipe names (python -m megapar.recipes lists them)")
+                   help="recipe names (python -m megapar.config.recipes lists them)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--log-window", type=int, default=10)
     p.add_argument("--vocab-file", required=True)

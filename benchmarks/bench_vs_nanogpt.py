@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from bench_train import run_config
-from megapar.recipes import RECIPES
-from megapar.throughput import device_peak_tflops, flops_per_token
+from megapar.config.recipes import RECIPES
+from megapar.run.throughput import device_peak_tflops, flops_per_token
 
 NANO_SIZE_LINE = "n_layer = 12, n_head = 12, n_embd = 768, # size of the model"
 NANO_TIME_RE = re.compile(r"time per iteration: ([\d.]+)ms")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from megapar.memory_estimate import GiB
+from megapar.planner.memory_estimate import GiB
 from megapar.planner import calibration, cost, search
 
 NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}

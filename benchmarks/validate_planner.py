@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from bench_train import ITER_RE, MEM_RE, ROOT, bench_flags
-from megapar.memory_estimate import GiB
+from megapar.planner.memory_estimate import GiB
 from megapar.planner import calibration, cost, search
 
 MODELS = {"345m": (24, 1024, 16), "1.3b": (24, 2048, 16)}

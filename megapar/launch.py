@@ -138,7 +138,7 @@ def add_launcher_flags(parser) -> None:
 
 def print_help() -> None:
     """scripts/pretrain_gpt2.sh --help: its own flags, then the training flags."""
-    from .arguments import build_parser
+    from .config.arguments import build_parser
     build_parser(prog=TRAINING_SCRIPT, launcher=True).print_help()
 
 
@@ -184,7 +184,7 @@ def check_rendezvous(torchrun_args: Sequence[str]) -> None:
 
 def check_flags(flags: Sequence[str], world: Optional[int]) -> None:
     """Parse and validate the training flags as every rank will (exit 2 with one line if bad)."""
-    from .arguments import ConfigError
+    from .config.arguments import ConfigError
     from .pretrain_gpt2 import parse
 
     if world is None:

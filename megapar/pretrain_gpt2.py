@@ -18,18 +18,18 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from .arguments import (DEEPSPEED_CONFIG, ORIGINS, Config, ConfigError, Origin, config_from_namespace, default_of,
-                        parse_flags)
+from .config.arguments import (DEEPSPEED_CONFIG, ORIGINS, Config, ConfigError, Origin, config_from_namespace,
+                               default_of, parse_flags)
 from .errors import USER_ERROR_EXIT, MegaparError
 from .checkpoint import SaveDirLock, check_finetune_dirs, check_load_dir, check_save_space
-from .heartbeat import Heartbeat, is_timeout, timeout_error
+from .run.heartbeat import Heartbeat, is_timeout, timeout_error
 from .launch import Processes, command_line, training_command
-from .initialize import build_run, init_distributed, print_rank0, train_iters
+from .run.initialize import build_run, init_distributed, print_rank0, train_iters
 from .optimizer.nvme import check_nvme_offload
 from .pipeline.p2p import current_step
 from .topology import Topology
-from .scalar_writer import build_writer
-from .training import TrainState, evaluate, finish_saves, load, log_eval, reserve_saves, save, train
+from .run.scalar_writer import build_writer
+from .run.training import TrainState, evaluate, finish_saves, load, log_eval, reserve_saves, save, train
 
 EMBEDDED_DIR = os.path.join("data_cache", "embedded")
 EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")  # + model shape: embedded_save_dir()

@@ -5,7 +5,7 @@
 #   bash scripts/pretrain_gpt2.sh                                   # embedded default, 1 process
 #   bash scripts/pretrain_gpt2.sh --tensor-parallel 2 --pipeline-parallel 2 [megatron flags]
 #   bash scripts/pretrain_gpt2.sh --nproc-per-node 2 --recipe 345m-tp2 [data flags]  # a named run recipe
-#     (python -m megapar.recipes lists them with their GPU counts; a flag you give overrides the recipe's)
+#     (python -m megapar.config.recipes lists them with their GPU counts; a flag you give overrides the recipe's)
 #
 # Processes per node: --nproc-per-node N, else every visible GPU, else tp x pp on CPU (dp = 1).
 # Several nodes: run it once on every node with the same --nnodes N, --master-addr (the address of

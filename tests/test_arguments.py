@@ -1,7 +1,7 @@
 import pytest
 import torch.distributed as dist
 
-from megapar.arguments import ConfigError, parse_config
+from megapar.config.arguments import ConfigError, parse_config
 from megapar.topology import padded_vocab_size, pipeline_layer_counts
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32"]
@@ -68,7 +68,7 @@ def test_every_flag_is_one_config_field_with_no_parser_default():
     import argparse
     from dataclasses import fields
 
-    from megapar.arguments import ALIAS_FLAGS, DEEPSPEED_CONFIG, SECTIONS, build_parser
+    from megapar.config.arguments import ALIAS_FLAGS, DEEPSPEED_CONFIG, SECTIONS, build_parser
     parser = build_parser()
     actions = [a for a in parser._actions if a.dest != "help"]
     cli_fields = {f.name for cls, _ in SECTIONS.values() for f in fields(cls) if f.metadata["cli"]}
@@ -81,7 +81,7 @@ def test_every_flag_is_one_config_field_with_no_parser_default():
 
 
 def test_flags_not_given_take_the_field_default_and_given_ones_win():
-    from megapar.arguments import ModelConfig, TrainConfig, parse_flags
+    from megapar.config.arguments import ModelConfig, TrainConfig, parse_flags
     assert parse_flags(["--lr", "0.5"]) == {"lr": 0.5}
     cfg = parse_config(["--lr", "0.5"], world_size=1)
     assert cfg.train.lr == 0.5 and cfg.train.weight_decay == TrainConfig().weight_decay
@@ -95,7 +95,7 @@ def test_flag_words_render_every_setting_as_the_parser_reads_it_back():
     import typing
     from dataclasses import fields
 
-    from megapar.arguments import SECTIONS, build_parser, flag_words
+    from megapar.config.arguments import SECTIONS, build_parser, flag_words
     parser = build_parser()
     checked = 0
     for cls, _ in SECTIONS.values():
@@ -121,7 +121,7 @@ def test_an_error_names_where_a_value_came_from_when_the_command_line_did_not_ty
     is named in an error about its flag (a typed value needs no note)."""
     import json
 
-    from megapar.arguments import Origin
+    from megapar.config.arguments import Origin
     cfg = parse_config(["--recipe", "cpu-tiny", "--hidden-size", "64", "--train-iters", "1"], world_size=1)
     assert cfg.origin["num_layers"] == Origin("--recipe cpu-tiny") and "hidden_size" not in cfg.origin
     assert cfg.model.hidden_size == 64 and cfg.model.num_layers == 2
@@ -169,7 +169,7 @@ def test_saved_config_from_a_megatron_args_namespace():
 def test_a_run_planned_for_gpus_is_checked_as_on_gpus(monkeypatch):
     """The memory estimator plans GPU runs on any machine: `assume_gpus` lifts only the no-GPU refusals."""
     import torch
-    from megapar.arguments import config_from_namespace, parse_flags
+    from megapar.config.arguments import config_from_namespace, parse_flags
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     flags = BASE + ["--zero-stage", "3", "--optimizer-cpu-offload", "--param-cpu-offload"]
     with pytest.raises(ConfigError, match="no CUDA GPU"):
@@ -184,7 +184,7 @@ def test_nvme_offload_runs_on_a_cpu_and_goes_with_cpu_offload(monkeypatch, tmp_p
     """--optimizer-nvme-offload moves host state to disk, so a CPU-only run takes it; beside
     --optimizer-cpu-offload (whose CPU step it implies) it is accepted, not a contradiction."""
     import torch
-    from megapar.arguments import config_from_namespace, parse_flags
+    from megapar.config.arguments import config_from_namespace, parse_flags
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     nvme = ["--zero-stage", "1", "--optimizer-nvme-offload", str(tmp_path)]
     assert parse_config(BASE + nvme, 2).parallel.optimizer_nvme_offload == str(tmp_path)
@@ -198,7 +198,7 @@ def test_every_training_flag_has_help_and_shows_its_default():
     where it has one; the usage line names the command."""
     from dataclasses import MISSING, fields
 
-    from megapar.arguments import SECTIONS, build_parser
+    from megapar.config.arguments import SECTIONS, build_parser
     undocumented = [f.name for cls, _ in SECTIONS.values() for f in fields(cls)
                     if f.metadata["cli"] and not (f.metadata["help"] or "").strip()]
     assert not undocumented, f"settings without help text: {undocumented}"

@@ -26,10 +26,10 @@ GPT2_124M = ["--num-layers", "12", "--hidden-size", "768", "--num-attention-head
 
 def _zero1_save(rank, world_size, root, fmt):
     """The training Run of GPT-2 124M with ZeRO-1 at dp `world_size`, and its save in format `fmt`."""
-    from megapar.arguments import parse_config
-    from megapar.initialize import build_run
+    from megapar.config.arguments import parse_config
+    from megapar.run.initialize import build_run
     from megapar.topology import Topology
-    from megapar.training import TrainState, save
+    from megapar.run.training import TrainState, save
     import torch
     cfg = parse_config(GPT2_124M + ["--use-distributed-optimizer", "--save", root, "--ckpt-format", fmt],
                        world_size=world_size)

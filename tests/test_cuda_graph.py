@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_runs import SAVE_AT, TRAIN_ITERS, Run, after, assert_close, uses
-from megapar.arguments import ConfigError, parse_config
+from megapar.config.arguments import ConfigError, parse_config
 from megapar.optimizer.lr_schedule import OptimizerParamScheduler
 from megapar.optimizer.base import saved_param_groups
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megapar.arguments import DEEPSPEED_CONFIG, ConfigError, config_from_namespace, parse_config, parse_flags
+from megapar.config.arguments import DEEPSPEED_CONFIG, ConfigError, config_from_namespace, parse_config, parse_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32"]
@@ -361,7 +361,7 @@ def test_a_short_log_warmup_lasts_two_steps_as_in_deepspeed(tmp_path):
 def _lrs(cfg, steps: int) -> list[float]:
     """The LR of each of the first `steps` iterations of a run with `cfg` (the scheduler of training)."""
     import torch
-    from megapar.initialize import build_scheduler
+    from megapar.run.initialize import build_scheduler
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
     scheduler = build_scheduler(cfg, optimizer)
     out = []
@@ -597,7 +597,7 @@ def test_megatron_deepspeed_and_deepspeed_examples_read_as_deepspeed_reads_them(
 # ---- the docs table and megapar-ds-config ----------------------------------------------------------------------
 def test_the_guide_has_the_table_of_every_key():
     """docs/guide.md carries key_table() as is: regenerate it with `megapar-ds-config --table`."""
-    from megapar.deepspeed_config import HONOURED, NOTED, SWITCHED, key_table
+    from megapar.config.deepspeed_config import HONOURED, NOTED, SWITCHED, key_table
     guide = (ROOT / "docs" / "guide.md").read_text()
     assert key_table() in guide
     for key in (*HONOURED, *NOTED, *SWITCHED):

@@ -81,7 +81,7 @@ def test_convert_between_formats_and_read_for_generation(embedded_data, tmp_path
     tp 1 with the uninterrupted losses; generation reads both formats alike."""
     import torch
     from megapar.cli.checkpoint_util import main as checkpoint_util
-    from megapar.generation import load_model_state
+    from megapar.inference.generation import load_model_state
 
     base = TINY_TRAIN + embedded_data + ["--train-iters", str(ITERS)]
     full = losses(run_training(base, 1))
@@ -101,7 +101,7 @@ def test_convert_between_formats_and_read_for_generation(embedded_data, tmp_path
 
 def test_torch_dist_refusals(tmp_path, capsys):
     """Layout flags mean nothing for a torch_dist target; --async-save needs torch_dist."""
-    from megapar.arguments import ConfigError, config_from_namespace, parse_flags
+    from megapar.config.arguments import ConfigError, config_from_namespace, parse_flags
     from megapar.cli.checkpoint_util import main as checkpoint_util
 
     assert checkpoint_util(["--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "o"), "--target-ckpt-format",

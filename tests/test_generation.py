@@ -21,10 +21,11 @@ from distributed import run_distributed
 from gpt_helpers import tiny_model_config
 from megapar.checkpoint import read_saved_config, save_checkpoint
 from megapar.cli import generate_text
-from megapar.generation import (GenerationError, InferenceEngine, Leader, SamplingParams, filter_logits, follow,
-                                load_inference_model, mask_padded_vocab, sample, tokenizer_for_checkpoint)
+from megapar.inference.generation import (GenerationError, InferenceEngine, Leader, SamplingParams, filter_logits,
+                                          follow, load_inference_model, mask_padded_vocab, sample,
+                                          tokenizer_for_checkpoint)
 from megapar.model import GPT2Model, Stage
-from megapar.text_generation_server import make_server, response_for
+from megapar.inference.text_generation_server import make_server, response_for
 from megapar.topology import Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -158,7 +158,7 @@ def test_v2_checkpoint_converts_to_v1_and_resumes_with_the_same_losses(embedded_
             if "word_embeddings" not in k:                                 # dummy vocabulary rows: zeros in b
                 assert torch.equal(fa[k], fb[k]), k
 
-    from megapar.generation import load_model_state   # inference regroups the chunks into plain stages
+    from megapar.inference.generation import load_model_state   # inference regroups the chunks into plain stages
     for p in range(2):
         _, state = load_model_state(str(ck), 1, 2, 0, p)
         want = flatten_model_states(_shard(ck1, p))
@@ -175,7 +175,7 @@ def test_v2_checkpoint_converts_to_v1_and_resumes_with_the_same_losses(embedded_
 def test_resuming_another_chunk_count_is_refused():
     import argparse
 
-    from megapar.arguments import ModelConfig
+    from megapar.config.arguments import ModelConfig
     from megapar.checkpoint import CheckpointError, check_compatible, read_saved_config
     from megapar.topology import Topology
     saved = read_saved_config({"args": argparse.Namespace(num_layers=4, tensor_model_parallel_size=1,
@@ -190,7 +190,7 @@ def test_resuming_another_chunk_count_is_refused():
 def test_chunk_layout_and_keys():
     """Canonical names <-> shard keys of interleaved stages (8 layers, pp 2, v 2: rank 0 holds
     blocks 0 and 2, i.e. layers 0-1 and 4-5)."""
-    from megapar.arguments import ModelConfig
+    from megapar.config.arguments import ModelConfig
     from megapar.checkpoint.layout import HEAD, WORD, canonical_key, chunk_layout, stage_keys, stage_of
     layout = chunk_layout(ModelConfig(num_layers=8, virtual_pipeline_model_parallel_size=2), 2)
     assert layout == [[("model0.", 0, 2), ("model1.", 4, 6)], [("model0.", 2, 4), ("model1.", 6, 8)]]
@@ -232,8 +232,8 @@ def test_hang_diagnostic_names_the_chunk():
 
 def test_memory_estimate_counts_chunk_activations():
     """tools/estimate_memory.py: rank r keeps warmup + 1 chunk outputs of num_layers / (pp v) layers."""
-    from megapar.arguments import parse_config
-    from megapar.memory_estimate import estimate
+    from megapar.config.arguments import parse_config
+    from megapar.planner.memory_estimate import estimate
     from megapar.model.build import set_vocab
     argv = ["--num-layers", "8", "--pipeline-parallel", "2", "--global-batch-size", "32", "--micro-batch-size", "4"]
     plain, chunked = parse_config(argv, 2), parse_config(argv + VIRTUAL, 2)
@@ -291,7 +291,7 @@ def test_nccl_pp2_interleaved_two_gpus():
 
 def test_flags_resolve_to_one_chunk_count():
     """Either flag gives both fields; v 1 (or N = layers / pp) means no chunks."""
-    from megapar.arguments import parse_config
+    from megapar.config.arguments import parse_config
     base = ["--num-layers", "8", "--pipeline-parallel", "2", "--global-batch-size", "8", "--micro-batch-size", "2"]
     for extra, want in ((["--num-layers-per-virtual-pipeline-stage", "1"], (4, 1)),
                         (["--virtual-pipeline-model-parallel-size", "2"], (2, 2)),

@@ -3,8 +3,8 @@ reproduces the peak memory measured on GPUs (docs/performance.md) within 10%."""
 import pytest
 
 from gpt_helpers import tiny_model_config
-from megapar.arguments import parse_config
-from megapar.memory_estimate import GiB, estimate, stage_params
+from megapar.config.arguments import parse_config
+from megapar.planner.memory_estimate import GiB, estimate, stage_params
 from megapar.model import GPT2Model, Stage, set_vocab
 
 GPT2_345M = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
@@ -75,14 +75,14 @@ ZERO = [
 
 
 def _tiny(flags, world=4):
-    from megapar.arguments import config_from_namespace, parse_flags
+    from megapar.config.arguments import config_from_namespace, parse_flags
     cfg = config_from_namespace(parse_flags(TINY + flags), world, assume_gpus=True)
     set_vocab(cfg.model, 1000, cfg.parallel.tensor_model_parallel_size, log=lambda *_: None)
     return cfg
 
 
 def test_hand_counts_match_the_model():
-    from megapar.memory_estimate import layer_params
+    from megapar.planner.memory_estimate import layer_params
     cfg = _tiny([])
     assert (layer_params(cfg), stage_params(cfg, 0)) == (ONE, N)
 
@@ -97,7 +97,7 @@ def test_nvme_offload_moves_the_state_from_host_memory_to_disk(tmp_path, capsys)
     """--optimizer-nvme-offload: 12 n / dp of disk per rank, summed over a node; host memory keeps
     the gradient copy and two chunks of state (here the whole small shard); the tool prints both."""
     from megapar.cli.estimate_memory import main
-    from megapar.memory_estimate import host_bytes_per_node
+    from megapar.planner.memory_estimate import host_bytes_per_node
     flags = ["--zero-stage", "1", "--optimizer-nvme-offload", str(tmp_path)]
     cfg = _tiny(flags)
     (row,) = estimate(cfg)
@@ -110,7 +110,7 @@ def test_nvme_offload_moves_the_state_from_host_memory_to_disk(tmp_path, capsys)
 
 
 def test_host_memory_is_summed_over_a_node():
-    from megapar.memory_estimate import host_bytes_per_node
+    from megapar.planner.memory_estimate import host_bytes_per_node
     cfg = _tiny(["--zero-stage", "3", "--optimizer-cpu-offload", "--param-cpu-offload"])
     rows = estimate(cfg)
     per_rank = 16 * N / 4 + 2 * L / 4
@@ -119,7 +119,7 @@ def test_host_memory_is_summed_over_a_node():
 
 
 def test_sizes_and_verdicts():
-    from megapar.memory_estimate import parse_size, verdict
+    from megapar.planner.memory_estimate import parse_size, verdict
     from megapar.topology import ConfigError
     assert parse_size("80GB", "--gpu-memory") == parse_size("80 GiB", "--gpu-memory") == 80 * GiB
     assert parse_size("1tb", "--host-memory") == 1024 * GiB and parse_size("512MiB", "--x") == GiB / 2
@@ -134,7 +134,7 @@ def test_sizes_and_verdicts():
 
 def test_compare_stages_table_and_the_tool(capsys):
     from megapar.cli.estimate_memory import main
-    from megapar.memory_estimate import COMBINATIONS
+    from megapar.planner.memory_estimate import COMBINATIONS
     assert main(["--world-size", "4", "--vocab-size", "1000", *TINY, "--zero-stage", "3", "--param-cpu-offload",
                  "--gpu-memory", "80GB", "--host-memory", "1TB", "--gpus-per-node", "2", "--compare-stages"]) == 0
     out = capsys.readouterr().out

@@ -11,8 +11,8 @@ import shlex
 
 import pytest
 
-from megapar.arguments import ConfigError, config_from_namespace, parse_flags
-from megapar.memory_estimate import GiB, estimate, host_bytes_per_node
+from megapar.config.arguments import ConfigError, config_from_namespace, parse_flags
+from megapar.planner.memory_estimate import GiB, estimate, host_bytes_per_node
 from megapar.model import set_vocab
 from megapar.planner import calibration, cost, search
 from megapar.launch import LAUNCHER_FLAGS

@@ -1,4 +1,4 @@
-"""megapar.recipes: every named run recipe is a valid run on its GPU count; `--recipe` expands in
+"""megapar.config.recipes: every named run recipe is a valid run on its GPU count; `--recipe` expands in
 place with the command line's flags winning; an unknown name fails in one line naming the recipes."""
 import subprocess
 import sys
@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from megapar.arguments import build_parser, parse_config
-from megapar.recipes import RECIPES, describe, expand_recipes
+from megapar.config.arguments import build_parser, parse_config
+from megapar.config.recipes import RECIPES, describe, expand_recipes
 from megapar.topology import ConfigError
 
 GRAPHED = [name for name, r in RECIPES.items() if "--enable-cuda-graph" in r.flags]
@@ -20,7 +20,7 @@ def test_every_recipe_parses_on_its_gpu_count(name, monkeypatch):
     assert ns.seq_length in (1024, 2048) and ns.bf16
     if name in GRAPHED or "--optimizer-cpu-offload" in r.flags or "--fp8-format" in r.flags:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused without CUDA: check everything else
-        monkeypatch.setattr("megapar.arguments._gpu_capability", lambda: (9, 0))     # an H100
+        monkeypatch.setattr("megapar.config.arguments._gpu_capability", lambda: (9, 0))     # an H100
         monkeypatch.setattr("megapar.fp8.torchao_installed", lambda: True)
     cfg = parse_config(list(r.flags), world_size=r.gpus)
     p = cfg.parallel
@@ -76,9 +76,9 @@ def test_describe_and_module_cli_list_every_recipe():
     table = describe()
     assert all(f"| {name} | {'CPU' if r.cpu else r.gpus} |" in table for name, r in RECIPES.items())
     assert CPU_RECIPES == ["cpu-tiny"]
-    run = subprocess.run([sys.executable, "-m", "megapar.recipes", "345m-graph"], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "megapar.config.recipes", "345m-graph"], capture_output=True, text=True)
     assert run.returncode == 0 and "--enable-cuda-graph" in run.stdout and run.stdout.startswith("# 1 GPU(s)\n")
-    cpu = subprocess.run([sys.executable, "-m", "megapar.recipes", "cpu-tiny"], capture_output=True, text=True)
+    cpu = subprocess.run([sys.executable, "-m", "megapar.config.recipes", "cpu-tiny"], capture_output=True, text=True)
     assert cpu.returncode == 0 and cpu.stdout.startswith("# CPU, 1 process(es)\n--num-layers 2 ")
-    bad = subprocess.run([sys.executable, "-m", "megapar.recipes", "nope"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "megapar.config.recipes", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr

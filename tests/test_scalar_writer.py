@@ -1,4 +1,4 @@
-"""Training scalars to TensorBoard, W&B and CSV through one writer (megapar/scalar_writer.py).
+"""Training scalars to TensorBoard, W&B and CSV through one writer (megapar/run/scalar_writer.py).
 
 The W&B test trains a tiny model with WANDB_MODE=offline (no network) and reads the run's
 .wandb file back: its history holds the logged `lm loss` and `learning rate` of every step. It
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megapar.scalar_writer import ScalarWriter
+from megapar.run.scalar_writer import ScalarWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
@@ -100,7 +100,7 @@ def test_wandb_offline_run_holds_the_logged_scalars(embedded_data, tmp_path):
 
 
 def test_csv_writes_a_file_per_scalar_and_a_resumed_run_continues_it(tmp_path):
-    from megapar.scalar_writer import CSV
+    from megapar.run.scalar_writer import CSV
     first = CSV(str(tmp_path / "csv"))
     first.add_scalar("lm loss", 9.5, 1)
     first.add_scalar("learning rate", 1e-4, 1)

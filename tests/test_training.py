@@ -147,7 +147,7 @@ def _iteration_times_body(rank, world_size, argv, workdir, slow):
     import time
     from torch.profiler import profile
 
-    import megapar.training as training
+    import megapar.run.training as training
     from megapar.pretrain_gpt2 import parse, pretrain
 
     def slowed(fn):

@@ -42,11 +42,11 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, T
     WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..arguments import ModelConfig
+from ..config.arguments import ModelConfig
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from .layout import HEAD, WORD, canonical_key, chunk_layout
-from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_same_model, get_rng_state,
-                     load_file, loaded_line, read_saved_config, read_tracker, restore_scheduler, set_rng_state)
+from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_same_model, get_rng_state, load_file,
+                     loaded_line, read_saved_config, read_tracker, restore_scheduler, set_rng_state)
 from .publish import published_dir, staged_iteration
 from .stream import exact_storage
 

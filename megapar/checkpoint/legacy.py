@@ -31,10 +31,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..arguments import ModelConfig
-from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, OPTIM_KINDS, CheckpointError,
-                     check_compatible, flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file,
-                     loaded_line, nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
+from ..config.arguments import ModelConfig
+from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, OPTIM_KINDS, CheckpointError, check_compatible,
+                     flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, loaded_line,
+                     nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
                      shard_dir_name, shard_dirs)
 from .stream import LazyTensor, StreamingSaver
 from .publish import published_dir, staged_iteration

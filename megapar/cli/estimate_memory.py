@@ -7,7 +7,7 @@ configuration.
         [--optimizer-nvme-offload PATH] \
         [--param-cpu-offload] [--checkpoint-activations] [--gpu-memory 80GB --host-memory 1TB] [--compare-stages]
 
-Takes the training flags (megapar/arguments.py; `--recipe NAME` and `--deepspeed-config FILE` too) plus:
+Takes the training flags (megapar/config/arguments.py; `--recipe NAME` and `--deepspeed-config FILE` too) plus:
   --world-size N       processes (GPUs) of the run (default 1)
   --vocab-size N       true vocabulary size (default GPT-2's 50257)
   --gpus-per-node N    GPUs per node, for host memory per node (default: the world size, at most 8)
@@ -16,17 +16,17 @@ Takes the training flags (megapar/arguments.py; `--recipe NAME` and `--deepspeed
   --compare-stages     also a table of ZeRO stages 0-3 x CPU offload for this model and layout
 Prints parameters, static memory (weights, fp32 grads, optimizer state), transient per-layer buffers (ZeRO 2-3),
 activations, logits, the predicted GPU peak and the host memory per stage (and the NVMe offload
-files). Model: megapar/memory_estimate.py.
+files). Model: megapar/planner/memory_estimate.py.
 """
 import argparse
 import sys
 from typing import Optional
 
-from megapar.arguments import ConfigError, build_parser, config_from_namespace, parse_flags
+from megapar.config.arguments import ConfigError, build_parser, config_from_namespace, parse_flags
 from megapar.data.tokenizer import GPT2_VOCAB_SIZE
 from megapar.errors import OneLineErrorParser
-from megapar.memory_estimate import (GiB, compare_zero, estimate, format_table, host_bytes_per_node, offload_name,
-                                     parse_size, verdict, zero_stage)
+from megapar.planner.memory_estimate import (GiB, compare_zero, estimate, format_table, host_bytes_per_node,
+                                             offload_name, parse_size, verdict, zero_stage)
 from megapar.model import set_vocab
 
 

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from megapar.errors import USER_ERROR_EXIT, MegaparError, OneLineErrorParser
-from megapar.generation import (GenerationError, InferenceEngine, Leader, SamplingParams, follow,
-                                load_inference_model, tokenizer_for_checkpoint)
-from megapar.initialize import init_distributed
+from megapar.inference.generation import (GenerationError, InferenceEngine, Leader, SamplingParams, follow,
+                                          load_inference_model, tokenizer_for_checkpoint)
+from megapar.run.initialize import init_distributed
 from megapar.topology import Topology
 
 GROUP_TIMEOUT_MINUTES = 30  # how long a collective of any group may wait (torch's default)
@@ -145,7 +145,7 @@ class Session:
 
     def api(self, prompts: list[str], params: SamplingParams) -> dict:
         """A server request (run in the server's request thread, one at a time)."""
-        from megapar.text_generation_server import response_for
+        from megapar.inference.text_generation_server import response_for
         if self.engine.device.type == "cuda":      # the current device is per thread
             torch.cuda.set_device(self.engine.device)
         out, _ = self.complete(prompts, params)
@@ -213,7 +213,7 @@ def unconditional(s: Session, a: argparse.Namespace) -> None:
 def server_limits(a: argparse.Namespace):
     """The server's Limits from the flags; GenerationError (before the model loads) when they or
     --port are out of range."""
-    from megapar.text_generation_server import Limits
+    from megapar.inference.text_generation_server import Limits
     if not 0 <= a.port <= 65535:
         raise GenerationError(f"--port {a.port} is not a TCP port; pass 1-65535 (0 picks a free one)")
     limits = Limits(timeout=a.request_timeout, max_body_bytes=a.max_request_bytes)
@@ -227,7 +227,7 @@ def server_limits(a: argparse.Namespace):
 def serve(s: Session, a: argparse.Namespace, limits) -> None:
     """Serve PUT /api until Ctrl-C; the generation in flight finishes, later ones are refused,
     before the caller tells the other ranks to stop."""
-    from megapar.text_generation_server import make_server
+    from megapar.inference.text_generation_server import make_server
     try:
         server = make_server(s.api, s.params, a.host, a.port, limits)
     except OSError as e:

@@ -19,7 +19,7 @@ Options:
 Any other flag is a training flag kept in every layout and in the printed command (e.g. --hidden-dropout 0,
 --torch-compile); the flags the planner chooses (parallel sizes, micro-batch, ZeRO, offload, recompute,
 sequence parallelism) are refused there. Cost model: megapar/planner/cost.py; memory:
-megapar/memory_estimate.py (the numbers tools/estimate_memory.py prints).
+megapar/planner/memory_estimate.py (the numbers tools/estimate_memory.py prints).
 """
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ import argparse
 import sys
 from typing import Optional
 
-from megapar.arguments import ConfigError, build_parser, flag
+from megapar.config.arguments import ConfigError, build_parser, flag
 from megapar.data.tokenizer import GPT2_VOCAB_SIZE
 from megapar.errors import OneLineErrorParser
-from megapar.memory_estimate import GiB, parse_size
+from megapar.planner.memory_estimate import GiB, parse_size
 from megapar.planner import calibration as calibration_
 from megapar.planner import search
 

@@ -5,8 +5,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..arguments import ModelConfig
-from ..inductor import COMPILE_OPTIONS
+from ..config.arguments import ModelConfig
+from ..run.inductor import COMPILE_OPTIONS
 from ..topology import Topology, padded_vocab_size
 from .gpt2 import GPT2Model, Stage
 from .virtual import VirtualStages

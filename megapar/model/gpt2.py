@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from ..arguments import ModelConfig
+from ..config.arguments import ModelConfig
 from ..topology import layer_counts, pipeline_layer_counts
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import Init, VocabParallelEmbedding, full_normal, parallel_lm_logits

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..arguments import ModelConfig
+from ..config.arguments import ModelConfig
 from ..fp8 import layer_fp8
 from ..kernels.softmax import scaled_masked_softmax
 from ..tensor_parallel.layers import ColumnParallelLinear, Init, RowParallelLinear, tp_rank_size

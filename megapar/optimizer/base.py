@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.adamw import adamw as adamw_functional
 
-from ..arguments import TrainConfig
+from ..config.arguments import TrainConfig
 from ..model.sharding import tp_partition_dim
 from .grad_buffer import GradBuffer
 

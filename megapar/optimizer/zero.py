@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from ..arguments import Config
+from ..config.arguments import Config
 from ..model import GPT2Model
 from ..model.transformer import TransformerLayer
 from ..topology import Topology

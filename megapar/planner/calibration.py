@@ -4,7 +4,7 @@ The defaults are PLACEHOLDERS until `python tools/plan_layout.py --calibrate --o
 run on the machine that will train (then pass `--calibration calib.json`). Each number was taken from a
 measurement in docs/performance.md where one exists, otherwise from a datasheet:
 
-    peak_tflops           dense bf16 tensor-core peak (datasheet; megapar/throughput.py)
+    peak_tflops           dense bf16 tensor-core peak (datasheet; megapar/run/throughput.py)
     gemm_tflops           GEMM throughput by GEMM size (GFLOP of one GEMM -> TFLOP/s): H100 measured by
                           --calibrate (configs/calibration_h100.json); H200 still the earlier estimate from
                           profiles of the 345M step, extrapolated to smaller and larger GEMMs

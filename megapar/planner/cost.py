@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..memory_estimate import layer_params_of
+from .memory_estimate import layer_params_of
 from .calibration import Calibration, Link
 
 
@@ -299,8 +299,8 @@ def step_time(cal: Calibration, model: Model, lay: Layout, cluster: Cluster) -> 
 
 
 def flops_per_token(model: Model) -> float:
-    """Model FLOPs per token (megapar/throughput.py): 72 L h² + 12 L h s + 6 h V (ffn = 4h)."""
-    from ..throughput import flops_per_token as fpt
+    """Model FLOPs per token (megapar/run/throughput.py): 72 L h² + 12 L h s + 6 h V (ffn = 4h)."""
+    from ..run.throughput import flops_per_token as fpt
     return fpt(model.num_layers, model.hidden, model.seq, model.vocab)
 
 

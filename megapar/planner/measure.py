@@ -186,7 +186,7 @@ def nccl(gpus: int, backend: str = "nccl", sizes: Optional[list[int]] = None, re
     """The intra-node Link from spawned workers over 2 and `gpus` GPUs: bus bandwidth = the slowest
     collective at the largest size over the most GPUs, latency = the slowest smallest all-reduce,
     p2p = the send/recv rate between two."""
-    from ..initialize import free_port
+    from ..run.initialize import free_port
     import torch.multiprocessing as mp
     sizes, reps = sizes or NCCL_SIZES, reps or NCCL_REPS
     results = []
@@ -212,7 +212,7 @@ def calibrate(gpu: str, log: Callable[[str], None] = print) -> Calibration:
     import torch
     if not torch.cuda.is_available():
         raise ConfigError("--calibrate needs a CUDA GPU; planning works without one")
-    from ..throughput import PEAK_BF16_TFLOPS
+    from ..run.throughput import PEAK_BF16_TFLOPS
     name = torch.cuda.get_device_name(0)
     base = DEFAULTS[gpu_kind(name, gpu)]
     peak = next((p for key, p in PEAK_BF16_TFLOPS.items() if key in name), base.peak_tflops)

@@ -1,5 +1,5 @@
 """Enumerate every layout of a model on a cluster, check each the way training would, predict its memory
-(megapar/memory_estimate.py, unchanged) and its step time (cost.py), and rank them.
+(megapar/planner/memory_estimate.py, unchanged) and its step time (cost.py), and rank them.
 
 A layout is (tp, pp, v, dp, ZeRO stage, optimizer offload, parameter offload, micro-batch, recompute,
 sequence parallel). A candidate is rejected, with the reason kept, when
@@ -16,9 +16,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from ..arguments import ConfigError, config_from_namespace, flag_words
+from ..config.arguments import ConfigError, config_from_namespace, flag_words
 from ..data.tokenizer import GPT2_VOCAB_SIZE
-from ..memory_estimate import COMBINATIONS, GiB, estimate, host_bytes_per_node
+from .memory_estimate import COMBINATIONS, GiB, estimate, host_bytes_per_node
 from ..model import set_vocab
 from ..topology import padded_vocab_size
 from . import cost

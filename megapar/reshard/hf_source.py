@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..arguments import parse_config
+from ..config.arguments import parse_config
 from ..checkpoint.common import CHECKPOINT_VERSION, CheckpointError, SavedConfig, read_saved_config
 from ..errors import MegaparError
 from ..model.sharding import is_vocab_parallel

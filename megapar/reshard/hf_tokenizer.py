@@ -25,7 +25,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional
 
-from ..arguments import DataConfig
+from ..config.arguments import DataConfig
 from ..checkpoint.common import CheckpointError
 
 GPT2_FILES = ("vocab.json", "merges.txt")

@@ -235,7 +235,7 @@ def test_bad_numbers_through_python(data, tmp_path):
 
 def test_every_range_check_in_process():
     """The same checks without a process each: every range class, and the edge values that stay legal."""
-    from megapar.arguments import ConfigError, parse_config
+    from megapar.config.arguments import ConfigError, parse_config
     for flags, expect in LAUNCHER_FLAG_CASES + PYTHON_FLAG_CASES[:-1] + IN_PROCESS_CASES:
         with pytest.raises(ConfigError) as e:
             parse_config(flags, 1)
@@ -292,7 +292,7 @@ WITHOUT_PACKAGES = ("import runpy, sys; hidden = sys.argv.pop(1).split(','); "
 
 
 def test_bad_logger_flags_in_process():
-    from megapar.arguments import ConfigError, parse_config
+    from megapar.config.arguments import ConfigError, parse_config
     for flags, expect in LOGGER_CASES:
         with pytest.raises(ConfigError) as e:
             parse_config(flags, 1)

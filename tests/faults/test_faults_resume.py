@@ -68,7 +68,7 @@ def test_first_line_after_iteration_one_and_an_eta_on_every_line(trained):
     assert "next line at iteration 3 (--log-interval 3)" in first[0]
     lines = [line for line in trained.output.splitlines() if "elapsed time per iteration (ms)" in line]
     assert len(lines) == 2 and all(re.search(r"\| ETA: (\d+h\d\dm|\d+m\d\ds|\d+s) \|$", line) for line in lines), lines
-    from megapar.training import eta
+    from megapar.run.training import eta
     assert (eta(1.0, 3725), eta(0.5, 490), eta(2.0, 21), eta(1.0, 0)) == ("1h02m", "4m05s", "42s", "0s")
 
 
@@ -163,7 +163,7 @@ def test_resume_at_another_layout_names_the_saved_layout(trained, tmp_path):
 def test_another_pipeline_split_names_the_saved_split():
     import argparse
 
-    from megapar.arguments import ModelConfig
+    from megapar.config.arguments import ModelConfig
     from megapar.checkpoint import CheckpointError, check_compatible, read_saved_config
     from megapar.topology import Topology
     saved = read_saved_config({"args": argparse.Namespace(num_layers=4, tensor_model_parallel_size=1,

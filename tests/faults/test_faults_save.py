@@ -287,7 +287,7 @@ def _mark(folder: Path, stamp: int | None = None) -> int:
 
 def _loads(ck: Path) -> None:
     """Both readers (generation's and resharding's) find a complete iteration 1."""
-    from megapar.generation import load_model_state
+    from megapar.inference.generation import load_model_state
     from megapar.reshard import ShardedCheckpoint
     saved, flat = load_model_state(str(ck), 1, 1, 0, 0)
     assert flat and saved.model.num_layers == 1

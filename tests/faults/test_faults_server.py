@@ -25,11 +25,11 @@ import torch
 from gpt_helpers import tiny_model_config
 from harness import ROOT, ROWS, Row, refused
 from megapar.cli import generate_text
-from megapar.generation import GenerationError, InferenceEngine, SamplingParams
+from megapar.inference.generation import GenerationError, InferenceEngine, SamplingParams
 from megapar.checkpoint import save_checkpoint
 from megapar.model import GPT2Model, Stage
 from megapar.topology import Topology
-from megapar.text_generation_server import Limits, make_server, response_for
+from megapar.inference.text_generation_server import Limits, make_server, response_for
 
 VOCAB, EOD = 100, 99
 TIMEOUT = 2.0

@@ -51,7 +51,7 @@ def test_bad_zero_flags_through_the_launcher(tmp_path, flags, expect):
 def test_stage3_with_cuda_graph_is_refused_before_any_process_group():
     """On a GPU machine the CUDA-graph check passes the device test; stage 3 is then refused by name
     (checked in-process with a GPU assumed, as the estimator plans for GPUs)."""
-    from megapar.arguments import ConfigError, config_from_namespace, parse_flags
+    from megapar.config.arguments import ConfigError, config_from_namespace, parse_flags
     with pytest.raises(ConfigError, match="--zero-stage 3 allocates and frees.*CUDA graph"):
         config_from_namespace(parse_flags(["--zero-stage", "3", "--enable-cuda-graph", "--bf16", "--hidden-dropout",
                                            "0", "--attention-dropout", "0"]), 1, assume_gpus=True)

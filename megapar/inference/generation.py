@@ -32,16 +32,16 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .arguments import ModelConfig
-from .checkpoint import SavedConfig
-from .model.gpt2 import GPT2Model, Stage
-from .model.kv_cache import KVCache
-from .readback import to_host, wait_host
-from .reshard import load_model_state_for
-from .tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from .tensor_parallel.mappings import gather_from_tp
-from .topology import Topology
-from .errors import MegaparError
+from ..config.arguments import ModelConfig
+from ..checkpoint import SavedConfig
+from ..model.gpt2 import GPT2Model, Stage
+from ..model.kv_cache import KVCache
+from ..run.readback import to_host, wait_host
+from ..reshard import load_model_state_for
+from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..tensor_parallel.mappings import gather_from_tp
+from ..topology import Topology
+from ..errors import MegaparError
 
 
 class GenerationError(MegaparError, ValueError):
@@ -367,7 +367,7 @@ def follow(engine: InferenceEngine, group=None) -> None:
 # ---- loading a checkpoint for inference ------------------------------------------------------
 def _saved_layout(step_dir: str) -> tuple[int, int]:
     """(tp, pp) a checkpoint was saved with, from its mp_rank_* directory names."""
-    from . import checkpoint as ck
+    from .. import checkpoint as ck
     ranks = [ck.parse_shard_dir(n) for n in ck.shard_dirs(step_dir)]
     if not ranks:
         raise GenerationError(f"{step_dir} holds no mp_rank_* shard directories; the checkpoint is incomplete")
@@ -378,7 +378,7 @@ def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int
                      iteration=None) -> tuple[SavedConfig, dict[str, torch.Tensor]]:
     """(the checkpoint's SavedConfig, flat model state dict) of shard (tp_rank, pp_rank) for an inference layout
     tp x pp, from a checkpoint saved at any layout (via megapar.reshard when the layouts differ)."""
-    from . import checkpoint as ck
+    from .. import checkpoint as ck
     if not os.path.isdir(load_dir):
         raise GenerationError(f"--load {load_dir}: no such directory; pass the --save directory of a training run")
     it = iteration if iteration is not None else ck.read_tracker(load_dir)
@@ -433,7 +433,7 @@ def load_inference_model(load_dir: str, topo: Topology, rank: int, device: torch
 def tokenizer_for_checkpoint(saved: SavedConfig, tokenizer_type=None, vocab_file=None, merge_file=None,
                              tokenizer_model=None):
     """The checkpoint's tokenizer (flags override what it names); its vocabulary must match."""
-    from .data.tokenizer import TokenizerError, build_tokenizer
+    from ..data.tokenizer import TokenizerError, build_tokenizer
     d, m = saved.data, saved.model
     kind = tokenizer_type or d.tokenizer_type
     files = dict(vocab_file=vocab_file or d.vocab_file, merge_file=merge_file or d.merge_file,

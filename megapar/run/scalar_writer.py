@@ -15,7 +15,7 @@ import csv
 import os
 from typing import Any, Optional, Protocol
 
-from .arguments import Config
+from ..config.arguments import Config
 
 
 class Backend(Protocol):

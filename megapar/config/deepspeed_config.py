@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .arguments import flag
-from .topology import _fail
+from ..topology import _fail
 
 AUTO = "auto"
 GUIDE = "docs/guide.md (Coming from DeepSpeed)"
@@ -872,6 +872,6 @@ def key_table() -> str:
     return "\n".join(["| key | class | megapar |", "|---|---|---|", *rows])
 
 
-if __name__ == "__main__":  # python -m megapar.deepspeed_config: the megapar-ds-config tool
-    from .cli.ds_config import main
+if __name__ == "__main__":  # python -m megapar.config.deepspeed_config: the megapar-ds-config tool
+    from ..cli.ds_config import main
     sys.exit(main())

@@ -44,11 +44,11 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .arguments import Config
-from .pipeline.interleaved import num_warmup
-from .model.sharding import tp_partition_dim
-from .optimizer.nvme import BYTES_PER_PARAM, CHUNK_NUMEL
-from .topology import ConfigError, Topology, layer_counts
+from ..config.arguments import Config
+from ..pipeline.interleaved import num_warmup
+from ..model.sharding import tp_partition_dim
+from ..optimizer.nvme import BYTES_PER_PARAM, CHUNK_NUMEL
+from ..topology import ConfigError, Topology, layer_counts
 
 GiB = 2**30
 

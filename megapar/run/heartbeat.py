@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .errors import MegaparError
-from .topology import Topology
+from ..errors import MegaparError
+from ..topology import Topology
 
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.2, 10.0
 KEY = "megapar/heartbeat/{}"

@@ -13,16 +13,16 @@ from typing import Callable, ContextManager, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .checkpoint.dist import model_pieces
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint.dist import model_pieces
 from .cuda_graph import GraphedStep
-from .errors import MegaparError
+from ..errors import MegaparError
 from .initialize import Run, checkpoint_args, print_rank0, train_iters
-from .model import VirtualStages
-from .pipeline.p2p import current_step
-from .pipeline.schedules import ScheduleConfig, average_logs, get_forward_backward_func
+from ..model import VirtualStages
+from ..pipeline.p2p import current_step
+from ..pipeline.schedules import ScheduleConfig, average_logs, get_forward_backward_func
 from .readback import to_host, wait_host
-from .tensor_parallel.linear import use_gemv_bias_grads
+from ..tensor_parallel.linear import use_gemv_bias_grads
 from .throughput import device_peak_tflops, flops_per_token, memory_fields, throughput_fields
 from .timers import Timers
 
@@ -301,7 +301,7 @@ def reserve_saves(run: Run) -> None:
     takes seconds that would otherwise stall the first save)."""
     if run.saves is None or not run.cfg.ckpt.save:
         return
-    from .checkpoint.dist import reserve_async_buffers
+    from ..checkpoint.dist import reserve_async_buffers
     start = time.time()
     gib = reserve_async_buffers(run.saves, run.model, run.optimizer, run.cfg.model, run.topo, run.rank,
                                 save_optim=not run.cfg.ckpt.no_save_optim, sharded=run.sharded)

@@ -13,15 +13,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .arguments import Config
-from .checkpoint import AsyncSaves
-from .model import GPT2Model, build_model, set_vocab
-from .optimizer.grad_buffer import GradReduction
-from .optimizer.lr_schedule import OptimizerParamScheduler
-from .optimizer.sharded_params import ShardedParams
-from .optimizer.zero import build_zero
-from .tensor_parallel.random import seed_everything
-from .topology import Topology
+from ..config.arguments import Config
+from ..checkpoint import AsyncSaves
+from ..model import GPT2Model, build_model, set_vocab
+from ..optimizer.grad_buffer import GradReduction
+from ..optimizer.lr_schedule import OptimizerParamScheduler
+from ..optimizer.sharded_params import ShardedParams
+from ..optimizer.zero import build_zero
+from ..tensor_parallel.random import seed_everything
+from ..topology import Topology
 
 
 def print_rank0(msg: str) -> None:

@@ -7,7 +7,7 @@ expands to the recipe's flags placed first, so that a flag given on the command 
 recipe's (argparse keeps the last value): `--recipe 345m-tp2 --micro-batch-size 4`.
 benchmarks/bench_train.py measures exactly these recipes, so a throughput table row names a run
 anyone can repeat. The CPU recipes (`cpu=True`) are for a machine without a GPU: small fp32 models, a
-first run in about a minute. `python -m megapar.recipes [NAME]` prints the table or one recipe's flags.
+first run in about a minute. `python -m megapar.config.recipes [NAME]` prints the table or one recipe's flags.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .topology import ConfigError
+from ..topology import ConfigError
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def describe() -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m megapar.recipes` prints the table; with a NAME, that recipe's GPU count and flags."""
+    """`python -m megapar.config.recipes` prints the table; with a NAME, that recipe's GPU count and flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         print(f"# {recipe(argv[0]).where()}\n{command_line(argv[0])}" if argv else describe())

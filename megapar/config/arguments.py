@@ -17,11 +17,11 @@ import typing
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
 
-from .data.tokenizer import TOKENIZER_TYPES
-from .errors import OneLineErrorParser
-from .fp8 import FP8_FORMATS, FP8_RECIPES
+from ..data.tokenizer import TOKENIZER_TYPES
+from ..errors import OneLineErrorParser
+from ..fp8 import FP8_FORMATS, FP8_RECIPES
 from .recipes import recipe, recipe_names
-from .topology import ConfigError, _fail, check_parallel_shape, pipeline_layer_counts
+from ..topology import ConfigError, _fail, check_parallel_shape, pipeline_layer_counts
 
 
 
@@ -360,7 +360,7 @@ def build_parser(prog: str = TRAINING_PROG, launcher: bool = False) -> argparse.
                             "with no --data-path it trains a small GPT-2 on the embedded corpus.",
                 allow_abbrev=False, argument_default=argparse.SUPPRESS)
     if launcher:
-        from .launch import add_launcher_flags
+        from ..launch import add_launcher_flags
         add_launcher_flags(p)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for cls, title in SECTIONS.values():
@@ -373,7 +373,7 @@ def build_parser(prog: str = TRAINING_PROG, launcher: bool = False) -> argparse.
     for name, help in ALIAS_FLAGS.items():
         groups["model"].add_argument(flag(name), action="store_true", help=help)
     groups["model"].add_argument("--recipe", metavar="NAME", help="start from a named run configuration "
-                                 "(megapar/recipes.py); flags given after it override it")
+                                 "(megapar/config/recipes.py); flags given after it override it")
     ds = p.add_argument_group("DeepSpeed users")
     ds.add_argument("--deepspeed-config", "--deepspeed_config", metavar="JSON", dest=DEEPSPEED_CONFIG,
                     help="read a DeepSpeed ds_config.json and set the matching flags (docs/guide.md, Coming from "
@@ -760,7 +760,7 @@ def _check_nvme_offload(ns: argparse.Namespace, stage: int) -> None:
 def _check_fp8(ns: argparse.Namespace, gpus: bool) -> None:
     """--fp8-format: bf16 training on a GPU with FP8 (compute capability >= 8.9), torchao installed,
     every transformer GEMM's sizes multiples of 16 (torch._scaled_mm)."""
-    from .fp8 import GEMM_MULTIPLE, MIN_CAPABILITY, torchao_installed
+    from ..fp8 import GEMM_MULTIPLE, MIN_CAPABILITY, torchao_installed
 
     fmt = ns.fp8_format
     if fmt is None:

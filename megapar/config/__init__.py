@@ -1,0 +1,8 @@
+"""The run's configuration: one mechanism from the command line to a typed, validated `Config`.
+
+    arguments.py         the settings (dataclass fields: default, help, Megatron alias), the parser derived
+                         from them, the merge of recipes, a DeepSpeed config and the command line (each
+                         value's Origin kept), validation, and `flag_words` (a setting as command-line words)
+    recipes.py           named, measured configurations (`--recipe NAME`; `python -m megapar.config.recipes`)
+    deepspeed_config.py  a DeepSpeed `ds_config.json` read as DeepSpeed reads it, onto megapar's settings
+"""
