@@ -55,14 +55,13 @@ def check_folder(root: str, rank: int, need: int, ranks_on_host: int) -> None:
     folder = rank_folder(root, rank)
     if os.path.lexists(folder):
         raise ConfigError(f"--optimizer-nvme-offload {root}: {folder} already exists (an earlier run's "
-                               f"optimizer state, never a checkpoint, or your files); remove it or give another "
-                               f"folder")
+                          f"optimizer state, never a checkpoint, or your files); remove it or give another folder")
     total, free = need * ranks_on_host, shutil.disk_usage(root).free
     if total > free:
         raise ConfigError(f"--optimizer-nvme-offload {root} has {free / 2**30:.1f} GiB free, but the optimizer "
-                               f"state of the {ranks_on_host} rank(s) on this host needs {total / 2**30:.1f} GiB "
-                               f"({BYTES_PER_PARAM} B per owned parameter); free space there or give a folder on a "
-                               f"larger disk")
+                          f"state of the {ranks_on_host} rank(s) on this host needs {total / 2**30:.1f} GiB "
+                          f"({BYTES_PER_PARAM} B per owned parameter); free space there or give a folder on a "
+                          f"larger disk")
 
 
 def state_bytes_per_rank(cfg, vocab_size: int) -> int:
