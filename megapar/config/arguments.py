@@ -557,26 +557,26 @@ def _resolve_virtual_stages(cfg: Config) -> None:
     m.num_layers_per_virtual_pipeline_stage = None if v is None else m.num_layers // (pp * v)
     if v is None:
         return
-    flag = "--virtual-pipeline-model-parallel-size"
+    opt = "--virtual-pipeline-model-parallel-size"
     if pp == 1:
-        _fail(f"{flag} {v} interleaves model chunks over pipeline stages: it needs --pipeline-model-parallel-size "
+        _fail(f"{opt} {v} interleaves model chunks over pipeline stages: it needs --pipeline-model-parallel-size "
               f"> 1; add one or drop the virtual-pipeline flags")
     if m.decoder_first_pipeline_num_layers is not None or m.decoder_last_pipeline_num_layers is not None:
-        _fail(f"{flag} {v} splits the layers into equal chunks: it cannot be combined with "
+        _fail(f"{opt} {v} splits the layers into equal chunks: it cannot be combined with "
               f"--decoder-first/last-pipeline-num-layers; drop one or the other")
     if cfg.parallel.pipeline_schedule != "1f1b":
-        _fail(f"{flag} {v} runs the interleaved 1F1B schedule; --pipeline-schedule "
+        _fail(f"{opt} {v} runs the interleaved 1F1B schedule; --pipeline-schedule "
               f"{cfg.parallel.pipeline_schedule} has no interleaved form: drop --pipeline-schedule or the "
               f"virtual-pipeline flags")
     if cfg.num_microbatches % pp:
-        _fail(f"{flag} {v}: the number of microbatches ({cfg.num_microbatches} = --global-batch-size "
+        _fail(f"{opt} {v}: the number of microbatches ({cfg.num_microbatches} = --global-batch-size "
               f"{cfg.train.global_batch_size} / (--micro-batch-size {cfg.train.micro_batch_size} x data-parallel "
               f"size {cfg.parallel.data_parallel_size})) must be a multiple of --pipeline-model-parallel-size {pp}; "
               f"use --global-batch-size "
               f"{cfg.train.micro_batch_size * cfg.parallel.data_parallel_size * pp * -(-cfg.num_microbatches // pp)}")
     if m.recompute_granularity == "full" and m.recompute_num_layers > m.num_layers_per_virtual_pipeline_stage:
         _fail(f"--recompute-num-layers {m.recompute_num_layers} must be between 1 and the layers of one model "
-              f"chunk ({m.num_layers_per_virtual_pipeline_stage} with {flag} {v})")
+              f"chunk ({m.num_layers_per_virtual_pipeline_stage} with {opt} {v})")
 
 
 def _resolve_zero_stage(p: ParallelConfig) -> None:
@@ -597,10 +597,10 @@ def validate(ns: argparse.Namespace, world_size: int, assume_gpus: bool = False)
     `assume_gpus`: as on a machine with CUDA GPUs, whatever this one has."""
     _check_ranges(ns)
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
-    for flag, alias, size in (("--tensor-model-parallel-size", "--tensor-parallel", tp),
-                              ("--pipeline-model-parallel-size", "--pipeline-parallel", pp)):
+    for opt, alias, size in (("--tensor-model-parallel-size", "--tensor-parallel", tp),
+                             ("--pipeline-model-parallel-size", "--pipeline-parallel", pp)):
         if size < 1:
-            _fail(f"{flag} (or {alias}) {size} must be >= 1: the number of processes each model replica is split "
+            _fail(f"{opt} (or {alias}) {size} must be >= 1: the number of processes each model replica is split "
                   f"over in that dimension; 1 turns it off")
     if world_size % (tp * pp):
         _fail(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
@@ -724,11 +724,11 @@ def _check_zero(ns: argparse.Namespace, gpus: bool) -> None:
     if ns.optimizer_cpu_offload and stage < 1:
         _fail("--optimizer-cpu-offload moves the sharded optimizer state to the CPU: it needs --zero-stage 1, 2 "
               "or 3 (or --use-distributed-optimizer); add one or drop --optimizer-cpu-offload")
-    for flag, on in (("--optimizer-cpu-offload", ns.optimizer_cpu_offload),
-                     ("--param-cpu-offload", ns.param_cpu_offload)):
+    for opt, on in (("--optimizer-cpu-offload", ns.optimizer_cpu_offload),
+                    ("--param-cpu-offload", ns.param_cpu_offload)):
         if on and not gpus:
-            _fail(f"{flag} moves GPU state to CPU memory, but this run has no CUDA GPU (or uses gloo); "
-                  f"drop {flag} on a CPU-only run")
+            _fail(f"{opt} moves GPU state to CPU memory, but this run has no CUDA GPU (or uses gloo); "
+                  f"drop {opt} on a CPU-only run")
     if ns.optimizer_nvme_offload is not None:
         _check_nvme_offload(ns, stage)
     if ns.optimizer_cpu_offload and ns.adam_impl == "fused":
@@ -808,20 +808,20 @@ def _check_loggers(ns: argparse.Namespace) -> None:
     import importlib.util
 
     if ns.wandb_project is None:
-        for flag in ("wandb_exp_name", "wandb_save_dir"):
-            if getattr(ns, flag) is not None:
-                _fail(f"{flag(flag)} is a setting of the W&B run that --wandb-project starts; add --wandb-project "
-                      f"NAME or drop {flag(flag)}")
+        for name in ("wandb_exp_name", "wandb_save_dir"):
+            if getattr(ns, name) is not None:
+                _fail(f"{flag(name)} is a setting of the W&B run that --wandb-project starts; add --wandb-project "
+                      f"NAME or drop {flag(name)}")
     elif not ns.wandb_project.strip():
         _fail("--wandb-project is empty; name the W&B project, e.g. --wandb-project gpt2")
-    for flag, folder in (("--wandb-save-dir", ns.wandb_save_dir), ("--csv-log-dir", ns.csv_log_dir)):
+    for opt, folder in (("--wandb-save-dir", ns.wandb_save_dir), ("--csv-log-dir", ns.csv_log_dir)):
         if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
-            _fail(f"{flag} {folder} is a file, not a folder; give a folder for the run's log files")
-    for flag, value, package in (("--tensorboard-dir", ns.tensorboard_dir, "tensorboard"),
+            _fail(f"{opt} {folder} is a file, not a folder; give a folder for the run's log files")
+    for opt, value, package in (("--tensorboard-dir", ns.tensorboard_dir, "tensorboard"),
                                  ("--wandb-project", ns.wandb_project, "wandb")):
         if value is not None and importlib.util.find_spec(package) is None:
-            _fail(f"{flag} needs the {package} package, which is not installed: pip install {package} "
-                  f"(or drop {flag})")
+            _fail(f"{opt} needs the {package} package, which is not installed: pip install {package} "
+                  f"(or drop {opt})")
 
 
 def _check_cuda_graph(ns: argparse.Namespace, gpus: bool) -> None:

@@ -198,8 +198,8 @@ PYTHON_FLAG_CASES = [  # one process each (about 3 s): a case per class of bad n
     (["--train-iters", "5", "--hidden-dropout", "1.0"], "--hidden-dropout 1.0 is out of range"),
     (["--train-iters", "5", "--clip-grad", "-1"], "--clip-grad -1.0 is out of range"),
     (["--train-iters", "5", "--adam-beta2", "1"], "--adam-beta2 1.0 is out of range"),
-    (["--train-iters", "five"], "invalid int value"),
     (["--train-iters", "5", "--recipe", "6.7b-offload"], "(--optimizer-cpu-offload set by --recipe 6.7b-offload)"),
+    (["--train-iters", "five"], "invalid int value"),   # last: argparse's, not ConfigError (in-process cases below)
 ]
 IN_PROCESS_CASES = [  # the rest, checked without a process each
     (["--train-iters", "5", "--global-batch-size", "0"], "--global-batch-size 0 must be >= 1"),
