@@ -273,14 +273,15 @@ class BaseOptimizer(ABC):
         norm = global_norm(self.norm_grads, self.norm_group, self.device)
         self._stage_grads()
         clip_grads_(self.step_grads, norm, self.cfg.clip_grad, self.adam)
-        self._update()
-        self._publish_params(params_written=self.fused_adam is not None)
+        self._publish_params(params_written=self._update())
         return True, norm
 
-    def _update(self) -> None:
-        """Step 5: AdamW on the owned masters from `step_grads` (already clipped)."""
+    def _update(self) -> bool:
+        """Step 5: AdamW on the owned masters from `step_grads` (already clipped). True when it also
+        wrote this rank's model-dtype `params` (the fused kernel does)."""
         self.fused_adam = adamw_update(self.adam, self.adam_impl, self.fused_adam, self.masters, self.step_grads,
                                        self.params)
+        return self.fused_adam is not None
 
     def _stage_grads(self) -> None:
         """Bring the reduced gradients to where AdamW runs (`step_grads`); nothing by default."""
@@ -288,7 +289,7 @@ class BaseOptimizer(ABC):
     @abstractmethod
     def _publish_params(self, params_written: bool) -> None:
         """Make every model parameter equal its (new) master on every rank; params_written: the
-        fused AdamW already wrote this rank's `params`."""
+        update already wrote this rank's `params` (`_update`)."""
 
     def close(self) -> None:
         """Release what outlives the process's memory (NVMe offload: the state files); at the run's end."""

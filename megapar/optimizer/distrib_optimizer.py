@@ -227,10 +227,11 @@ class DistributedOptimizer(BaseOptimizer):
             self.nvme.close()
 
     # ---- NVMe offload: the step a chunk at a time --------------------------------------------------
-    def _update(self) -> None:
+    def _update(self) -> bool:
         if self.nvme is None:
             return super()._update()
         self.nvme.stream([(c.lo, c.hi - c.lo) for c in self.chunks], self._step_chunk)
+        return True   # _step_chunk wrote each chunk's masters into the owned shards, from the host buffers
 
     def _step_chunk(self, i: int, state: dict[str, torch.Tensor]) -> None:
         """AdamW on chunk `i`'s parts, its state (`state[kind]`: [lo, hi) of the shard buffers) in
@@ -289,16 +290,14 @@ class DistributedOptimizer(BaseOptimizer):
     # ---- publish ---------------------------------------------------------------------------
     @torch.no_grad()
     def _publish_params(self, params_written: bool) -> None:
-        """Owned masters -> owned model-dtype shards unless the fused AdamW wrote them, then
+        """Owned masters -> owned model-dtype shards unless the update wrote them (the fused AdamW,
+        NVMe offload's chunks), then
         all-gather every whole bucket over the DP group (a ZeRO-3 unit is gathered by its next
         forward instead)."""
         handles = []
         for i, (b, (lo, hi, off)) in enumerate(zip(self.buffer.buckets, self.shards)):
-            if self.nvme is not None:
-                pass  # the owned shards were written by _step_chunk, from the host buffers
-            elif self.offload:  # pinned fp32 -> the device, cast there (a model-dtype host copy would cost 2 B/param)
-                self.owned_params[i].copy_(self.master_shard[off:off + hi - lo])
-            elif not params_written and self.master_shard is not None:
+            # offload: pinned fp32 -> the device, cast there (a model-dtype host copy would cost 2 B/param)
+            if not params_written and self.master_shard is not None:
                 self.owned_params[i].copy_(self._master_of_bucket(i))
             full = self.bucket_params[i]
             if full is not None and self.dp > 1:

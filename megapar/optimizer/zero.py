@@ -23,6 +23,7 @@ from ..model import GPT2Model
 from ..model.transformer import TransformerLayer
 from ..topology import Topology
 from .base import BaseOptimizer
+from .distrib_optimizer import DistributedOptimizer
 from .grad_buffer import REDUCE_DTYPES, GradBuffer, GradReduction
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .optimizer import MixedPrecisionOptimizer
@@ -56,7 +57,6 @@ def build_zero(cfg: Config, topo: Topology, rank: int, device: torch.device,
               DynamicGradScaler(t.initial_loss_scale, t.min_loss_scale, growth_interval=t.loss_scale_window,
                                 hysteresis=t.hysteresis))
     if p.zero_stage >= 1:
-        from .distrib_optimizer import DistributedOptimizer
         optimizer = DistributedOptimizer(model, grad_buffer, t, scaler, tp_rank, topo.groups.dp,
                                          norm_group=None, inf_group=None, sharded_params=sharded,
                                          offload=p.optimizer_cpu_offload, stage=p.zero_stage,
