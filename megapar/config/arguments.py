@@ -123,6 +123,10 @@ class ParallelConfig:
         None, "a folder on a fast local disk (NVMe): the fp32 master weights and Adam moments live in files under "
               "PATH/rank_NNNNN/ (made by the run, removed at its end), read and written chunk by chunk around "
               "the CPU Adam step (implies --optimizer-cpu-offload's CPU step; --zero-stage >= 1)")
+    delayed_param_update: bool = arg(
+        False, "with the optimizer offloaded: each step's CPU Adam update runs while the next step's forward and "
+               "backward do, so that step computes its gradients with weights one update older (ZeRO-Offload's "
+               "delayed parameter update); a checkpoint or evaluation first applies the pending update")
     param_cpu_offload: bool = arg(False, "--zero-stage 3: parameter shards live in CPU memory, fetched ahead "
                                          "of their layer (GPUs)")
     grad_reduce_dtype: str = arg("fp32", "the dtype gradients are summed over data parallelism in: fp32 "
@@ -731,6 +735,10 @@ def _check_zero(ns: argparse.Namespace, gpus: bool) -> None:
                   f"drop {opt} on a CPU-only run")
     if ns.optimizer_nvme_offload is not None:
         _check_nvme_offload(ns, stage)
+    if ns.delayed_param_update and not (ns.optimizer_cpu_offload or ns.optimizer_nvme_offload):
+        _fail("--delayed-param-update overlaps the offloaded optimizer's CPU step with the next step, but this "
+              "run's optimizer is not offloaded; add --optimizer-cpu-offload (or --optimizer-nvme-offload PATH) "
+              "or drop --delayed-param-update")
     if ns.optimizer_cpu_offload and ns.adam_impl == "fused":
         _fail("--adam-impl fused is csrc's GPU kernel, but --optimizer-cpu-offload steps AdamW on the CPU (torch's "
               "fused CPU kernel); drop --adam-impl fused or --optimizer-cpu-offload")
@@ -836,6 +844,8 @@ def _check_cuda_graph(ns: argparse.Namespace, gpus: bool) -> None:
         (ns.recompute_granularity is not None, "recompute swaps RNG states, which a capture forbids; "
                                                "drop the recompute flags"),
         (ns.cuda_graph_warmup_steps < 1, "--cuda-graph-warmup-steps must be >= 1"),
+        (ns.optimizer_cpu_offload or ns.optimizer_nvme_offload is not None,
+         "the offloaded optimizer steps on the CPU, outside any graph; drop the optimizer offload flags"),
     ]
     for blocked, why in blockers:
         if blocked:

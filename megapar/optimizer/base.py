@@ -122,20 +122,20 @@ def adamw_update(adam: torch.optim.AdamW, impl: str, fused, masters: list[torch.
     return None
 
 
-def adamw_group_update(adam: torch.optim.AdamW, group: dict, masters: list[torch.Tensor],
-                       grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
-                       steps: list[torch.Tensor]) -> None:
+def adamw_group_update(group: dict, masters: list[torch.Tensor], grads: list[torch.Tensor],
+                       exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor],
+                       grad_scale: Optional[torch.Tensor] = None) -> None:
     """What `adam.step()` does for the tensors of param group `group`, on given tensors: AdamW with
-    the group's hyper-parameters (and the clipping's `grad_scale`) on `masters` and their moments,
-    each of whose step counts `steps` (from adam.state) goes up by one. For state that is not
-    resident (NVMe offload: a chunk at a time in host buffers); elementwise, so updating the
-    tensors in any grouping gives the bits one `adam.step()` over all of them would."""
+    the group's hyper-parameters (and the clipping's divisor `grad_scale`, the AdamW object's
+    `grad_scale`) on `masters` and their moments, each of whose step counts `steps` (from
+    adam.state) goes up by one. For state stepped a chunk at a time (the offloaded step) and from a
+    snapshot of the group (the delayed update runs while the LR schedule moves on); elementwise, so
+    updating the tensors in any grouping gives the bits one `adam.step()` over all of them would."""
     beta1, beta2 = group["betas"]
     adamw_functional(masters, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"],
                      capturable=group["capturable"], differentiable=group["differentiable"],
-                     fused=group["fused"], grad_scale=getattr(adam, "grad_scale", None),
-                     found_inf=getattr(adam, "found_inf", None), amsgrad=group["amsgrad"], beta1=beta1,
-                     beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                     fused=group["fused"], grad_scale=grad_scale, found_inf=None, amsgrad=group["amsgrad"],
+                     beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                      maximize=group["maximize"])
 
 
@@ -273,8 +273,17 @@ class BaseOptimizer(ABC):
         norm = global_norm(self.norm_grads, self.norm_group, self.device)
         self._stage_grads()
         clip_grads_(self.step_grads, norm, self.cfg.clip_grad, self.adam)
-        self._publish_params(params_written=self._update())
+        self._apply_update()
         return True, norm
+
+    def _apply_update(self) -> None:
+        """Steps 5 and 6 (the offloaded optimizer steps and publishes chunk by chunk, or in the
+        background with --delayed-param-update)."""
+        self._publish_params(params_written=self._update())
+
+    def finish_pending(self) -> None:
+        """Make the model's weights those of the last step (the delayed update publishes the step
+        running in the background); before a checkpoint or an evaluation. Collective where publishing is."""
 
     def _update(self) -> bool:
         """Step 5: AdamW on the owned masters from `step_grads` (already clipped). True when it also

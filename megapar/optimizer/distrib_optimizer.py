@@ -40,6 +40,7 @@ of that full state, so a checkpoint loads at any data-parallel size.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -89,7 +90,7 @@ class DistributedOptimizer(BaseOptimizer):
     def __init__(self, model: nn.Module, grad_buffer, cfg, scaler, tp_rank: int,
                  dp_group: Optional[dist.ProcessGroup], norm_group: Optional[dist.ProcessGroup] = None,
                  inf_group: Optional[dist.ProcessGroup] = None, sharded_params: Optional[ShardedParams] = None,
-                 offload: bool = False, stage: int = 1, nvme_root: Optional[str] = None):
+                 offload: bool = False, stage: int = 1, nvme_root: Optional[str] = None, delayed: bool = False):
         """grad_buffer: built over this model's parameters with mode="reduce_scatter" and
         `dp_group` (a GradBuffer at stage 1, a ShardedGradBuffer at stages 2-3). norm_group: every
         rank whose owned shards together make up the whole model's gradient (all tp x pp x dp
@@ -97,12 +98,16 @@ class DistributedOptimizer(BaseOptimizer):
         overflow anywhere skips the step everywhere). sharded_params: stage 3's layer units, whose
         owned shards are the parameters this optimizer writes. offload: masters, moments and the
         AdamW step on the CPU; nvme_root (implies offload): masters and moments in files under
-        nvme_root/rank_NNNNN/ (call `close()` at the end to delete them). Model parameters outside
-        the units are re-pointed into one buffer per bucket (their values are kept)."""
+        nvme_root/rank_NNNNN/ (call `close()` at the end to delete them). delayed (needs offload):
+        --delayed-param-update, the CPU step runs in the background and is published at the next
+        step. Model parameters outside the units are re-pointed into one buffer per bucket (their
+        values are kept)."""
         if norm_group is None and dist.is_initialized():
             norm_group = dist.group.WORLD
         self.stage, self.nvme_root = stage, nvme_root
         offload = offload or nvme_root is not None
+        if delayed and not offload:
+            raise ValueError("the delayed parameter update needs the offloaded (CPU) step")
         super().__init__(model, grad_buffer, cfg, scaler, tp_rank, norm_group, inf_group, offload)
         self.dp_group, self.dp, self.dp_rank = dp_group, grad_buffer.dp, grad_buffer.dp_rank
         self.dtype = self.named[0][1].dtype
@@ -115,10 +120,11 @@ class DistributedOptimizer(BaseOptimizer):
         low = self.master_shard is not None and not offload
         self._own([Owned(pt.name, pt.param, self._master(pt), self.buffer.owned_grad(pt.buf_lo, pt.buf_hi),
                          self._owned_param(pt) if low else None) for pt in self.parts])
+        self.chunks = self._plan_chunks(CHUNK_NUMEL) if offload else []
         if offload:
             self.step_grads = [self.cpu_grads[pt.lo:pt.hi] for pt in self.parts]
             self._stream_layer_grads()
-        self.chunks = self._plan_chunks(CHUNK_NUMEL) if self.nvme is not None else []
+            self._prepare_sends(delayed)
         self._reset_moments(step=0)
 
     # ---- layout --------------------------------------------------------------------------
@@ -174,7 +180,7 @@ class DistributedOptimizer(BaseOptimizer):
         return parts
 
     def _plan_chunks(self, limit: int) -> list[Chunk]:
-        """The parts in shard order, cut into chunks of at most `limit` elements (or one part) that
+        """Offload: the parts in shard order, cut into chunks of at most `limit` elements (or one part) that
         never straddle a bucket; a part is never split, so AdamW sees the tensors CPU offload gives it."""
         group_of = {id(m): g for g, group in enumerate(self.adam.param_groups) for m in group["params"]}
         chunks: list[Chunk] = []
@@ -223,31 +229,127 @@ class DistributedOptimizer(BaseOptimizer):
                 f"on this rank's {where} ({mine / max(full, 1):.3f} of the non-sharded {full / 2**20:.2f} MiB)")
 
     def close(self) -> None:
+        if self.offload:
+            self._join()
+            self.worker.shutdown(wait=True)
         if self.nvme is not None:
             self.nvme.close()
 
-    # ---- NVMe offload: the step a chunk at a time --------------------------------------------------
-    def _update(self) -> bool:
-        if self.nvme is None:
-            return super()._update()
-        self.nvme.stream([(c.lo, c.hi - c.lo) for c in self.chunks], self._step_chunk)
-        return True   # _step_chunk wrote each chunk's masters into the owned shards, from the host buffers
+    # ---- offload: the CPU step a chunk at a time, each chunk's weights sent back behind it ----------
+    def _prepare_sends(self, delayed: bool) -> None:
+        """The side stream and device buffer the new weights travel through (GPUs), and the thread the
+        delayed update runs on."""
+        cuda = self.device.type == "cuda"
+        self.h2d = torch.cuda.Stream(self.device) if cuda else None
+        stage_numel = min(CHUNK_NUMEL, max((c.hi - c.lo for c in self.chunks), default=0))
+        self.h2d_stage = torch.empty(stage_numel, dtype=torch.float32, device=self.device) \
+            if cuda and self.dtype != torch.float32 else None
+        self.delayed = delayed
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megapar-delayed-update")
+        self.pending: Optional[Future] = None   # the update running in the background
+        self.unpublished = False                # it finished, the model does not have its weights yet
 
-    def _step_chunk(self, i: int, state: dict[str, torch.Tensor]) -> None:
-        """AdamW on chunk `i`'s parts, its state (`state[kind]`: [lo, hi) of the shard buffers) in
-        host buffers, then its new masters into the owned model-dtype shard (publishing's first half)."""
+    def _apply_update(self) -> None:
+        """Offload: AdamW over the host state chunk by chunk, each chunk's new weights copied to the
+        device while the CPU steps the next one, then the all-gathers. --delayed-param-update: the
+        steps only, on the worker thread (while the next step's forward and backward run), from a
+        snapshot of the hyper-parameters; `finish_pending` publishes them."""
+        if not self.offload:
+            return super()._apply_update()
+        hyper = ([dict(g) for g in self.adam.param_groups], getattr(self.adam, "grad_scale", None))
+        if self.delayed:
+            self.pending = self.worker.submit(self._step_chunks, hyper, False)
+            return
+        self._step_chunks(hyper, send=True)
+        self._publish_params(params_written=True)
+
+    def _step_chunks(self, hyper: tuple[list[dict], Optional[torch.Tensor]], send: bool) -> None:
+        """Every chunk's AdamW (on the host state, or streamed from the NVMe files); send: each
+        chunk's weights to the device after its step."""
+        if send:
+            self._start_sends()
+        if self.nvme is not None:
+            self.nvme.stream([(c.lo, c.hi - c.lo) for c in self.chunks],
+                             lambda i, state: self._step_chunk(i, state, hyper, send))
+            return
+        shards = dict(zip(KINDS, (self.master_shard, self.exp_avg, self.exp_avg_sq)))
+        for i, c in enumerate(self.chunks):
+            self._step_chunk(i, {k: t[c.lo:c.hi] for k, t in shards.items()}, hyper, send)
+
+    @torch.no_grad()
+    def _step_chunk(self, i: int, state: dict[str, torch.Tensor], hyper: tuple[list[dict], Optional[torch.Tensor]],
+                    send: bool) -> None:
+        """AdamW on chunk `i`'s parts, its state (`state[kind]`: [lo, hi) of the shard buffers)
+        resident or in NVMe's host slots, with the param groups and clipping divisor `hyper`; send:
+        then its new masters to the owned model-dtype shard (an NVMe slot is refilled once this
+        returns, so that copy is waited for)."""
         c = self.chunks[i]
-        for g, group in enumerate(self.adam.param_groups):
+        groups, grad_scale = hyper
+        for g, group in enumerate(groups):
             mine = [j for j, gj in c.members if gj == g]
             if not mine:
                 continue
             views = {k: [state[k][self.parts[j].lo - c.lo:self.parts[j].hi - c.lo] for j in mine] for k in KINDS}
-            adamw_group_update(self.adam, group, views["master_param"], [self.step_grads[j] for j in mine],
-                               views["exp_avg"], views["exp_avg_sq"],
-                               [self.adam.state[self.masters[j]]["step"] for j in mine])
+            adamw_group_update(group, views["master_param"], [self.step_grads[j] for j in mine], views["exp_avg"],
+                               views["exp_avg_sq"], [self.adam.state[self.masters[j]]["step"] for j in mine],
+                               grad_scale)
+        if send:
+            self._send(c, state["master_param"], wait=self.nvme is not None)
+
+    def _start_sends(self) -> None:
+        """The weights about to be overwritten may still be read by queued work (the delayed update
+        publishes right after backward): the copies wait for it."""
+        if self.h2d is not None:
+            self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+
+    @torch.no_grad()
+    def _send(self, c: Chunk, masters: torch.Tensor, wait: bool = False) -> None:
+        """Chunk `c`'s new fp32 masters (host) into its owned model-dtype shard. On GPUs, from pinned
+        memory without blocking, on the `h2d` stream: as fp32 through a device buffer, cast there
+        (torch's own cross-dtype copy would cast on the CPU into pageable memory and copy that
+        synchronously). wait: return once `masters` has been read."""
         off = self.shards[c.bucket][2]
-        with torch.no_grad():
-            self.owned_params[c.bucket][c.lo - off:c.hi - off].copy_(state["master_param"])
+        dst = self.owned_params[c.bucket][c.lo - off:c.hi - off]
+        if self.h2d is None or dst.device.type != "cuda":   # a CPU run, or a ZeRO-3 shard kept on the CPU
+            dst.copy_(masters)
+            return
+        with torch.cuda.stream(self.h2d):
+            if self.h2d_stage is None:
+                dst.copy_(masters, non_blocking=True)
+            else:
+                n = self.h2d_stage.numel()
+                for a in range(0, masters.numel(), n):   # [piece] through the one buffer, in stream order
+                    piece = self.h2d_stage[:min(n, masters.numel() - a)]
+                    piece.copy_(masters[a:a + piece.numel()], non_blocking=True)
+                    dst[a:a + piece.numel()].copy_(piece)
+        if wait:
+            self.h2d.synchronize()
+
+    def _join(self) -> None:
+        """Wait for the delayed update running in the background (re-raises its error)."""
+        if self.pending is not None:
+            future, self.pending = self.pending, None
+            future.result()
+            self.unpublished = True
+
+    def finish_pending(self) -> None:
+        """--delayed-param-update: the update running in the background finished, its weights sent to
+        the device and all-gathered (collective over dp)."""
+        if not self.offload:
+            return
+        self._join()
+        if self.unpublished:
+            self.unpublished = False
+            self._start_sends()
+            for c in self.chunks:
+                self._send(c, self.master_shard[c.lo:c.hi])
+            self._publish_params(params_written=True)
+
+    def step(self) -> tuple[bool, torch.Tensor]:
+        """BaseOptimizer's step, after publishing a delayed update still pending: step N's gradients
+        were computed with the weights of step N - 2 (the ZeRO-Offload paper's one-step delay)."""
+        self.finish_pending()
+        return super().step()
 
     # ---- offload: gradients to the CPU, weights back -------------------------------------------
     def _stream_layer_grads(self) -> None:
@@ -263,6 +365,7 @@ class DistributedOptimizer(BaseOptimizer):
         self.buffer.on_shard_final = self._copy_out
 
     def _copy_out(self, i: int) -> None:
+        self._join()   # the delayed update may still read the previous step's gradients
         lo, hi, off = self.shards[i]
         src, dst = self.buffer.owned_grad(lo, hi), self.cpu_grads[off:off + hi - lo]
         if self.d2h is None:
@@ -291,12 +394,14 @@ class DistributedOptimizer(BaseOptimizer):
     @torch.no_grad()
     def _publish_params(self, params_written: bool) -> None:
         """Owned masters -> owned model-dtype shards unless the update wrote them (the fused AdamW,
-        NVMe offload's chunks), then
+        the offloaded step's chunks), then
         all-gather every whole bucket over the DP group (a ZeRO-3 unit is gathered by its next
         forward instead)."""
+        if self.offload and self.h2d is not None:   # the chunks' copies (_send)
+            torch.cuda.current_stream(self.device).wait_stream(self.h2d)
+            self.h2d.synchronize()                  # the host may write the masters again from here on
         handles = []
         for i, (b, (lo, hi, off)) in enumerate(zip(self.buffer.buckets, self.shards)):
-            # offload: pinned fp32 -> the device, cast there (a model-dtype host copy would cost 2 B/param)
             if not params_written and self.master_shard is not None:
                 self.owned_params[i].copy_(self._master_of_bucket(i))
             full = self.bucket_params[i]

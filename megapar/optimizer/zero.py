@@ -6,7 +6,8 @@
     2      -                          ShardedGradBuffer (per layer)         DistributedOptimizer
     3      ShardedParams (per layer)  ShardedGradBuffer, frees each layer   DistributedOptimizer
 `--optimizer-cpu-offload` keeps the DistributedOptimizer's state and step on the CPU
-(`--optimizer-nvme-offload` the step, with the state in files: nvme.py); `--param-cpu-offload` the
+(`--optimizer-nvme-offload` the step, with the state in files: nvme.py; `--delayed-param-update`
+runs that step in the background of the next one); `--param-cpu-offload` the
 ShardedParams' shards. The store exists before the model (each layer is
 sharded as it is built), so `build_zero` builds the model through the caller's `make_model`.
 """
@@ -60,7 +61,7 @@ def build_zero(cfg: Config, topo: Topology, rank: int, device: torch.device,
         optimizer = DistributedOptimizer(model, grad_buffer, t, scaler, tp_rank, topo.groups.dp,
                                          norm_group=None, inf_group=None, sharded_params=sharded,
                                          offload=p.optimizer_cpu_offload, stage=p.zero_stage,
-                                         nvme_root=p.optimizer_nvme_offload)
+                                         nvme_root=p.optimizer_nvme_offload, delayed=p.delayed_param_update)
     else:
         optimizer = MixedPrecisionOptimizer(model, grad_buffer, t, scaler, tp_rank, norm_group=topo.groups.mp,
                                             inf_group=None)

@@ -168,6 +168,7 @@ def evaluate(run: Run, dataset, iters: int, split: str = "val") -> float:
     batch) after the first batch, every --log-interval batches and after the last, so that a long
     evaluation is never silent."""
     cfg, losses = run.cfg, []
+    run.optimizer.finish_pending()  # --delayed-param-update: evaluate the last step's weights
     run.model.eval()
     schedule = schedule_func(run)
     start = time.time()
@@ -282,6 +283,7 @@ class Profiler:
 
 # ---- the loop ------------------------------------------------------------------------------------
 def save(run: Run, state: TrainState) -> None:
+    run.optimizer.finish_pending()  # --delayed-param-update: the weights of the step being saved
     refuse_non_finite_weights(run, state.iteration)
     ck = run.cfg.ckpt
     print_rank0(f" saving checkpoint at iteration {state.iteration:7d} to {ck.save}")
@@ -561,6 +563,7 @@ def _train_loop(run: Run, train_ds, valid_ds, state: TrainState, writer, handler
             print_rank0(reason)
             state.exit_reason = reason
             break
+    run.optimizer.finish_pending()  # the model leaves training with its last step's weights
     return state
 
 

@@ -35,6 +35,8 @@ CASES = [  # (id, flags, expected fragments)
      ["a_file is not a directory"]),
     ("nvme offload with csrc's GPU AdamW", ["--zero-stage", "1", "--optimizer-nvme-offload", "{tmp}",
                                             "--adam-impl", "fused"], ["steps AdamW on the CPU"]),
+    ("delayed update without offload", ["--zero-stage", "2", "--delayed-param-update"],
+     ["--delayed-param-update", "is not offloaded", "add --optimizer-cpu-offload"]),
 ]
 
 
@@ -55,6 +57,15 @@ def test_stage3_with_cuda_graph_is_refused_before_any_process_group():
     with pytest.raises(ConfigError, match="--zero-stage 3 allocates and frees.*CUDA graph"):
         config_from_namespace(parse_flags(["--zero-stage", "3", "--enable-cuda-graph", "--bf16", "--hidden-dropout",
                                            "0", "--attention-dropout", "0"]), 1, assume_gpus=True)
+
+
+def test_offload_with_cuda_graph_is_refused_before_any_process_group():
+    """The offloaded step runs on the CPU, which no graph captures (checked in-process with a GPU assumed)."""
+    from megapar.config.arguments import ConfigError, config_from_namespace, parse_flags
+    with pytest.raises(ConfigError, match="--enable-cuda-graph: the offloaded optimizer steps on the CPU"):
+        config_from_namespace(parse_flags(["--zero-stage", "1", "--optimizer-cpu-offload", "--delayed-param-update",
+                                           "--enable-cuda-graph", "--bf16", "--hidden-dropout", "0",
+                                           "--attention-dropout", "0"]), 1, assume_gpus=True)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write to a read-only folder")

@@ -1,0 +1,109 @@
+"""The offloaded optimizer step (in this process, dp 1, ZeRO-1 and ZeRO-2 gradient buffers): stepped
+chunk by chunk with each chunk's weights sent back behind it, it equals one AdamW step over the
+whole host state bit for bit; the delayed parameter update equals the exact update applied to
+gradients of the weights one update older, bit for bit."""
+import pytest
+import torch
+
+from gpt_helpers import batch
+from test_distrib_optimizer import TRAIN, _model
+
+STEPS = 4
+
+
+def _build(stage: int, dtype=torch.float32, device: str = "cpu", **kw):
+    from megapar.config.arguments import TrainConfig
+    from megapar.optimizer.distrib_optimizer import DistributedOptimizer
+    from megapar.optimizer.grad_buffer import GradBuffer
+    from megapar.optimizer.grad_scaler import ConstantGradScaler
+    from megapar.optimizer.sharded_grads import ShardedGradBuffer
+    model = _model(dtype, torch.device(device))
+    if stage == 1:
+        buf = GradBuffer(model.parameters(), None, mode="reduce_scatter", bucket_numel=3000)
+    else:
+        layers = list(model.language_model.encoder.layers)
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        buf = ShardedGradBuffer(layers, [p for p in model.parameters() if id(p) not in in_layers], None)
+    opt = DistributedOptimizer(model, buf, TrainConfig(**TRAIN), ConstantGradScaler(), tp_rank=0, dp_group=None,
+                               offload=True, stage=stage, **kw)
+    return model, buf, opt
+
+
+def _train_step(model, buf, opt, it: int) -> float:
+    ids, labels = (t.to(buf.device) for t in batch(b=2, seed=it))
+    buf.start_step()
+    loss = model(ids, labels=labels).mean()
+    loss.backward()
+    buf.finish()
+    assert opt.step()[0]
+    return loss.item()
+
+
+def _state(model, opt) -> list[torch.Tensor]:
+    return [opt.master_shard, opt.exp_avg, opt.exp_avg_sq, *model.parameters()]
+
+
+@pytest.mark.parametrize("stage,dtype", [(1, torch.float32), (2, torch.float32), (1, torch.bfloat16)],
+                         ids=["zero1", "zero2", "zero1-bf16"])
+def test_chunked_step_is_bit_identical_to_one_adamw_step(stage, dtype, device="cpu"):
+    """Chunks of at most 1000 elements (several per bucket; a larger part alone), each stepped and
+    sent to the model's shard in turn == torch's AdamW over every master at once, then the copy."""
+    from megapar.optimizer.base import BaseOptimizer
+    chunked, whole = _build(stage, dtype, device), _build(stage, dtype, device)
+    opt = chunked[2]
+    opt.chunks = opt._plan_chunks(1000)
+    assert len(opt.chunks) > len(opt.shards)
+    whole[2]._apply_update = lambda: BaseOptimizer._apply_update(whole[2])     # the one-step path
+    for it in range(STEPS):
+        assert _train_step(*chunked, it) == _train_step(*whole, it)
+    for a, b in zip(_state(chunked[0], opt), _state(whole[0], whole[2])):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_delayed_update_is_the_exact_update_of_one_update_older_gradients(stage, dtype=torch.float32, device="cpu"):
+    """--delayed-param-update: step k's gradients come from the weights of update k - 2 (the
+    first two from the initial weights), and the update itself is exact: equal, bit for bit, to a
+    synchronous run fed those weights for its forward and backward. A pending update is applied by
+    `finish_pending`, and the step count then agrees."""
+    delayed, exact = _build(stage, dtype, device, delayed=True), _build(stage, dtype, device)
+    model = exact[0]
+    published = [[p.detach().clone() for p in model.parameters()]]          # [k]: the weights of update k
+    for it in range(STEPS):
+        with torch.no_grad():                                                # step it + 1 sees update it - 1
+            for p, w in zip(model.parameters(), published[max(0, it - 1)]):
+                p.copy_(w)
+        assert _train_step(*delayed, it) == _train_step(*exact, it)         # (exact: from its own masters)
+        published.append([p.detach().clone() for p in model.parameters()])
+    opt = delayed[2]
+    opt.finish_pending()
+    assert opt._step_count() == STEPS and opt.pending is None and not opt.unpublished
+    for a, b in zip(_state(delayed[0], opt), _state(model, exact[2])):
+        assert torch.equal(a, b)
+    opt.close()
+
+
+def test_delayed_update_uses_the_learning_rate_of_its_own_step():
+    """The LR schedule writes the param groups right after step() returns, while the update may not
+    have started: it must use the values of the step that launched it."""
+    import threading
+    delayed, exact = _build(1, delayed=True), _build(1)
+    opt, release = delayed[2], threading.Event()
+    opt.worker.submit(release.wait)                   # the update queues behind this
+    _train_step(*delayed, 0)
+    for g in opt.param_groups:
+        g["lr"] = 123.0
+    release.set()
+    opt.finish_pending()
+    _train_step(*exact, 0)
+    assert torch.equal(opt.master_shard, exact[2].master_shard)
+    opt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offloaded_steps_on_a_gpu(stage):
+    """The same equalities with a bf16 model on the GPU: pinned host state, the gradients streamed
+    out on a side stream (stage 2), each chunk's weights sent through the device buffer and cast there."""
+    test_chunked_step_is_bit_identical_to_one_adamw_step(stage, torch.bfloat16, "cuda")
+    test_delayed_update_is_the_exact_update_of_one_update_older_gradients(stage, torch.bfloat16, "cuda")
