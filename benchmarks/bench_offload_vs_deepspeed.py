@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 from bench_train import ITER_RE, MEM_RE, bench_flags  # benchmarks/bench_train.py
 from megapar.config.arguments import config_from_namespace, parse_flags
 from megapar.config.recipes import GPT3_6_7B, GPT3_13B, GPT_1_3B, RECIPES
-from megapar.errors import MegaparError
+from megapar.errors import USER_ERROR_EXIT, MegaparError
 from megapar.run.throughput import flops_per_token
 from megapar.topology import padded_vocab_size
 
@@ -372,7 +372,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:  # megapar's flags checked before any run: a bad --megapar-extra is one line
         spec = ds_spec(flags, shape, token_vocab, args.ds_stage, args.iters, os.path.join(args.out, "ds_result.json"))
     except MegaparError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
     peak, gpu = gpu_peak()
     print(f"{args.shape}: {spec.layers} layers x {spec.hidden}, {spec.heads} heads, seq {spec.seq}, vocab "
           f"{spec.vocab} (megapar's padded), global batch {spec.global_batch} (micro {spec.micro_batch}), "
