@@ -33,8 +33,10 @@ a microbatch. Every time is in seconds, for the slowest pipeline stage (the last
                      (never more than the backward it runs beside; with v chunks only the last chunk's 1/v),
                      the parameter all-gather after the step is not hidden
     optimizer        on the GPU: (30 B x owned + 8 B x local parameters) / HBM bandwidth; CPU offload:
-                     owned x 4 B to the host (gradients) + owned x 4 B back (fp32 masters) over PCIe
-                     + owned / (CPU AdamW rate / ranks per node), not overlapped (the offloaded step waits)
+                     owned x 4 B to the host (gradients) over PCIe, then the larger of owned / (CPU
+                     AdamW rate / ranks per node) and owned x 4 B back (fp32 masters): the step sends each
+                     chunk back while it steps the next (--delayed-param-update, which changes the
+                     maths, is never picked)
     parameter offload (ZeRO-3) every microbatch 2 x 2 B x the layer shards over PCIe, offload_overlap hidden
     step             pipeline + data parallel (exposed) + optimizer + step overhead
 """
@@ -278,9 +280,9 @@ def optimizer_time(cal: Calibration, model: Model, lay: Layout, cluster: Cluster
     local = cal.optimizer_bytes_local * n / (cal.hbm_gbps * GB)
     if not lay.optimizer_offload:
         return local + cal.optimizer_bytes_owned * owned / (cal.hbm_gbps * GB)
-    pcie = 4 * owned / (cal.pcie_d2h_gbps * GB) + 4 * owned / (cal.pcie_h2d_gbps * GB)
+    down, up = 4 * owned / (cal.pcie_d2h_gbps * GB), 4 * owned / (cal.pcie_h2d_gbps * GB)
     cpu = owned / (cal.cpu_adam_gparams_s * 1e9 / cluster.ranks_per_node)
-    return local + pcie + cpu
+    return local + down + max(cpu, up)     # each chunk's weights go up while the CPU steps the next
 
 
 def step_time(cal: Calibration, model: Model, lay: Layout, cluster: Cluster) -> StepTime:
