@@ -1,7 +1,7 @@
 """Host time per layer per microbatch: megapar's training forward + backward against nanoGPT's.
 
     python benchmarks/bench_host_overhead.py --nanogpt-dir .gpu/nanogpt [--layers 12] [--rounds 5]
-        [--dropout 0 0.1] [--device cpu] [--profile]
+        [--dropout 0 0.1] [--device cpu] [--compile] [--profile]
 
 At a tiny width (hidden 64, 4 heads, 16 tokens, one sequence) the arithmetic costs next to nothing, so
 a step's time is what the host spends launching it: Python, autograd, the dispatcher, hooks. This is
@@ -10,7 +10,8 @@ step is its real one (the model and gradient buffer of `build_run`, with their h
 weight-gradient accumulation); nanoGPT's `GPT` (github.com/karpathy/nanoGPT's model.py, never
 committed: put it in a git-ignored folder and name it with --nanogpt-dir) at the same shape, with
 biases. Rounds alternate between the two; each prints the median of its timed steps, and the table
-gives the median over rounds of the time per layer. `--profile` adds cProfile's top functions of
+gives the median over rounds of the time per layer. `--compile` adds megapar with `--torch-compile`
+(each layer compiled, as training compiles it). `--profile` adds cProfile's top functions of
 megapar's step.
 """
 from __future__ import annotations
@@ -56,14 +57,15 @@ def nanogpt_step(nanogpt_dir: str, layers: int, dropout: float, device: str) -> 
     return step
 
 
-def megapar_step(layers: int, dropout: float, device: str) -> Callable[[], None]:
+def megapar_step(layers: int, dropout: float, device: str, compiled: bool = False) -> Callable[[], None]:
     from megapar.config.arguments import parse_config
     from megapar.run.initialize import build_run
     from megapar.topology import Topology
     cfg = parse_config(["--num-layers", str(layers), "--hidden-size", str(HIDDEN), "--num-attention-heads",
                         str(HEADS), "--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", "1",
                         "--train-iters", "1", "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout),
-                        "--make-vocab-size-divisible-by", "1"], world_size=1)
+                        "--make-vocab-size-divisible-by", "1", *(["--torch-compile"] if compiled else [])],
+                       world_size=1)
     topo = Topology(1, 1, 1)
     topo.create_groups(0)
     run = build_run(cfg, topo, 0, torch.device(device), vocab_size=VOCAB)
@@ -88,6 +90,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--compile", action="store_true", help="also megapar with --torch-compile")
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -99,22 +102,26 @@ def main() -> None:
     for dropout in a.dropout:
         steps = {"nanoGPT": nanogpt_step(a.nanogpt_dir, a.layers, dropout, a.device),
                  "megapar": megapar_step(a.layers, dropout, a.device)}
+        if a.compile:
+            steps["megapar compiled"] = megapar_step(a.layers, dropout, a.device, compiled=True)
         per_layer: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(a.rounds):
             for name, step in steps.items():
                 per_layer[name].append(median_step(step) / a.layers)
-        nano, mine = (statistics.median(per_layer[n]) for n in ("nanoGPT", "megapar"))
-        rows.append((dropout, nano, mine))
+        rows.append((dropout, *(statistics.median(per_layer[n]) for n in steps)))
         if a.profile:
             prof = cProfile.Profile()
             prof.runcall(lambda: [steps["megapar"]() for _ in range(10)])
             pstats.Stats(prof).sort_stats("tottime").print_stats(15)
     print(f"\nhost time per layer per microbatch ({a.device}, {torch.get_num_threads()} thread, hidden {HIDDEN}, "
           f"{HEADS} heads, {SEQ} tokens, {a.layers} layers; median of {a.rounds} alternating rounds)")
-    print("| dropout | nanoGPT ms/layer | megapar ms/layer | megapar / nanoGPT |")
-    print("|---|---|---|---|")
-    for dropout, nano, mine in rows:
-        print(f"| {dropout:g} | {nano * 1e3:.3f} | {mine * 1e3:.3f} | {mine / nano:.2f} |")
+    names = ["nanoGPT", "megapar"] + (["megapar compiled"] if a.compile else [])
+    print("| dropout | " + " | ".join(f"{n} ms/layer" for n in names) + " | " +
+          " | ".join(f"{n} / nanoGPT" for n in names[1:]) + " |")
+    print("|---" * (2 * len(names)) + "|")
+    for dropout, nano, *mine in rows:
+        print(f"| {dropout:g} | {nano * 1e3:.3f} | " + " | ".join(f"{m * 1e3:.3f}" for m in mine) + " | " +
+              " | ".join(f"{m / nano:.2f}" for m in mine) + " |")
 
 
 if __name__ == "__main__":

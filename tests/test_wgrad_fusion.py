@@ -90,6 +90,18 @@ def test_fused_wgrad_under_torch_compile_cpu():
     _compiled_vs_eager("cpu", torch.float32, 1e-6)
 
 
+def test_a_layer_at_tp_1_compiles_as_one_graph():
+    """--torch-compile at tp 1: the tensor-parallel mappings are identities inside the graph, not
+    graph breaks (each compiled piece would pay its own guards and launches, and lose fusions)."""
+    from gpt_helpers import tiny_model_config
+    from megapar.model import GPT2Model, Stage
+    cfg = tiny_model_config(["--hidden-dropout", "0", "--attention-dropout", "0"])
+    layer = GPT2Model(cfg.model, Stage.of(4, 1, 0), seed=1).language_model.encoder.layers[0]
+    x = torch.randn(16, 3, cfg.model.hidden_size, requires_grad=True)
+    explained = torch._dynamo.explain(layer)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 @pytest.mark.gpu
 def test_fused_wgrad_under_torch_compile_cuda():
     _compiled_vs_eager("cuda", torch.bfloat16, 1e-2)

@@ -68,30 +68,37 @@ def _add_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> 
         main_grad.add_(grad_out.sum(0))
 
 
-# The same accumulations as custom ops, so torch.compile keeps them (and their in-place writes) intact.
-_wgrad_op = torch.library.custom_op("megapar::accumulate_wgrad_", mutates_args=("main_grad",))(_add_wgrad_)
-_bgrad_op = torch.library.custom_op("megapar::accumulate_bgrad_", mutates_args=("main_grad",))(_add_bgrad_)
+# The same accumulations as operators whose schema says they write main_grad, so torch.compile keeps
+# them (and their in-place writes) intact. Defined with torch.library.Library rather than the
+# torch.library.custom_op decorator, whose Python wrapper costs several times the accumulation itself
+# on every call (docs/performance.md#host-overhead-per-layer).
+_OPS = torch.library.Library("megapar", "DEF")
+_OPS.define("accumulate_wgrad_(Tensor(a!) main_grad, Tensor grad_out, Tensor x) -> ()")
+_OPS.define("accumulate_bgrad_(Tensor(a!) main_grad, Tensor grad_out, bool gemv) -> ()")
+_OPS.impl("accumulate_wgrad_", _add_wgrad_, "CompositeExplicitAutograd")
+_OPS.impl("accumulate_bgrad_", _add_bgrad_, "CompositeExplicitAutograd")
+_wgrad_op = torch.ops.megapar.accumulate_wgrad_.default
+_bgrad_op = torch.ops.megapar.accumulate_bgrad_.default
 
 
-@_wgrad_op.register_fake
+@torch.library.register_fake("megapar::accumulate_wgrad_")
 def _(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
     return None
 
 
-@_bgrad_op.register_fake
+@torch.library.register_fake("megapar::accumulate_bgrad_")
 def _(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> None:
     return None
 
 
 def accumulate_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
-    """_add_wgrad_, through its custom op while torch.compile traces, called directly otherwise: a
-    custom op's Python dispatch costs more host time than a small layer's GEMM (eager runs are
-    host-bound at small widths; docs/performance.md#host-overhead-per-layer)."""
+    """_add_wgrad_, through its operator while torch.compile traces, called directly otherwise (the
+    dispatcher's round trip into Python is host time a small layer's eager step does not need)."""
     (_wgrad_op if torch.compiler.is_compiling() else _add_wgrad_)(main_grad, grad_out, x)
 
 
 def accumulate_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> None:
-    """_add_bgrad_, through its custom op while torch.compile traces (as accumulate_wgrad_)."""
+    """_add_bgrad_, through its operator while torch.compile traces (as accumulate_wgrad_)."""
     (_bgrad_op if torch.compiler.is_compiling() else _add_bgrad_)(main_grad, grad_out, gemv)
 
 

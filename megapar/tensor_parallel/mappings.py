@@ -15,13 +15,16 @@ sequence, dim 0 of [s, b, h]:
     gather_from_sp        forward: all-gather (dim 0);   backward: reduce-scatter (dim 0)
     reduce_scatter_to_sp  forward: reduce-scatter (dim 0); backward: all-gather (dim 0)
 
-Under torch.compile every mapping runs eagerly (a graph break each): traced into a compiled layer, the
-in-place all-reduce inside an autograd.Function crashed the first tp 2 step on 2x H200 with an
-illegal memory access (docs/performance.md#performance-log-predicted-vs-measured).
+Under torch.compile every mapping over more than one rank runs eagerly (a graph break each): traced
+into a compiled layer, the in-place all-reduce inside an autograd.Function crashed the first tp 2 step
+on 2x H200 with an illegal memory access (docs/performance.md#performance-log-predicted-vs-measured).
+Over one rank every mapping is the identity, decided in the graph (`group.size()` is a constant to
+torch.compile), so a layer at tp 1 compiles whole.
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,7 +37,18 @@ all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 
 def tp_world(group: Group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    return 1 if group is None else group.size()
+
+
+def _eager_over_ranks(fn: Callable[[torch.Tensor, Group], torch.Tensor]) -> Callable[[torch.Tensor, Group], torch.Tensor]:
+    """`fn` outside torch.compile (a graph break) when `group` has more than one rank; the identity,
+    traced, when it has one."""
+    eager = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def mapping(x: torch.Tensor, group: Group) -> torch.Tensor:
+        return x if tp_world(group) == 1 else eager(x, group)
+    return mapping
 
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -125,49 +139,49 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 def _conjugate(x: torch.Tensor, group: Group, fwd, bwd) -> torch.Tensor:
-    return x if tp_world(group) == 1 else _Conjugate.apply(x, group, fwd, bwd)
+    return _Conjugate.apply(x, group, fwd, bwd)
 
 
-@torch.compiler.disable
+@_eager_over_ranks
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: identity; backward: all-reduce the gradient over `group`."""
     return _conjugate(x, group, _identity, _all_reduce_copy)
 
 
-@torch.compiler.disable
+@_eager_over_ranks
 def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: all-reduce (sum) over `group`, in place when x is contiguous (pass a fresh tensor,
     such as a GEMM output, that nothing else reads; autograd refuses one saved for backward);
     backward: identity."""
-    return x if tp_world(group) == 1 else _ReduceFromTP.apply(x, group)
+    return _ReduceFromTP.apply(x, group)
 
 
-@torch.compiler.disable
+@_eager_over_ranks
 def scatter_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: keep this rank's slice of the last dim; backward: all-gather the last dim."""
     return _conjugate(x, group, _split_last, _gather_last)
 
 
-@torch.compiler.disable
+@_eager_over_ranks
 def gather_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: all-gather along the last dim; backward: keep this rank's slice."""
     return _conjugate(x, group, _gather_last, _split_last)
 
 
-@torch.compiler.disable
+@_eager_over_ranks
 def scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: keep this rank's slice of dim 0 (the sequence); backward: all-gather dim 0."""
     return _conjugate(x, group, _split_first, all_gather_dim0)
 
 
-@torch.compiler.disable
+@_eager_over_ranks
 def gather_from_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: all-gather dim 0 (the sequence); backward: reduce-scatter dim 0 (sums the gradients
     of the TP ranks, which each used the whole sequence)."""
     return _conjugate(x, group, all_gather_dim0, _reduce_scatter_first)
 
 
-@torch.compiler.disable
+@_eager_over_ranks
 def reduce_scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: sum over `group` and keep this rank's slice of dim 0; backward: all-gather dim 0."""
     return _conjugate(x, group, _reduce_scatter_first, all_gather_dim0)
