@@ -2,6 +2,8 @@
 chunk by chunk with each chunk's weights sent back behind it, it equals one AdamW step over the
 whole host state bit for bit; the delayed parameter update equals the exact update applied to
 gradients of the weights one update older, bit for bit."""
+import os
+
 import pytest
 import torch
 
@@ -107,3 +109,26 @@ def test_offloaded_steps_on_a_gpu(stage):
     out on a side stream (stage 2), each chunk's weights sent through the device buffer and cast there."""
     test_chunked_step_is_bit_identical_to_one_adamw_step(stage, torch.bfloat16, "cuda")
     test_delayed_update_is_the_exact_update_of_one_update_older_gradients(stage, torch.bfloat16, "cuda")
+
+
+@pytest.mark.slow  # four dp-2 training runs: ~35 s
+def test_delayed_update_through_training_saves_and_resumes(embedded_data, tmp_path):
+    """dp 2, ZeRO-2, NVMe offload (the offload a CPU run may use) with --delayed-param-update, saving
+    at iteration 2: the first two losses are the exact run's (the first update has LR 0 in the
+    warm-up, so both see the initial weights twice), the third too (the save applied the pending
+    update), the fourth not (its weights lack update 3); a run stopped and saved at iteration 2
+    resumes into the losses of the one that saved there and went on."""
+    from test_nvme_offload import train
+    from train_helpers import TINY_TRAIN
+    folder = tmp_path / "nvme"
+    folder.mkdir()
+    base = TINY_TRAIN + embedded_data + ["--train-iters", "4", "--zero-stage", "2"]
+    exact = train(base, nvme=folder)["losses"]
+    delayed = base + ["--delayed-param-update"]
+    full = train(delayed + ["--save", str(tmp_path / "full"), "--save-interval", "2"], nvme=folder)["losses"]
+    assert full[:3] == exact[:3] and full[3] != exact[3]
+    ck = str(tmp_path / "ck")
+    first = train(delayed + ["--save", ck, "--exit-interval", "2"], nvme=folder)
+    second = train(delayed + ["--load", ck], nvme=folder)
+    assert first["losses"] + second["losses"] == full
+    assert os.listdir(folder) == []
