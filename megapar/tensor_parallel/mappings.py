@@ -40,7 +40,10 @@ def tp_world(group: Group) -> int:
     return 1 if group is None else group.size()
 
 
-def _eager_over_ranks(fn: Callable[[torch.Tensor, Group], torch.Tensor]) -> Callable[[torch.Tensor, Group], torch.Tensor]:
+Mapping = Callable[[torch.Tensor, Group], torch.Tensor]
+
+
+def _eager_over_ranks(fn: Mapping) -> Mapping:
     """`fn` outside torch.compile (a graph break) when `group` has more than one rank; the identity,
     traced, when it has one."""
     eager = torch.compiler.disable(fn)
