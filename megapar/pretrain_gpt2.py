@@ -5,31 +5,27 @@ With no --data-path it runs the embedded default: real English text from the Pyt
 library's docstrings, a tokenizer (GPT-2 BPE if --vocab-file/--merge-file exist, else a
 SentencePiece model trained on the spot), a small GPT-2 trained for a few minutes, evaluation,
 a checkpoint, and what to run next. No downloads, no network.
+
+This module parses and checks the flags; the training itself is megapar/run/pretrain.py, imported
+only once the flags passed, so that a refused command (and the launcher's check of the flags) does
+not first load the model, torch.compile's machinery and distributed checkpointing.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import shlex
 import sys
-import time
-from datetime import timedelta
-from typing import Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch.distributed as dist
 
 from .config.arguments import (DEEPSPEED_CONFIG, ORIGINS, Config, ConfigError, Origin, config_from_namespace,
                                default_of, parse_flags)
 from .errors import USER_ERROR_EXIT, MegaparError
-from .checkpoint import SaveDirLock, check_finetune_dirs, check_load_dir, check_save_space
-from .run.heartbeat import Heartbeat, is_timeout, timeout_error
-from .launch import Processes, command_line, training_command
-from .run.initialize import build_run, init_distributed, print_rank0, train_iters
-from .optimizer.nvme import check_nvme_offload
-from .pipeline.p2p import current_step
-from .topology import Topology
-from .run.scalar_writer import build_writer
-from .run.training import TrainState, evaluate, finish_saves, load, log_eval, reserve_saves, save, train
+from .checkpoint import check_finetune_dirs, check_load_dir
+from .launch import Processes, training_command
+
+if TYPE_CHECKING:
+    from .run.training import TrainState
 
 EMBEDDED_DIR = os.path.join("data_cache", "embedded")
 EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")  # + model shape: embedded_save_dir()
@@ -85,190 +81,6 @@ def fitting_eval_iters(eval_iters: int, train_iters: int) -> int:
     return max(1, min(eval_iters, train_iters // 10))
 
 
-def on_rank0_for_all(check: Callable[[], object], rank: int) -> None:
-    """Run a check that reads files once, on rank 0, and raise its user error on every rank (each
-    rank would otherwise read the same files, and the others would wait for rank 0 in a collective)."""
-    failure = None
-    if rank == 0:
-        try:
-            check()
-        except MegaparError as e:
-            failure = e
-    box = [failure]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise box[0]
-
-
-def every_rank_for_all(check: Callable[[], object]) -> None:
-    """Run a check that differs by rank (its host's disk, its own folder) on every rank; the first
-    rank's user error, if any rank has one, is raised on every rank (none waits for a peer that stopped)."""
-    failure = None
-    try:
-        check()
-    except MegaparError as e:
-        failure = e
-    boxes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(boxes, failure)
-    first = next((e for e in boxes if e is not None), None)
-    if first is not None:
-        raise first
-
-
-@contextlib.contextmanager
-def holding_save_dir(save: Optional[str], rank: int) -> Iterator[None]:
-    """One job per --save directory: rank 0 takes its lock (megapar/checkpoint/guard.py; every rank
-    fails with the same line if another job holds it) and removes it when the run ends -- normally,
-    by an error, Ctrl-C or SIGTERM."""
-    if not save:
-        yield
-        return
-    lock = SaveDirLock(save, shlex.join(sys.argv)) if rank == 0 else None
-    on_rank0_for_all(lambda: lock.acquire(), rank)
-    restore = lock.release_on_sigterm() if lock else lambda: None
-    try:
-        yield
-    finally:
-        restore()
-        if lock:
-            lock.release()
-
-
-def prepare_data(cfg: Config, rank: int) -> None:
-    """Embedded default: build the corpus + tokenizer + .bin/.idx (rank 0 first, others reuse)."""
-    if cfg.data.data_path:
-        return
-    from .data.embedded import prepare_embedded_dataset
-
-    out_dir = cfg.data.data_cache_path or EMBEDDED_DIR
-    print_rank0(f"> no --data-path: preparing the embedded default dataset (Python stdlib docstrings) in {out_dir}")
-    info = None
-    for turn in (0, 1):  # rank 0 builds, then everyone else reuses the finished files
-        if (rank == 0) == (turn == 0):
-            info = prepare_embedded_dataset(out_dir, cfg.data.vocab_file, cfg.data.merge_file)
-        dist.barrier()
-    cfg.data.data_path = [info["data_prefix"]]
-    for k in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
-        setattr(cfg.data, k, info.get(k))
-
-
-def build_datasets(cfg: Config):
-    from .data.gpt_dataset import build_train_valid_test_datasets
-
-    total, gbs, log = train_iters(cfg), cfg.train.global_batch_size, cfg.log
-    eval_runs = (total // log.eval_interval + 1) if log.eval_interval else 1
-    counts = (total * gbs, eval_runs * log.eval_iters * gbs, log.eval_iters * gbs)
-    return build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-                                           cfg.train.seed, counts, cache_dir=cfg.data.data_cache_path)
-
-
-def build_tokenizer_for(cfg: Config):
-    from .data.tokenizer import build_tokenizer
-
-    d = cfg.data
-    return build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-                           tokenizer_model=d.tokenizer_model)
-
-
-def pretrain(cfg: Config, argv: Optional[Sequence[str]] = None, state: Optional[TrainState] = None) -> TrainState:
-    """Run training in an initialised process group; returns the final TrainState (`state`, when
-    given, is filled in as training goes). `argv` (the flags as given) lets the closing "train
-    longer" command repeat them."""
-    rank, world, device = init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)
-    with holding_save_dir(cfg.ckpt.save, rank):
-        return _with_groups(cfg, rank, world, device, argv, state if state is not None else TrainState())
-
-
-def _with_groups(cfg: Config, rank: int, world: int, device, argv: Optional[Sequence[str]],
-                 state: TrainState) -> TrainState:
-    """The process groups, a heartbeat, and a collective timeout turned into one line naming the peer."""
-    p = cfg.parallel
-    topo = Topology(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
-    with Heartbeat(rank, world, p.distributed_timeout_minutes) as heartbeat:
-        try:
-            topo.create_groups(rank, timedelta(minutes=p.distributed_timeout_minutes))
-            return _pretrain(cfg, topo, rank, device, argv, state)
-        except RuntimeError as e:  # a peer that stopped answering: one line naming it, not a traceback
-            if not is_timeout(e):
-                raise
-            raise timeout_error(e, heartbeat, topo, p.distributed_timeout_minutes, current_step()) from None
-
-
-def _pretrain(cfg: Config, topo: Topology, rank: int, device, argv: Optional[Sequence[str]],
-              state: TrainState) -> TrainState:
-    """pretrain() once the process groups exist."""
-    world = topo.world_size
-    chunks = cfg.model.virtual_pipeline_model_parallel_size
-    print_rank0(f"> megapar: world size {world} = tensor {topo.tp} x pipeline {topo.pp} x data {topo.dp} "
-                + (f"({chunks} model chunks per pipeline rank, interleaved 1F1B) " if chunks else "")
-                + f"on {device.type} ({dist.get_backend()}); {cfg.num_microbatches} microbatches of "
-                f"{cfg.train.micro_batch_size}; precision {cfg.train.params_dtype_name}; "
-                f"attention {cfg.model.attention_backend}, layernorm {cfg.model.layernorm_impl}")
-    for line in cfg.deepspeed.summary(cfg) if cfg.deepspeed is not None else ():
-        print_rank0(line)
-    if "fused" in (cfg.model.attention_backend, cfg.model.layernorm_impl, cfg.train.adam_impl):
-        from .kernels import fused_kernels_source, load_fused_kernels
-        load_fused_kernels()  # an explicit request never falls back: this raises without CUDA/nvcc
-        print_rank0(f"> fused kernels: {fused_kernels_source()}")
-    from .data.gpt_dataset import check_cache_dir
-    on_rank0_for_all(lambda: check_cache_dir(cfg.data.data_cache_path), rank)  # before anything is cached there
-    prepare_data(cfg, rank)
-    if train_iters(cfg) > 0:  # a broken or empty .bin/.idx pair stops here, before the model
-        from .data.gpt_dataset import check_datasets
-        on_rank0_for_all(lambda: check_datasets(cfg.data.data_path), rank)
-    tokenizer = build_tokenizer_for(cfg)
-    if train_iters(cfg) > 0:  # token ids the model's embedding table has no row for
-        from .data.gpt_dataset import check_token_ids
-        on_rank0_for_all(lambda: check_token_ids(cfg.data.data_path, tokenizer.vocab_size), rank)
-    if cfg.ckpt.save and train_iters(cfg) > 0:  # before the model is built: a run that cannot save stops here
-        on_rank0_for_all(lambda: check_save_space(cfg, tokenizer.vocab_size), rank)
-    if cfg.parallel.optimizer_nvme_offload is not None:  # the state files' folder and room, on every host
-        every_rank_for_all(lambda: check_nvme_offload(cfg, tokenizer.vocab_size, rank))
-    run = build_run(cfg, topo, rank, device, tokenizer.vocab_size)
-    try:
-        return _load_and_train(cfg, run, argv, state)
-    finally:
-        run.optimizer.close()
-
-
-def _load_and_train(cfg: Config, run, argv: Optional[Sequence[str]], state: TrainState) -> TrainState:
-    """pretrain() once the model and optimizer are built."""
-    if cfg.ckpt.load:
-        load(run, state)
-    if train_iters(cfg) == 0:
-        print_rank0("> --train-iters 0: model built, exiting without training")
-        return state
-    if state.iteration >= train_iters(cfg):  # resumed at (or past) the end: nothing to train, nothing to save
-        print_rank0(f"> nothing to do: the checkpoint in {cfg.ckpt.load} is at iteration {state.iteration} and this "
-                    f"run ends at iteration {train_iters(cfg)}; give a larger --train-iters to train longer")
-        return state
-    train_ds, valid_ds, test_ds = build_datasets(cfg)
-    reserve_saves(run)
-    start = time.time()
-    writer = build_writer(cfg, run.rank)  # TensorBoard and/or W&B on rank 0, as the flags ask
-    try:
-        state = train(run, train_ds, valid_ds, state, writer)
-    finally:
-        if writer is not None:
-            writer.close()
-    if state.exit_reason is None:
-        _finish(run, state, valid_ds, test_ds)
-    finish_saves(run)
-    print_rank0(f"> training done in {time.time() - start:.1f} s at iteration {state.iteration}")
-    _print_next_steps(cfg, run.scheduler, argv, stopped=state.exit_reason is not None)
-    return state
-
-
-def _finish(run, state: TrainState, valid_ds, test_ds) -> None:
-    cfg = run.cfg
-    for name, ds in (("val", valid_ds), ("test", test_ds)):
-        if ds is not None and cfg.log.eval_iters > 0:
-            loss = evaluate(run, ds, cfg.log.eval_iters, name)
-            log_eval(f"validation loss at the end of training for {name} data", loss)
-    if cfg.ckpt.save and not (cfg.ckpt.save_interval and state.iteration % cfg.ckpt.save_interval == 0):
-        save(run, state)
-
-
 def _without(argv: Optional[Sequence[str]], valued: set[str], switches: frozenset[str] | set[str] = frozenset()
              ) -> list[str]:
     """`argv` without the flags in `valued` (with their values, `--f v` or `--f=v`) and `switches`."""
@@ -305,6 +117,7 @@ def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]],
     old horizon: past it the LR stays at --min-lr. A schedule that ends at LR 0 would train nothing
     more, so then the schedule is stretched over the longer run instead
     (--override-opt_param-scheduler: the LR rises again)."""
+    from .run.initialize import train_iters
     valued = {"--train-iters", "--train-samples", "--lr-decay-iters"}
     ends_at_zero = (scheduler.min_lr == 0 and scheduler.decay_style != "constant"
                     and scheduler.decay_steps <= train_iters(cfg))
@@ -330,26 +143,6 @@ def resume_command(cfg: Config, argv: Optional[Sequence[str]], procs: Optional[P
                             "resume where this run stopped")
 
 
-def _print_next_steps(cfg: Config, scheduler, argv: Optional[Sequence[str]], stopped: bool) -> None:
-    if not cfg.ckpt.save:
-        return
-    p = cfg.parallel
-    other_tp = 2 if p.tensor_model_parallel_size == 1 else 1
-    go_on = resume_command(cfg, argv) if stopped else train_longer_command(cfg, scheduler, argv)
-    convert = ["--load-dir", cfg.ckpt.save]
-    if cfg.ckpt.ckpt_format == "torch_dist":
-        convert = command_line("python tools/checkpoint_util.py", convert + [
-            "--save-dir", f"{cfg.ckpt.save}_legacy", "--target-tensor-parallel-size", p.tensor_model_parallel_size,
-            "--target-pipeline-parallel-size", p.pipeline_model_parallel_size],
-            "Megatron's legacy files (torch_dist loads at any layout)")
-    else:
-        convert = command_line("python tools/checkpoint_util.py", convert + [
-            "--save-dir", f"{cfg.ckpt.save}_tp{other_tp}", "--target-tensor-parallel-size", other_tp,
-            "--target-pipeline-parallel-size", p.pipeline_model_parallel_size])
-    sample = command_line("bash scripts/generate_text.sh", ["--load", cfg.ckpt.save], "sample text from the checkpoint")
-    print_rank0("> next steps:\n" + "".join(f"    {line}\n" for line in (sample, go_on, convert)).rstrip("\n"))
-
-
 def _leave(code: int, world: int, line: Optional[str] = None) -> None:
     """Print `line` (if any) and exit with `code`, without a traceback. With several processes
     a rank may stop where its peers wait in a collective it will never join: destroying the
@@ -373,6 +166,9 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainState:
         cfg = parse(argv, world)  # all validation before any process group exists
     except ConfigError as e:
         _leave(USER_ERROR_EXIT, 1, f"error: {e}" if int(os.environ.get("RANK", "0")) == 0 else None)
+    from .run.initialize import init_distributed  # the training modules: only once the flags passed
+    from .run.pretrain import pretrain
+    from .run.training import TrainState
     state = TrainState()  # filled in by pretrain: what a Ctrl-C or a failure leaves behind
     try:
         init_distributed(cfg.parallel.distributed_backend, cfg.parallel.distributed_timeout_minutes)

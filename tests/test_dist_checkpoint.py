@@ -19,7 +19,8 @@ def losses(result):
 def _body(rank, world_size, argv, offload):
     """pretrain; `offload` switches the optimizer (and at ZeRO-3 parameter) offload code paths on
     after validation, which refuses them on a CPU-only run (test_zero_stages.py does the same)."""
-    from megapar.pretrain_gpt2 import parse, pretrain
+    from megapar.pretrain_gpt2 import parse
+    from megapar.run.pretrain import pretrain
     cfg = parse(argv, world_size)
     if offload:
         cfg.parallel.optimizer_cpu_offload = True
@@ -156,7 +157,8 @@ def _slow_writer_body(rank, world_size, argv):
     previous one is still being written."""
     import time
     import megapar.checkpoint.dist as d
-    from megapar.pretrain_gpt2 import parse, pretrain
+    from megapar.pretrain_gpt2 import parse
+    from megapar.run.pretrain import pretrain
     real = d.save_entries
 
     def slow(*args):

@@ -20,7 +20,8 @@ def _body(rank, world_size, argv, cpu_offload):
     after validation (as tests/test_zero_stages.py does); NVMe offload comes as its flag, streamed
     in chunks of CHUNK elements (the tiny model would otherwise be one chunk per bucket)."""
     import megapar.optimizer.distrib_optimizer as distrib
-    from megapar.pretrain_gpt2 import parse, pretrain
+    from megapar.pretrain_gpt2 import parse
+    from megapar.run.pretrain import pretrain
     distrib.CHUNK_NUMEL = CHUNK
     cfg = parse(argv, world_size)
     cfg.parallel.optimizer_cpu_offload = cpu_offload

@@ -148,7 +148,8 @@ def _iteration_times_body(rank, world_size, argv, workdir, slow):
     from torch.profiler import profile
 
     import megapar.run.training as training
-    from megapar.pretrain_gpt2 import parse, pretrain
+    from megapar.pretrain_gpt2 import parse
+    from megapar.run.pretrain import pretrain
 
     def slowed(fn):
         return lambda *a, **k: (time.sleep(3.0), fn(*a, **k))[1]
@@ -186,7 +187,8 @@ def test_evaluation_and_saving_are_left_out_of_iteration_times(embedded_data, tm
 def _eval_lines_body(rank, world_size, argv, workdir):
     import contextlib
     import io
-    from megapar.pretrain_gpt2 import parse, pretrain
+    from megapar.pretrain_gpt2 import parse
+    from megapar.run.pretrain import pretrain
     out = io.StringIO()
     os.chdir(workdir)
     with contextlib.redirect_stdout(out):

@@ -41,7 +41,8 @@ def test_zero_stage_matches_serial(serial, stage, world, extra):
 def _offload_body(rank, world_size, argv, param_offload):
     """Train with the offload code paths on: refused for a CPU-only run at the command line (there
     is nothing to offload from), so switched on after validation to test the same arithmetic."""
-    from megapar.pretrain_gpt2 import parse, pretrain
+    from megapar.pretrain_gpt2 import parse
+    from megapar.run.pretrain import pretrain
     cfg = parse(argv, world_size)
     cfg.parallel.optimizer_cpu_offload = True
     cfg.parallel.param_cpu_offload = param_offload

@@ -9,7 +9,8 @@ TINY_TRAIN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads
 
 
 def _pretrain_body(rank, world_size, argv):
-    from megapar.pretrain_gpt2 import parse, pretrain
+    from megapar.pretrain_gpt2 import parse
+    from megapar.run.pretrain import pretrain
     state = pretrain(parse(argv, world_size))
     return {"losses": state.losses, "iteration": state.iteration, "consumed": state.consumed_samples,
             "valid_losses": state.valid_losses}

@@ -13,21 +13,33 @@ iteration holds.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from . import dist, legacy
+from . import legacy
 from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, SHAPE_FIELDS, TRACKER, CheckpointError,
                      SavedConfig, atomic_torch_save, check_compatible, check_load_dir, flatten_model_state,
                      flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, nest_model_state,
                      nest_model_states, read_saved_config, read_tracker, restore_scheduler, saved_layout_flags,
                      set_rng_state, shard_dir_name)
 from .common import OPTIM_KINDS, parse_shard_dir, shard_dirs
-from .dist import AsyncSaves, is_dist_checkpoint
 from .legacy import load_model_state
 from .guard import SaveDirLock, check_finetune_dirs, check_save_space
 from .publish import published_dir, publish_iteration, staged_iteration, staging_dir
 
+if TYPE_CHECKING:
+    from .dist import AsyncSaves
+
 FORMATS = ("torch", "torch_dist")
+
+
+def __getattr__(name: str) -> Any:
+    """`dist` (and its AsyncSaves, is_dist_checkpoint) on first use: torch.distributed.checkpoint and
+    the model's sharding rules take seconds to import, which the flag checks that import this
+    package (a refused command's only work) need not wait for."""
+    if name in ("dist", "AsyncSaves", "is_dist_checkpoint"):
+        from . import dist
+        return dist if name == "dist" else getattr(dist, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args, model_config, topo, rank: int,
@@ -36,6 +48,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     """Collective: save in format `fmt` ("torch": legacy, "torch_dist"); `saves`: write in the
     background (torch_dist only); `sharded`: the ZeRO-3 parameter store (ShardedParams) holding the
     model's layer weights, None without ZeRO-3."""
+    from . import dist
     if fmt == "torch_dist":
         dist.save_checkpoint(root, iteration, model, optimizer, scheduler, args, model_config, topo, rank,
                              save_optim, save_rng, saves, sharded)
@@ -51,8 +64,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config, topo, 
     """Collective: load the tracker's iteration of `root`, whichever format it was saved in.
     Returns (iteration, consumed_train_samples); (0, 0) when `root` holds no checkpoint yet.
     `sharded`: as for save_checkpoint."""
+    from . import dist
     iteration = read_tracker(root)
-    if iteration is not None and is_dist_checkpoint(iter_dir(root, iteration)):
+    if iteration is not None and dist.is_dist_checkpoint(iter_dir(root, iteration)):
         return dist.load_checkpoint(root, model, optimizer, scheduler, model_config, topo, rank, load_optim,
                                     load_rng, finetune, sharded)
     return legacy.load_checkpoint(root, model, optimizer, scheduler, model_config, topo, rank, load_optim,
