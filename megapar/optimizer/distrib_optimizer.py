@@ -26,12 +26,14 @@ Where the shared step differs from the non-sharded optimizer's:
   norm     each rank's owned parts of the parameters that `counts_for_norm`, summed over
            `norm_group` (every rank: tp x pp x dp)
   publish  masters -> owned model-dtype shards (cast), all-gather each whole bucket over the DP
-           group (offload: the host masters are copied in first)
-With NVMe offload the step and the copy to the owned shards run chunk by chunk (whole parts of one
-bucket, up to nvme.CHUNK_NUMEL elements) over the state read from the files into host buffers
-(`NvmeState.stream`), and the flat master and moment shards
-are memory maps of the files, so the checkpoint paths below read and write them as they do the
-host buffers of CPU offload.
+           group
+With offload the step and the copy to the owned shards run chunk by chunk (whole parts of one
+bucket, up to nvme.CHUNK_NUMEL elements): each chunk's new masters go to the device while the CPU
+steps the next. With NVMe offload the chunks' state is read from the files into host buffers
+(`NvmeState.stream`), and the flat master and moment shards are memory maps of the files, so the
+checkpoint paths below read and write them as they do the host buffers of CPU offload. With
+`delayed` (--delayed-param-update) the chunks are stepped on a worker thread while the next step's
+forward and backward run, and sent at the next step (`finish_pending`).
 
 Checkpoints: `saved_tensors()` (collective over the DP group) assembles on dp rank 0 one
 parameter's full state at a time from the parts the dp ranks own: the same name-keyed state as
