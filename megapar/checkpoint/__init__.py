@@ -13,6 +13,7 @@ iteration holds.
 """
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any, Optional
 
 from . import legacy
@@ -37,8 +38,8 @@ def __getattr__(name: str) -> Any:
     the model's sharding rules take seconds to import, which the flag checks that import this
     package (a refused command's only work) need not wait for."""
     if name in ("dist", "AsyncSaves", "is_dist_checkpoint"):
-        from . import dist
-        return dist if name == "dist" else getattr(dist, name)
+        module = importlib.import_module(f"{__name__}.dist")   # (`from . import dist` would recurse here)
+        return module if name == "dist" else getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
