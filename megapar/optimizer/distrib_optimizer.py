@@ -231,8 +231,7 @@ class DistributedOptimizer(BaseOptimizer):
                 f"on this rank's {where} ({mine / max(full, 1):.3f} of the non-sharded {full / 2**20:.2f} MiB)")
 
     def close(self) -> None:
-        if self.offload:
-            self._join()
+        if self.offload:   # a delayed update still running finishes first (close runs in `finally`: raise nothing)
             self.worker.shutdown(wait=True)
         if self.nvme is not None:
             self.nvme.close()
