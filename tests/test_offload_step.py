@@ -132,3 +132,13 @@ def test_delayed_update_through_training_saves_and_resumes(embedded_data, tmp_pa
     second = train(delayed + ["--load", ck], nvme=folder)
     assert first["losses"] + second["losses"] == full
     assert os.listdir(folder) == []
+
+
+def test_the_optimizer_log_line_names_the_delayed_update():
+    from types import SimpleNamespace
+    from megapar.run.initialize import offload_text
+    cpu = SimpleNamespace(optimizer_cpu_offload=True, optimizer_nvme_offload=None, delayed_param_update=True)
+    nvme = SimpleNamespace(optimizer_cpu_offload=False, optimizer_nvme_offload="/nvme", delayed_param_update=True)
+    assert offload_text(cpu).startswith(", CPU offload, delayed parameter update")
+    assert offload_text(nvme).startswith(", NVMe offload to /nvme, delayed parameter update")
+    assert "delayed" not in offload_text(SimpleNamespace(**{**vars(cpu), "delayed_param_update": False}))

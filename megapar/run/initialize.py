@@ -99,10 +99,11 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
 
 
 def offload_text(p) -> str:
-    """Where the optimizer state lives, for the optimizer's log line."""
+    """Where the optimizer state lives (and whether its step is delayed), for the optimizer's log line."""
+    delayed = ", delayed parameter update (the CPU step overlaps the next iteration)" if p.delayed_param_update else ""
     if p.optimizer_nvme_offload is not None:
-        return f", NVMe offload to {p.optimizer_nvme_offload}"
-    return ", CPU offload" if p.optimizer_cpu_offload else ""
+        return f", NVMe offload to {p.optimizer_nvme_offload}{delayed}"
+    return f", CPU offload{delayed}" if p.optimizer_cpu_offload else ""
 
 
 def train_iters(cfg: Config) -> int:
