@@ -6,7 +6,7 @@ library's docstrings, a tokenizer (GPT-2 BPE if --vocab-file/--merge-file exist,
 SentencePiece model trained on the spot), a small GPT-2 trained for a few minutes, evaluation,
 a checkpoint, and what to run next. No downloads, no network.
 
-This module parses and checks the flags; the training itself is megapar/run/pretrain.py, imported
+This module parses and checks the flags; the run itself is megapar/run/pretrain.py, imported
 only once the flags passed, so that a refused command (and the launcher's check of the flags) does
 not first load the model, torch.compile's machinery and distributed checkpointing.
 """
@@ -22,12 +22,10 @@ from .config.arguments import (DEEPSPEED_CONFIG, ORIGINS, Config, ConfigError, O
                                default_of, parse_flags)
 from .errors import USER_ERROR_EXIT, MegaparError
 from .checkpoint import check_finetune_dirs, check_load_dir
-from .launch import Processes, training_command
 
 if TYPE_CHECKING:
     from .run.training import TrainState
 
-EMBEDDED_DIR = os.path.join("data_cache", "embedded")
 EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")  # + model shape: embedded_save_dir()
 
 
@@ -79,68 +77,6 @@ def fitting_eval_iters(eval_iters: int, train_iters: int) -> int:
     tenth of its training iterations (at least 1), so that evaluating a short run does not take longer
     than training it. A given --eval-iters is used as it is."""
     return max(1, min(eval_iters, train_iters // 10))
-
-
-def _without(argv: Optional[Sequence[str]], valued: set[str], switches: frozenset[str] | set[str] = frozenset()
-             ) -> list[str]:
-    """`argv` without the flags in `valued` (with their values, `--f v` or `--f=v`) and `switches`."""
-    kept, skip = [], False
-    for a in (argv or []):
-        name = a.split("=", 1)[0]
-        if skip or name in switches:
-            skip = False
-            continue
-        if name in valued:
-            skip = "=" not in a
-            continue
-        kept.append(a)
-    return kept
-
-
-def _continued(cfg: Config, argv: Optional[Sequence[str]], valued: set[str], switches: set[str]) -> list[str]:
-    """This run's flags (`argv` without `valued` and `switches`) set to continue from its own --save:
-    --load and --save at it, without --finetune (that would restart at iteration 0 with a fresh
-    optimizer, and is refused with --save equal to --load), and loading the optimizer and RNG
-    states unless this run did not save them."""
-    switches = switches | {"--finetune"}
-    switches |= {"--no-load-optim"} if not cfg.ckpt.no_save_optim else set()
-    switches |= {"--no-load-rng"} if not cfg.ckpt.no_save_rng else set()
-    kept = _without(argv, valued | {"--load", "--save"}, switches)
-    return kept + ["--load", cfg.ckpt.save, "--save", cfg.ckpt.save]
-
-
-def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]],
-                         procs: Optional[Processes] = None) -> str:
-    """The command that trains this run's checkpoint as long again: this run's flags and processes
-    (`procs`, default: this run's), continuing from its --save, with twice the iterations. The
-    resume keeps the saved LR schedule (a changed one is refused) by passing --lr-decay-iters at the
-    old horizon: past it the LR stays at --min-lr. A schedule that ends at LR 0 would train nothing
-    more, so then the schedule is stretched over the longer run instead
-    (--override-opt_param-scheduler: the LR rises again)."""
-    from .run.initialize import train_iters
-    valued = {"--train-iters", "--train-samples", "--lr-decay-iters"}
-    ends_at_zero = (scheduler.min_lr == 0 and scheduler.decay_style != "constant"
-                    and scheduler.decay_steps <= train_iters(cfg))
-    switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler"}
-    if ends_at_zero:
-        switches |= {"--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"}
-    total = 2 * max(1, train_iters(cfg))
-    kept = _continued(cfg, argv, valued, switches) + ["--train-iters", str(total)]
-    if ends_at_zero:
-        kept.append("--override-opt_param-scheduler")
-        why = f"train longer: the LR schedule stretched over {total} iterations (it ended at LR 0)"
-    else:
-        kept += ["--lr-decay-iters", str(scheduler.decay_steps)]
-        why = f"train longer at the saved LR schedule (--min-lr {scheduler.min_lr} after iteration " \
-              f"{scheduler.decay_steps})"
-    return training_command(kept, procs or Processes.of_this_run(), why)
-
-
-def resume_command(cfg: Config, argv: Optional[Sequence[str]], procs: Optional[Processes] = None) -> str:
-    """The command that finishes a run stopped early (signal, --exit-interval, time limit): this
-    run's flags and processes, continuing from its --save; the same length and LR schedule."""
-    return training_command(_continued(cfg, argv, set(), set()), procs or Processes.of_this_run(),
-                            "resume where this run stopped")
 
 
 def _leave(code: int, world: int, line: Optional[str] = None) -> None:

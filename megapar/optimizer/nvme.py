@@ -40,8 +40,8 @@ from ..topology import ConfigError
 
 KINDS = ("master_param", "exp_avg", "exp_avg_sq")
 BYTES_PER_PARAM = 4 * len(KINDS)                 # fp32 master + two fp32 moments per owned parameter
-# Elements of state a streamed range holds, unless one parameter's owned part alone is larger: two
-# host slots of three kinds then hold 6 x 4 B x this (192 MiB).
+# Elements of state in one chunk of the offloaded step (CPU or NVMe), unless one parameter's owned
+# part alone is larger: NVMe's two host slots of three kinds hold 6 x 4 B x this (192 MiB).
 CHUNK_NUMEL = 2**23
 
 

@@ -1,10 +1,11 @@
 """The training run behind `python -m megapar.pretrain_gpt2`, once its flags passed: the process
 groups (with a heartbeat that names a peer that stopped answering), the data, the model and
 optimizer, a checkpoint to resume from, training, the closing evaluation and save, and the commands
-to run next."""
+to run next (the resume and "train longer" commands among them)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import sys
 import time
@@ -16,15 +17,16 @@ import torch.distributed as dist
 from ..checkpoint import SaveDirLock, check_save_space
 from ..config.arguments import Config
 from ..errors import MegaparError
-from ..launch import command_line
+from ..launch import Processes, command_line, training_command
 from ..optimizer.nvme import check_nvme_offload
 from ..pipeline.p2p import current_step
-from ..pretrain_gpt2 import EMBEDDED_DIR, resume_command, train_longer_command
 from ..topology import Topology
 from .heartbeat import Heartbeat, is_timeout, timeout_error
 from .initialize import build_run, init_distributed, print_rank0, train_iters
 from .scalar_writer import build_writer
 from .training import TrainState, evaluate, finish_saves, load, log_eval, reserve_saves, save, train
+
+EMBEDDED_DIR = os.path.join("data_cache", "embedded")   # the embedded default's corpus and tokenizer
 
 
 def on_rank0_for_all(check: Callable[[], object], rank: int) -> None:
@@ -229,3 +231,64 @@ def _print_next_steps(cfg: Config, scheduler, argv: Optional[Sequence[str]], sto
             "--target-pipeline-parallel-size", p.pipeline_model_parallel_size])
     sample = command_line("bash scripts/generate_text.sh", ["--load", cfg.ckpt.save], "sample text from the checkpoint")
     print_rank0("> next steps:\n" + "".join(f"    {line}\n" for line in (sample, go_on, convert)).rstrip("\n"))
+
+
+def _without(argv: Optional[Sequence[str]], valued: set[str], switches: frozenset[str] | set[str] = frozenset()
+             ) -> list[str]:
+    """`argv` without the flags in `valued` (with their values, `--f v` or `--f=v`) and `switches`."""
+    kept, skip = [], False
+    for a in (argv or []):
+        name = a.split("=", 1)[0]
+        if skip or name in switches:
+            skip = False
+            continue
+        if name in valued:
+            skip = "=" not in a
+            continue
+        kept.append(a)
+    return kept
+
+
+def _continued(cfg: Config, argv: Optional[Sequence[str]], valued: set[str], switches: set[str]) -> list[str]:
+    """This run's flags (`argv` without `valued` and `switches`) set to continue from its own --save:
+    --load and --save at it, without --finetune (that would restart at iteration 0 with a fresh
+    optimizer, and is refused with --save equal to --load), and loading the optimizer and RNG
+    states unless this run did not save them."""
+    switches = switches | {"--finetune"}
+    switches |= {"--no-load-optim"} if not cfg.ckpt.no_save_optim else set()
+    switches |= {"--no-load-rng"} if not cfg.ckpt.no_save_rng else set()
+    kept = _without(argv, valued | {"--load", "--save"}, switches)
+    return kept + ["--load", cfg.ckpt.save, "--save", cfg.ckpt.save]
+
+
+def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]],
+                         procs: Optional[Processes] = None) -> str:
+    """The command that trains this run's checkpoint as long again: this run's flags and processes
+    (`procs`, default: this run's), continuing from its --save, with twice the iterations. The
+    resume keeps the saved LR schedule (a changed one is refused) by passing --lr-decay-iters at the
+    old horizon: past it the LR stays at --min-lr. A schedule that ends at LR 0 would train nothing
+    more, so then the schedule is stretched over the longer run instead
+    (--override-opt_param-scheduler: the LR rises again)."""
+    valued = {"--train-iters", "--train-samples", "--lr-decay-iters"}
+    ends_at_zero = (scheduler.min_lr == 0 and scheduler.decay_style != "constant"
+                    and scheduler.decay_steps <= train_iters(cfg))
+    switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler"}
+    if ends_at_zero:
+        switches |= {"--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"}
+    total = 2 * max(1, train_iters(cfg))
+    kept = _continued(cfg, argv, valued, switches) + ["--train-iters", str(total)]
+    if ends_at_zero:
+        kept.append("--override-opt_param-scheduler")
+        why = f"train longer: the LR schedule stretched over {total} iterations (it ended at LR 0)"
+    else:
+        kept += ["--lr-decay-iters", str(scheduler.decay_steps)]
+        why = f"train longer at the saved LR schedule (--min-lr {scheduler.min_lr} after iteration " \
+              f"{scheduler.decay_steps})"
+    return training_command(kept, procs or Processes.of_this_run(), why)
+
+
+def resume_command(cfg: Config, argv: Optional[Sequence[str]], procs: Optional[Processes] = None) -> str:
+    """The command that finishes a run stopped early (signal, --exit-interval, time limit): this
+    run's flags and processes, continuing from its --save; the same length and LR schedule."""
+    return training_command(_continued(cfg, argv, set(), set()), procs or Processes.of_this_run(),
+                            "resume where this run stopped")

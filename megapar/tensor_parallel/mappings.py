@@ -141,14 +141,10 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def _conjugate(x: torch.Tensor, group: Group, fwd, bwd) -> torch.Tensor:
-    return _Conjugate.apply(x, group, fwd, bwd)
-
-
 @_eager_over_ranks
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: identity; backward: all-reduce the gradient over `group`."""
-    return _conjugate(x, group, _identity, _all_reduce_copy)
+    return _Conjugate.apply(x, group, _identity, _all_reduce_copy)
 
 
 @_eager_over_ranks
@@ -162,32 +158,32 @@ def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
 @_eager_over_ranks
 def scatter_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: keep this rank's slice of the last dim; backward: all-gather the last dim."""
-    return _conjugate(x, group, _split_last, _gather_last)
+    return _Conjugate.apply(x, group, _split_last, _gather_last)
 
 
 @_eager_over_ranks
 def gather_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: all-gather along the last dim; backward: keep this rank's slice."""
-    return _conjugate(x, group, _gather_last, _split_last)
+    return _Conjugate.apply(x, group, _gather_last, _split_last)
 
 
 @_eager_over_ranks
 def scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: keep this rank's slice of dim 0 (the sequence); backward: all-gather dim 0."""
-    return _conjugate(x, group, _split_first, all_gather_dim0)
+    return _Conjugate.apply(x, group, _split_first, all_gather_dim0)
 
 
 @_eager_over_ranks
 def gather_from_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: all-gather dim 0 (the sequence); backward: reduce-scatter dim 0 (sums the gradients
     of the TP ranks, which each used the whole sequence)."""
-    return _conjugate(x, group, all_gather_dim0, _reduce_scatter_first)
+    return _Conjugate.apply(x, group, all_gather_dim0, _reduce_scatter_first)
 
 
 @_eager_over_ranks
 def reduce_scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """forward: sum over `group` and keep this rank's slice of dim 0; backward: all-gather dim 0."""
-    return _conjugate(x, group, _reduce_scatter_first, all_gather_dim0)
+    return _Conjugate.apply(x, group, _reduce_scatter_first, all_gather_dim0)
 
 
 def to_tp_region(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:

@@ -192,7 +192,8 @@ def test_train_longer_command_rewrites_the_flags():
     """Unit check of the hint: --load/--save/--train-iters/--lr-decay-iters in either spelling are replaced, a
     kept schedule keeps --use-checkpoint-opt_param-scheduler, the embedded default's (which ends at LR 0)
     is stretched."""
-    from megapar.pretrain_gpt2 import parse, train_longer_command
+    from megapar.pretrain_gpt2 import parse
+    from megapar.run.pretrain import train_longer_command
     argv = ["--train-iters=4", "--lr-decay-iters", "9", "--min-lr", "1e-5", "--load", "a", "--save=b",
             "--use-checkpoint-opt_param-scheduler", "--override-opt-param-scheduler", "--seed", "3"]
     cfg = parse(["--train-iters", "4", "--min-lr", "1e-5", "--save", "b", "--data-path", "x"], 1)
@@ -209,7 +210,8 @@ def test_train_longer_command_rewrites_the_flags():
 
 def test_a_run_stopped_early_is_told_how_to_resume():
     """After a signal or --exit-interval, the hint is the same run resumed, not a longer one."""
-    from megapar.pretrain_gpt2 import parse, resume_command
+    from megapar.pretrain_gpt2 import parse
+    from megapar.run.pretrain import resume_command
     argv = ["--train-iters", "100", "--save", "b", "--load=b", "--exit-signal-handler"]
     cfg = parse(argv + ["--data-path", "x"], 1)
     assert resume_command(cfg, argv).split("   #")[0] == (
@@ -219,7 +221,8 @@ def test_a_run_stopped_early_is_told_how_to_resume():
 def test_a_fine_tunes_next_commands_resume_it_without_finetune(tmp_path):
     """A fine-tune saves into its own --save; continuing it loads that, so --finetune (refused with --save equal
     to --load) is dropped from both hints."""
-    from megapar.pretrain_gpt2 import parse, resume_command, train_longer_command
+    from megapar.pretrain_gpt2 import parse
+    from megapar.run.pretrain import resume_command, train_longer_command
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "latest_checkpointed_iteration.txt").write_text("release")
     ft = str(tmp_path / "ft")
@@ -236,7 +239,8 @@ def test_the_next_commands_keep_the_processes_of_the_run(monkeypatch):
     """A run of several processes is continued by as many: the launcher's flags come from what torchrun
     started this process with (its environment), node 0's rendezvous flags for several nodes."""
     from megapar.launch import Processes
-    from megapar.pretrain_gpt2 import parse, resume_command, train_longer_command
+    from megapar.pretrain_gpt2 import parse
+    from megapar.run.pretrain import resume_command, train_longer_command
     argv = ["--train-iters", "100", "--save", "b", "--tensor-model-parallel-size", "2"]
     cfg = parse(argv + ["--data-path", "x"], 8)
     sched = types.SimpleNamespace(min_lr=1e-5, decay_style="cosine", decay_steps=100)
