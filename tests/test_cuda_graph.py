@@ -21,10 +21,10 @@ def test_cuda_graph_needs_a_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("flags, world, why", [
-    (["--pipeline-model-parallel-size", "2"], 2, "--pipeline-model-parallel-size 1"),
     (["--fp16"], 1, "use --bf16"),
-    (["--hidden-dropout", "0.1"], 1, "--hidden-dropout 0 --attention-dropout 0"),
-    (["--recompute-activations"], 1, "drop the recompute flags"),
+    (["--recompute-activations", "--hidden-dropout", "0.1"], 1, "--hidden-dropout 0 --attention-dropout 0, or drop "
+                                                                "the recompute flags"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-hang-diagnostics"], 2, "drop it"),
     (["--cuda-graph-warmup-steps", "0"], 1, "--cuda-graph-warmup-steps must be >= 1"),
     (["--distributed-backend", "gloo"], 1, "needs CUDA GPUs and NCCL"),
 ])
@@ -32,7 +32,18 @@ def test_cuda_graph_refuses_what_it_cannot_capture(monkeypatch, flags, world, wh
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ConfigError, match=re.escape(why)):
         parse_config(GRAPH + flags, world)
-    parse_config(GRAPH + ["--bf16"], 1)                              # the supported case passes
+
+
+@pytest.mark.parametrize("flags, world", [
+    (["--bf16"], 1), (["--hidden-dropout", "0.1", "--attention-dropout", "0.1"], 1), (["--recompute-activations"], 1),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"], 1),
+    (["--pipeline-model-parallel-size", "2"], 2), (["--zero-stage", "2"], 2), (["--zero-stage", "3"], 2),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--virtual-pipeline-model-parallel-size", "2",
+      "--global-batch-size", "8"], 2),
+])
+def test_cuda_graph_captures_these_layouts(monkeypatch, flags, world):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    parse_config(GRAPH + flags, world)
 
 
 def test_scheduler_fills_a_tensor_learning_rate_in_place():
@@ -49,10 +60,18 @@ def test_scheduler_fills_a_tensor_learning_rate_in_place():
 # ---- GPU: training with the graph == training without it -----------------------------------------
 # The runs come from tests/gpu_runs.py: each configuration trains once per session (test_fused_adamw.py
 # reads some of the same runs), several at a time.
-ONE_GPU = {"fp32": ([], 2e-5), "bf16": (["--bf16"], 2e-3), "bf16-compiled": (["--bf16", "--torch-compile"], 2e-3)}
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+ONE_GPU = {"fp32": ([], 2e-5), "bf16": (["--bf16"], 2e-3), "bf16-compiled": (["--bf16", "--torch-compile"], 2e-3),
+           "bf16-dropout": (["--bf16", *DROPOUT], 2e-3), "bf16-recompute": (["--bf16", *FULL_RECOMPUTE], 2e-3)}
 TWO_GPUS = {"tp2": ["--tensor-parallel", "2"], "zero1": ["--use-distributed-optimizer"],
             "tp2-compiled": ["--tensor-parallel", "2", "--torch-compile"],
-            "tp2-sp-compiled": ["--tensor-parallel", "2", "--sequence-parallel", "--torch-compile"]}
+            "tp2-sp-compiled": ["--tensor-parallel", "2", "--sequence-parallel", "--torch-compile"],
+            "tp2-dropout": ["--tensor-parallel", "2", *DROPOUT],
+            "zero2": ["--zero-stage", "2"], "zero3": ["--zero-stage", "3"],
+            "pp2": ["--pipeline-model-parallel-size", "2"],
+            "pp2-interleaved": ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"],
+            "pp2-zero1-dropout": ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", *DROPOUT]}
 
 
 def _one_gpu_runs(extra):

@@ -42,13 +42,6 @@ def test_cpu_recipes_are_fp32_runs_of_the_embedded_default_without_a_gpu(name, t
     assert cfg.ckpt.save == f"checkpoints/gpt2_embedded_{layers}l_{hidden}h" and hidden <= 128
 
 
-def test_graph_recipes_turn_dropout_off():
-    assert GRAPHED
-    for name in GRAPHED:
-        ns = build_parser().parse_args(list(RECIPES[name].flags))
-        assert ns.hidden_dropout == 0 and ns.attention_dropout == 0, name
-
-
 @pytest.mark.parametrize("argv", [["--recipe", "345m-tp2", "--micro-batch-size", "2"],
                                   ["--micro-batch-size", "2", "--recipe=345m-tp2"]])
 def test_command_line_flags_override_the_recipe(argv):

@@ -742,10 +742,6 @@ def _check_zero(ns: argparse.Namespace, gpus: bool) -> None:
     if ns.optimizer_cpu_offload and ns.adam_impl == "fused":
         _fail("--adam-impl fused is csrc's GPU kernel, but --optimizer-cpu-offload steps AdamW on the CPU (torch's "
               "fused CPU kernel); drop --adam-impl fused or --optimizer-cpu-offload")
-    if stage >= 2 and ns.enable_cuda_graph:
-        _fail(f"--zero-stage {stage} allocates and frees each layer's {'parameters and ' if stage == 3 else ''}"
-              f"gradients during the step, which a CUDA graph cannot replay; use --zero-stage 1 (or 0) with "
-              f"--enable-cuda-graph, or drop --enable-cuda-graph")
 
 
 def _check_nvme_offload(ns: argparse.Namespace, stage: int) -> None:
@@ -833,19 +829,21 @@ def _check_loggers(ns: argparse.Namespace) -> None:
 
 
 def _check_cuda_graph(ns: argparse.Namespace, gpus: bool) -> None:
-    """--enable-cuda-graph captures one step whose kernels and addresses never change."""
+    """--enable-cuda-graph captures one step whose kernels and addresses never change, and which
+    never waits for the host (run/cuda_graph.py)."""
+    dropout = ns.hidden_dropout > 0 or ns.attention_dropout > 0
     blockers = [
         (not gpus or ns.distributed_backend == "gloo", "it needs CUDA GPUs and NCCL"),
-        (ns.pipeline_model_parallel_size > 1, "pipeline schedules are not captured; use "
-                                              "--pipeline-model-parallel-size 1"),
         (ns.fp16, "fp16 loss scaling reads the overflow flag back every step; use --bf16"),
-        (ns.hidden_dropout > 0 or ns.attention_dropout > 0,
-         "dropout swaps RNG states, which a capture forbids; set --hidden-dropout 0 --attention-dropout 0"),
-        (ns.recompute_granularity is not None, "recompute swaps RNG states, which a capture forbids; "
-                                               "drop the recompute flags"),
+        (ns.recompute_granularity is not None and dropout,
+         "recompute with dropout saves and restores RNG states through the host, which a capture forbids; set "
+         "--hidden-dropout 0 --attention-dropout 0, or drop the recompute flags"),
+        (ns.pipeline_hang_diagnostics, "--pipeline-hang-diagnostics polls each transfer from the host; drop it"),
         (ns.cuda_graph_warmup_steps < 1, "--cuda-graph-warmup-steps must be >= 1"),
         (ns.optimizer_cpu_offload or ns.optimizer_nvme_offload is not None,
          "the offloaded optimizer steps on the CPU, outside any graph; drop the optimizer offload flags"),
+        (ns.param_cpu_offload, "--param-cpu-offload fetches each layer's shard from host memory, which the "
+                               "graph does not capture; drop --param-cpu-offload"),
     ]
     for blocked, why in blockers:
         if blocked:

@@ -41,8 +41,9 @@ GPT3_13B = ("--num-layers", "40", "--hidden-size", "5120", "--num-attention-head
 SEQ_2048_BF16 = ("--seq-length", "2048", "--max-position-embeddings", "2048", "--bf16")
 GPT_1_3B = ("--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16")
 COMPILE = ("--torch-compile",)
-# a CUDA graph captures the whole step: it needs dropout 0 (no RNG state swaps) and is fastest compiled
-GRAPH = (*COMPILE, "--enable-cuda-graph", "--adam-impl", "fused", "--hidden-dropout", "0", "--attention-dropout", "0")
+# a CUDA graph captures the whole step; fastest with compiled layers and csrc's one-launch AdamW
+GRAPH = (*COMPILE, "--enable-cuda-graph", "--adam-impl", "fused")
+FULL_RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "uniform")
 
 
 def _tp(n: int) -> tuple[str, ...]:
@@ -72,8 +73,9 @@ RECIPES: dict[str, Recipe] = {
     "124m-graph": _recipe(1, GPT2_124M, 16, 16, *GRAPH, about="124M, compiled, whole step one CUDA graph"),
     "345m-graph": _recipe(1, GPT2_345M, 8, 8, *GRAPH, about="345M, compiled, whole step one CUDA graph"),
     "345m-m8": _recipe(1, GPT2_345M, 8, 64, about="345M, 8 microbatches per step"),
-    "345m-recompute": _recipe(1, GPT2_345M, 8, 8, "--recompute-granularity", "full", "--recompute-method", "uniform",
-                              about="345M, full activation recompute"),
+    "345m-recompute": _recipe(1, GPT2_345M, 8, 8, *FULL_RECOMPUTE, about="345M, full activation recompute"),
+    "345m-recompute-graph": _recipe(1, GPT2_345M, 8, 8, *FULL_RECOMPUTE, *GRAPH, "--hidden-dropout", "0",
+                                    "--attention-dropout", "0", about="345M, full activation recompute, CUDA graph"),
     "345m-dp2": _recipe(2, GPT2_345M, 8, 16, about="345M, data parallel 2"),
     "345m-dp4": _recipe(4, GPT2_345M, 8, 32, about="345M, data parallel 4"),
     "345m-dp4-zero1": _recipe(4, GPT2_345M, 8, 32, "--use-distributed-optimizer",
@@ -92,6 +94,10 @@ RECIPES: dict[str, Recipe] = {
     # interleaved 1F1B: 2 model chunks per rank; the bubble (pp - 1) / m shrinks to (pp - 1) / (2 m)
     "345m-pp2-m8-v2": _recipe(2, GPT2_345M, 8, 64, *_pp(2), "--virtual-pipeline-model-parallel-size", "2",
                               about="345M, pipeline parallel 2, 8 microbatches, interleaved (2 chunks per rank)"),
+    "345m-pp2-m8-graph": _recipe(2, GPT2_345M, 8, 64, *_pp(2), *GRAPH,
+                                 about="345M, pipeline parallel 2, 8 microbatches, CUDA graph"),
+    "345m-pp2-m8-v2-graph": _recipe(2, GPT2_345M, 8, 64, *_pp(2), "--virtual-pipeline-model-parallel-size", "2",
+                                    *GRAPH, about="345M, pipeline parallel 2, 8 microbatches, interleaved, CUDA graph"),
     "345m-pp4-m8-v2": _recipe(4, GPT2_345M, 8, 64, *_pp(4), "--virtual-pipeline-model-parallel-size", "2",
                               about="345M, pipeline parallel 4, 8 microbatches, interleaved (2 chunks per rank)"),
     "345m-tp2-pp2": _recipe(4, GPT2_345M, 8, 64, *_tp(2), *_pp(2), "--use-distributed-optimizer",
@@ -100,6 +106,8 @@ RECIPES: dict[str, Recipe] = {
        for z in (1, 2, 3)},
     **{f"345m-dp2-zero{z}": _recipe(2, GPT2_345M, 8, 16, *COMPILE, *_zero(z),
                                     about=f"345M compiled, data parallel 2, ZeRO-{z}") for z in (1, 2, 3)},
+    **{f"345m-dp2-zero{z}-graph": _recipe(2, GPT2_345M, 8, 16, *GRAPH, *_zero(z),
+                                          about=f"345M, data parallel 2, ZeRO-{z}, CUDA graph") for z in (1, 2, 3)},
     # GPT-3's 1.3B shape (24 layers, hidden 2048, 16 heads) at seq 1024, as measured against nanoGPT's bench.py
     "1.3b-graph": _recipe(1, GPT_1_3B, 8, 8, *GRAPH, about="1.3B shape, compiled, whole step one CUDA graph"),
     # GPT-3's 1.3B shape at seq 2048 on one GPU (estimate_memory: 50.6 GiB at micro-batch 8): bf16 vs fp8 GEMMs

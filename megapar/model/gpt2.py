@@ -98,6 +98,7 @@ class Encoder(nn.Module):
             self.final_layernorm = make_layernorm(cfg, device, dtype)
         self.full_recompute = cfg.recompute_granularity == "full"
         self.recompute_method, self.recompute_num_layers = cfg.recompute_method, cfg.recompute_num_layers
+        self.recompute_rng = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0  # replay dropout's masks
 
     def _run_layers(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         for layer in self.layers[start:end]:
@@ -111,10 +112,11 @@ class Encoder(nn.Module):
                 x = layer(x, None if kv_cache is None else kv_cache.layers[i])
         elif self.recompute_method == "uniform":   # checkpoint chunks of recompute_num_layers layers
             for start in range(0, n, self.recompute_num_layers):
-                x = checkpoint(self._run_layers, x, start, min(start + self.recompute_num_layers, n))
+                x = checkpoint(self._run_layers, x, start, min(start + self.recompute_num_layers, n),
+                               rng=self.recompute_rng)
         else:                                     # block: checkpoint only the first recompute_num_layers
             for i in range(n):
-                x = checkpoint(self._run_layers, x, i, i + 1) if i < self.recompute_num_layers \
+                x = checkpoint(self._run_layers, x, i, i + 1, rng=self.recompute_rng) if i < self.recompute_num_layers \
                     else self.layers[i](x)
         return self.final_layernorm(x) if hasattr(self, "final_layernorm") else x
 

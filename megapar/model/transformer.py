@@ -95,7 +95,7 @@ class ParallelAttention(nn.Module):
             k, v = kv_cache.append(k, v)                                               # [b, np, sk, hn]
         p = self.dropout if self.training else 0.0
         if self.selective_recompute and self.training:
-            ctx = checkpoint(core_attention, q, k, v, self.backend, p)
+            ctx = checkpoint(core_attention, q, k, v, self.backend, p, rng=p > 0)
         else:
             backend, causal = self.backend, True
             if kv_cache is not None and q.shape[2] != k.shape[2]:  # decoding with a cache

@@ -57,6 +57,7 @@ class ScheduleConfig:
     diagnose_hangs: bool = False                       # NCCL: poll waits against p2p_timeout (blocks the CPU)
     stats: Optional[dict] = None                       # interleaved: receives "peak_live_outputs"
     pp_grad_group: Optional[dist.ProcessGroup] = None  # interleaved, pp == 2: gradients travel on this group
+    log_keys: tuple[str, ...] = ()                     # what every microbatch's loss_func logs (average_logs)
 
     @property
     def is_first_stage(self) -> bool:
@@ -227,15 +228,22 @@ def forward_backward_pipelining_1f1b(forward_step: ForwardStep, data_iterator: I
 def average_logs(logs: Logs, cfg: ScheduleConfig) -> dict[str, torch.Tensor]:
     """Mean of each logged value over the microbatches as a 0-dim float64 tensor on cfg.device,
     known to every stage of the pipeline (collective over `cfg.pp_group`: the last stage
-    broadcasts). {} when nothing was logged. With one stage nothing is read back to the host, so
-    the caller can launch the optimizer before waiting for the loss."""
+    broadcasts). {} when nothing was logged. With one stage, or with `cfg.log_keys` naming what
+    is logged, nothing is read back to the host (the broadcast is one device tensor), so the
+    caller can launch the optimizer before waiting for the loss, or capture the step in a CUDA
+    graph; without them the last stage sends its keys and values as a Python object."""
     mean = {k: torch.stack([torch.as_tensor(log[k], device=cfg.device) for log in logs]).double().mean()
             for k in logs[0]} if logs else {}
     if cfg.is_first_stage and cfg.is_last_stage:
         return mean
+    last = dist.get_world_size(cfg.pp_group) - 1
+    if cfg.log_keys:
+        values = torch.stack([mean[k] for k in cfg.log_keys]) if cfg.is_last_stage else \
+            torch.empty(len(cfg.log_keys), dtype=torch.float64, device=cfg.device)       # [keys]
+        dist.broadcast(values, group=cfg.pp_group, group_src=last)
+        return dict(zip(cfg.log_keys, values.unbind()))
     box = [{k: v.item() for k, v in mean.items()}]  # one host copy per key
-    dist.broadcast_object_list(box, group=cfg.pp_group, device=cfg.device,
-                               group_src=dist.get_world_size(cfg.pp_group) - 1)
+    dist.broadcast_object_list(box, group=cfg.pp_group, device=cfg.device, group_src=last)
     return {k: torch.tensor(v, dtype=torch.float64, device=cfg.device) for k, v in box[0].items()}
 
 

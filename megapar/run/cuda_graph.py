@@ -20,44 +20,56 @@ Lifecycle (per GraphedStep):
 What the graph reads must stay at the same address: the parameters, the fp32 masters, the Adam
 moments, the gradient buffer and the learning rate, which the optimizer keeps in a device tensor
 (make_adamw, capturable=True) that the LR scheduler fills in place before each replay.
+What the step allocates and frees inside itself is captured with it: ZeRO-2's per-layer gradient
+buckets and ZeRO-3's gathered weights get the same addresses in the graph's memory pool at every
+replay, and the collectives that fill them (reduce-scatter, all-gather, the pipeline's
+send/receive, the loss broadcast of the last stage) are captured as NCCL kernels.
+Random numbers: the device's default generator is registered with every capture by torch; the
+tensor-parallel RNG tracker's generators (`generators`) are registered here, so dropout masks
+advance from replay to replay exactly as in eager steps.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .initialize import print_rank0
 
-Batch = tuple[torch.Tensor, torch.Tensor]          # (tokens [b, s], labels [b, s])
+# The microbatches of one step: a list of (tokens [b, s], labels [b, s]), (None, None) on a middle
+# pipeline stage; a list of such lists (one per model chunk) with the interleaved schedule.
+Batches = Any
 
 
 class GraphedStep:
-    def __init__(self, step: Callable[[list[Batch]], torch.Tensor], warmup: int, device: torch.device):
+    def __init__(self, step: Callable[[Batches], torch.Tensor], warmup: int, device: torch.device,
+                 generators: Sequence[torch.Generator] = ()):
         """step(microbatches) queues one training step and returns a device tensor of results
-        (nothing in it may read back to the host)."""
+        (nothing in it may read back to the host). generators: CUDA generators the step swaps in
+        besides the device's default one (the tensor-parallel RNG tracker's)."""
         if warmup < 1:
             raise ValueError("a CUDA graph needs at least one eager warm-up step (--cuda-graph-warmup-steps >= 1)")
-        self.step, self.warmup = step, warmup
+        self.step, self.warmup, self.generators = step, warmup, list(generators)
         self.stream = torch.cuda.Stream(device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
-        self.inputs: list[Batch] = []
+        self.inputs: list[Optional[torch.Tensor]] = []   # the graph's copies of the microbatches' tensors
         self.output: Optional[torch.Tensor] = None
         self.calls = 0
 
-    def __call__(self, batches: list[Batch]) -> torch.Tensor:
+    def __call__(self, batches: Batches) -> torch.Tensor:
         self.calls += 1
         if self.calls <= self.warmup:
             return self._eager(batches)
         if self.graph is None:
             self._capture(batches)
-        for (tokens, labels), (t, l) in zip(self.inputs, batches, strict=True):
-            tokens.copy_(t, non_blocking=True)
-            labels.copy_(l, non_blocking=True)
+        for static, x in zip(self.inputs, tree_flatten(batches)[0], strict=True):
+            if x is not None:
+                static.copy_(x, non_blocking=True)
         self.graph.replay()
         return self.output.clone()  # the next replay overwrites the graph's own output
 
-    def _eager(self, batches: list[Batch]) -> torch.Tensor:
+    def _eager(self, batches: Batches) -> torch.Tensor:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             out = self.step(batches)
@@ -65,13 +77,16 @@ class GraphedStep:
         out.record_stream(torch.cuda.current_stream())  # made on the side stream, read on this one
         return out
 
-    def _capture(self, batches: list[Batch]) -> None:
-        self.inputs = [(t.clone(), l.clone()) for t, l in batches]
+    def _capture(self, batches: Batches) -> None:
+        leaves, spec = tree_flatten(batches)
+        self.inputs = [None if x is None else x.clone() for x in leaves]
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's cached blocks; the graph gets its own memory pool
         self.graph = torch.cuda.CUDAGraph()
+        for generator in self.generators:
+            self.graph.register_generator_state(generator)
         with torch.cuda.graph(self.graph, stream=self.stream):
-            self.output = self.step(self.inputs)
+            self.output = self.step(tree_unflatten(self.inputs, spec))
         pool = torch.cuda.memory_stats().get("reserved_bytes.all.current", 0) / 2**20
         print_rank0(f"> captured the training step as a CUDA graph after {self.warmup} eager steps "
                     f"({pool:.0f} MB reserved)")

@@ -83,7 +83,7 @@ class Run:
 
 def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, vocab_size: int) -> Run:
     c = topo.coord(rank)
-    seed_everything(cfg.train.seed, c.tp, c.pp)
+    seed_everything(cfg.train.seed, c.tp, c.pp, device)
     log = print_rank0
     set_vocab(cfg.model, vocab_size, topo.tp, log=log)
     p = cfg.parallel

@@ -23,6 +23,7 @@ from ..pipeline.p2p import current_step
 from ..pipeline.schedules import ScheduleConfig, average_logs, get_forward_backward_func
 from .readback import to_host, wait_host
 from ..tensor_parallel.linear import use_gemv_bias_grads
+from ..tensor_parallel.random import get_rng_tracker
 from .throughput import device_peak_tflops, flops_per_token, memory_fields, throughput_fields
 from .timers import Timers
 
@@ -72,6 +73,9 @@ def schedule_func(run: Run):
                                      run.cfg.model.virtual_pipeline_model_parallel_size)
 
 
+LOG_KEYS = ("lm loss",)  # what forward_step's loss_func logs
+
+
 def forward_step(data_iterator, model):
     tokens, labels = next(data_iterator)
     stage = model.stage
@@ -92,7 +96,8 @@ def schedule_config(run: Run, num_microbatches: int, label: str = "") -> Schedul
         tensor_shape=(cfg.model.seq_length // (run.topo.tp if cfg.model.sequence_parallel else 1),
                       cfg.train.micro_batch_size, cfg.model.hidden_size),                  # [s(/tp), b, h]
         pp_group=run.topo.groups.pp, prev_rank=run.topo.prev_rank(run.rank), next_rank=run.topo.next_rank(run.rank),
-        loss_scale=run.optimizer.scaler.scale, no_sync=run.grad_buffer.no_sync, pp_grad_group=run.topo.groups.pp_grad)
+        loss_scale=run.optimizer.scaler.scale, no_sync=run.grad_buffer.no_sync, pp_grad_group=run.topo.groups.pp_grad,
+        log_keys=LOG_KEYS)
 
 
 def average_loss(run: Run, logs: list[dict], sched: ScheduleConfig) -> torch.Tensor:
@@ -135,8 +140,18 @@ def graphed_step(run: Run) -> Optional[GraphedStep]:
         return None
     use_gemv_bias_grads(p for p in run.model.parameters() if p.ndim == 1)  # faster when graphed (linear.py)
     untimed = Timers(0, run.device)  # timers synchronise the device, which a capture forbids
-    return GraphedStep(lambda batches: queue_step(run, iter(batches), "cuda graph", untimed)[1],
-                       run.cfg.train.cuda_graph_warmup_steps, run.device)
+    return GraphedStep(lambda batches: queue_step(run, _iterators(batches), "cuda graph", untimed)[1],
+                       run.cfg.train.cuda_graph_warmup_steps, run.device, get_rng_tracker().generators())
+
+
+def _lists(data):
+    """data_iterators' microbatches as lists (a graph copies them into its own tensors)."""
+    return [list(chunk) for chunk in data] if isinstance(data, list) else list(data)
+
+
+def _iterators(batches):
+    """_lists' inverse: what the schedule reads."""
+    return [iter(chunk) for chunk in batches] if batches and isinstance(batches[0], list) else iter(batches)
 
 
 def train_step(run: Run, dataset, state: TrainState, timers: Timers,
@@ -148,7 +163,7 @@ def train_step(run: Run, dataset, state: TrainState, timers: Timers,
     if graph is None:
         return queue_step(run, data, f"iteration {state.iteration + 1}", timers)
     timers.start("step (cuda graph)")
-    out = graph(list(data))
+    out = graph(_lists(data))
     timers.stop("step (cuda graph)")
     return True, out
 
