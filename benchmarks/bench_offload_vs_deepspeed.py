@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -45,6 +46,7 @@ from bench_train import ITER_RE, MEM_RE, bench_flags  # benchmarks/bench_train.p
 from megapar.config.arguments import config_from_namespace, parse_flags
 from megapar.config.recipes import GPT3_6_7B, GPT3_13B, GPT_1_3B, RECIPES
 from megapar.errors import USER_ERROR_EXIT, MegaparError
+from megapar.launch import _children
 from megapar.run.throughput import flops_per_token
 from megapar.topology import padded_vocab_size
 
@@ -53,6 +55,7 @@ RECIPE = "6.7b-offload"
 ITERATION_RE = re.compile(r"iteration\s+(\d+)/")
 WARMUP_STEPS = 2  # steps of each system left out of its mean
 DS_WORKER = "--_ds-worker"  # the internal flag: run DeepSpeed from the spec file it names
+LAUNCHER_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class DsSpec:
     recompute: bool
     iters: int
     result_path: str
+    offload: bool = True  # ZeRO-Offload with DeepSpeedCPUAdam; False: no offload, torch's fused AdamW on the GPU
 
 
 def megapar_flags(shape: Shape, args) -> list[str]:
@@ -111,30 +115,34 @@ def ds_spec(flags: Sequence[str], shape: Shape, token_vocab: int, stage: Optiona
 
 
 def ds_config(spec: DsSpec, world_size: int) -> dict:
-    """deepspeed.initialize's config: ZeRO-Offload of the optimizer, bf16, DeepSpeedCPUAdam (AdamW)."""
+    """deepspeed.initialize's config: bf16, ZeRO at spec.stage and, with spec.offload, ZeRO-Offload of the
+    optimizer with DeepSpeedCPUAdam (AdamW); without it no optimizer entry: the worker passes its own
+    (torch's fused AdamW), as DeepSpeed's own GPU AdamW (FusedAdam) would need its CUDA ops compiled."""
     per_step = spec.micro_batch * world_size
     if spec.global_batch % per_step:
         raise ValueError(f"global batch {spec.global_batch} is not a multiple of micro batch {spec.micro_batch} "
                          f"x {world_size} GPU(s)")
-    zero = {"stage": spec.stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "contiguous_gradients": True, "overlap_comm": True, "reduce_bucket_size": int(2e8)}
+    zero = {"stage": spec.stage, "contiguous_gradients": True, "overlap_comm": True, "reduce_bucket_size": int(2e8)}
     if spec.stage == 3:
         zero.update(stage3_prefetch_bucket_size=int(2e8), stage3_param_persistence_threshold=int(1e5))
     else:
         zero.update(allgather_bucket_size=int(2e8), reduce_scatter=True)
-    return {"train_batch_size": spec.global_batch, "train_micro_batch_size_per_gpu": spec.micro_batch,
-            "gradient_accumulation_steps": spec.global_batch // per_step, "gradient_clipping": spec.clip_grad,
-            "bf16": {"enabled": True}, "zero_optimization": zero,
-            "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": list(spec.betas), "eps": spec.eps,
-                                                      "weight_decay": spec.weight_decay}},
-            "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    config = {"train_batch_size": spec.global_batch, "train_micro_batch_size_per_gpu": spec.micro_batch,
+              "gradient_accumulation_steps": spec.global_batch // per_step, "gradient_clipping": spec.clip_grad,
+              "bf16": {"enabled": True}, "zero_optimization": zero,
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    if spec.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": spec.lr, "betas": list(spec.betas), "eps": spec.eps,
+                                                           "weight_decay": spec.weight_decay}}
+    return config
 
 
-def steady_mean(step_ms: dict[int, float]) -> float:
-    """Mean step time of the steps after the first WARMUP_STEPS (1-based step numbers)."""
-    kept = [ms for step, ms in step_ms.items() if step > WARMUP_STEPS]
+def steady_mean(step_ms: dict[int, float], warmup: int = WARMUP_STEPS) -> float:
+    """Mean step time of the steps after the first `warmup` (1-based step numbers)."""
+    kept = [ms for step, ms in step_ms.items() if step > warmup]
     if not kept:
-        raise ValueError(f"no step after the first {WARMUP_STEPS}: give --iters {WARMUP_STEPS + 1} or more")
+        raise ValueError(f"no step after the first {warmup}: give --iters {warmup + 1} or more")
     return sum(kept) / len(kept)
 
 
@@ -153,27 +161,51 @@ def table_row(system: str, ms: float, spec: DsSpec, gpus: int, peak_tflops: Opti
     """ms/step -> tokens/s, TFLOP/s per GPU and MFU by megapar's formula (the same for both systems)."""
     tokens_s = spec.global_batch * spec.seq / (ms / 1e3)
     tflops = flops_per_token(spec.layers, spec.hidden, spec.seq, spec.vocab) * tokens_s / gpus / 1e12
-    return {"system": system, "ms": ms, "tokens_s": tokens_s, "tflops": tflops,
+    return {"system": system, "ms": ms, "tokens_s": tokens_s, "gpus": gpus, "tflops": tflops,
             "mfu": tflops / peak_tflops if peak_tflops else None, "mem_gib": mem_mib / 1024}
+
+
+def descendants(pid: int) -> list[int]:
+    """The children of `pid`, theirs, and so on (Linux /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        children = _children(todo.pop())
+        out += children
+        todo += children
+    return out
 
 
 def run_logged(cmd: list[str], log_path: str, timeout: float, env: Optional[dict] = None) -> tuple[int, str]:
     """(exit code, output) of `cmd` run from the checkout root; the output also goes to `log_path`.
-    A timeout is exit code 124 with what was printed before it."""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
-        rc, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc = 124
-        out = "".join(s.decode() if isinstance(s, bytes) else (s or "") for s in (e.stdout, e.stderr))
-        out += f"\ntimed out after {timeout:.0f} s"
+    A timeout is exit code 124 with what was printed before it; it kills the command and all its
+    descendants, found by parent id: torchrun and megapar's launcher start theirs in sessions of
+    their own, which a process-group kill would leave running on the GPUs."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            for pid in [proc.pid, *descendants(proc.pid)]:  # all found before any dies and is reparented
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            stdout, stderr = proc.communicate()
+            rc, stderr = 124, stderr + f"\ntimed out after {timeout:.0f} s"
+    out = stdout + stderr
     with open(log_path, "w") as f:
         f.write(" ".join(cmd) + "\n" + out)
     return rc, out
 
 
 def failure(rc: int, out: str, log_path: str) -> str:
-    """One line for a failed run's row: exit code, the last line that says why, the log."""
+    """One line for a failed run's row: exit code, the last line that says why, the log. The report
+    torch.distributed.run adds when a rank fails (its own traceback and a summary) is left out: the
+    rank's error comes before it."""
+    launcher = out.find(LAUNCHER_FAILED)
+    if launcher >= 0:
+        start = out.rfind("Traceback (most recent call last)", 0, launcher)
+        out = out[:start if start >= 0 else launcher]
     lines = [ln.strip() for ln in out.strip().splitlines() if ln.strip()]
     why = next((ln for ln in reversed(lines) if re.search(r"Error|error:|out of memory|timed out|Killed", ln)),
                lines[-1] if lines else "no output")
@@ -181,13 +213,15 @@ def failure(rc: int, out: str, log_path: str) -> str:
 
 
 def run_megapar(shape: Shape, flags: list[str], spec: DsSpec, peak: Optional[float], log_path: str,
-                timeout: float) -> dict:
+                timeout: float, warmup: int = WARMUP_STEPS, system: str = "megapar") -> dict:
+    """megapar's row: pretrain_gpt2.sh with `flags` (a log line per iteration), the mean of the
+    iterations after `warmup`."""
     cmd = ["bash", os.path.join(ROOT, "scripts", "pretrain_gpt2.sh"), "--nproc-per-node", str(shape.gpus), *flags]
     rc, out = run_logged(cmd, log_path, timeout)
     steps, mems = megapar_step_ms(out), [int(m) for m in MEM_RE.findall(out)]
-    if rc != 0 or not any(s > WARMUP_STEPS for s in steps):
-        return {"system": "megapar", "error": failure(rc, out, log_path)}
-    return table_row("megapar", steady_mean(steps), spec, shape.gpus, peak, max(mems) if mems else float("nan"))
+    if rc != 0 or not any(s > warmup for s in steps):
+        return {"system": system, "error": failure(rc, out, log_path)}
+    return table_row(system, steady_mean(steps, warmup), spec, shape.gpus, peak, max(mems) if mems else float("nan"))
 
 
 def free_port() -> int:
@@ -196,31 +230,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_deepspeed(shape: Shape, spec: DsSpec, peak: Optional[float], spec_path: str, log_path: str,
-                  timeout: float) -> dict:
-    """This script with DS_WORKER in a subprocess: one process on one GPU (the rank variables set
-    here), torch.distributed.run on several."""
-    with open(spec_path, "w") as f:
-        json.dump(asdict(spec), f)
-    if os.path.exists(spec.result_path):
-        os.remove(spec.result_path)
+def run_worker(script: list[str], payload: dict, result_path: str, gpus: int, log_path: str,
+               timeout: float) -> tuple[Optional[dict], str]:
+    """(the result rank 0 wrote to `result_path`, "") of `script` (a path and its worker flag, given the
+    path of a JSON file of `payload` last) in a subprocess: one process on one GPU (the rank variables
+    set here), torch.distributed.run on several; (None, why) when it failed."""
+    payload_path = os.path.splitext(result_path)[0] + "_spec.json"
+    with open(payload_path, "w") as f:
+        json.dump(payload, f)
+    if os.path.exists(result_path):
+        os.remove(result_path)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".gpu", "torch_extensions"))
-    script = [os.path.abspath(__file__), DS_WORKER, spec_path]
-    if shape.gpus == 1:
+    if gpus == 1:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        cmd = [sys.executable, *script]
+        cmd = [sys.executable, *script, payload_path]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(shape.gpus),
-               "--master-addr", "127.0.0.1", "--master-port", env["MASTER_PORT"], *script]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus),
+               "--master-addr", "127.0.0.1", "--master-port", env["MASTER_PORT"], *script, payload_path]
     rc, out = run_logged(cmd, log_path, timeout, env)
-    if rc != 0 or not os.path.exists(spec.result_path):
-        return {"system": f"DeepSpeed ZeRO-{spec.stage}", "error": failure(rc, out, log_path)}
-    with open(spec.result_path) as f:
-        result = json.load(f)
+    if rc != 0 or not os.path.exists(result_path):
+        return None, failure(rc, out, log_path)
+    with open(result_path) as f:
+        return json.load(f), ""
+
+
+def worker_row(system: str, result: dict, spec: DsSpec, gpus: int, peak: Optional[float],
+               warmup: int = WARMUP_STEPS) -> dict:
+    """The table row of a worker's result (its step times, from step 1, and peak memory)."""
     steps = {i + 1: ms for i, ms in enumerate(result["step_ms"])}
-    return table_row(f"DeepSpeed {result['version']} ZeRO-{spec.stage}", steady_mean(steps), spec, shape.gpus,
-                     peak, result["max_allocated_mib"])
+    return table_row(system, steady_mean(steps, warmup), spec, gpus, peak, result["max_allocated_mib"])
+
+
+def run_deepspeed(shape: Shape, spec: DsSpec, peak: Optional[float], log_path: str, timeout: float,
+                  warmup: int = WARMUP_STEPS) -> dict:
+    """DeepSpeed's row: this script with DS_WORKER in a subprocess."""
+    result, why = run_worker([os.path.abspath(__file__), DS_WORKER], asdict(spec), spec.result_path, shape.gpus,
+                             log_path, timeout)
+    if result is None:
+        return {"system": f"DeepSpeed ZeRO-{spec.stage}", "error": why}
+    return worker_row(f"DeepSpeed {result['version']} ZeRO-{spec.stage}", result, spec, shape.gpus, peak, warmup)
+
+
+def load_spec(raw: dict) -> DsSpec:
+    """The DsSpec that run_worker's JSON file holds (asdict of it)."""
+    return DsSpec(**{**raw, "betas": tuple(raw["betas"])})
 
 
 def ds_worker(spec_path: str) -> None:
@@ -232,8 +286,7 @@ def ds_worker(spec_path: str) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     with open(spec_path) as f:
-        raw = json.load(f)
-    spec = DsSpec(**{**raw, "betas": tuple(raw["betas"])})
+        spec = load_spec(json.load(f))
     deepspeed.init_distributed()
     acc = get_accelerator()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -256,10 +309,13 @@ def ds_worker(spec_path: str) -> None:
             torch.set_default_dtype(default)
     if spec.recompute:  # transformers 5 renamed it; 4.x has only the old name
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    decay = [p for n, p in model.named_parameters() if p.dim() > 1]  # as megapar: no decay on biases and norms
-    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
-    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    groups = decay_groups(model)
+    if spec.offload:  # DeepSpeedCPUAdam, built by DeepSpeed from the config
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    else:  # torch's one-launch AdamW; DeepSpeed's ZeRO optimizer steps it on its fp32 partitions
+        optimizer = torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                      weight_decay=spec.weight_decay, fused=True)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     engine.train()
     if rank == 0:
         print(f"DeepSpeed {deepspeed.__version__}: {type(engine.optimizer).__name__} over "
@@ -286,6 +342,15 @@ def ds_worker(spec_path: str) -> None:
         with open(spec.result_path, "w") as f:
             json.dump({"step_ms": step_ms, "max_allocated_mib": peak.item(), "version": deepspeed.__version__}, f)
     torch.distributed.barrier()
+
+
+def decay_groups(model) -> list[dict]:
+    """AdamW's parameter groups as megapar's: no weight decay on biases and LayerNorm weights (the
+    parameters of one dimension; a parameter partitioned by deepspeed.zero.Init has its shape in ds_shape)."""
+    params = list(model.parameters())
+    matrix = [len(getattr(p, "ds_shape", p.shape)) > 1 for p in params]
+    return [{"params": [p for p, m in zip(params, matrix) if m]},
+            {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
 
 
 def init_partitioned(model, rank: int) -> None:
@@ -386,8 +451,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                         args.timeout)))
             print(r, rows[-1][1], flush=True)
         if not args.megapar_only:
-            rows.append((r, run_deepspeed(shape, spec, peak, os.path.join(args.out, "ds_spec.json"),
-                                          os.path.join(args.out, f"deepspeed_{r}.log"), args.timeout)))
+            rows.append((r, run_deepspeed(shape, spec, peak, os.path.join(args.out, f"deepspeed_{r}.log"),
+                                          args.timeout)))
             print(r, rows[-1][1], flush=True)
     print()
     print(format_table(rows, f"{gpu} dense bf16 peak {peak:.0f} TFLOP/s" if peak else gpu))

@@ -103,3 +103,50 @@ def test_bad_megapar_flags_are_one_line_before_any_run(bench, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: ") and says in err and err.strip().count("\n") == 0
     assert not list(tmp_path.iterdir())  # nothing ran: no log, no spec
+
+
+def test_ds_config_without_offload_leaves_the_optimizer_to_the_worker(bench):
+    spec = replace(spec_for(bench, ["--ds-stage", "3"]), offload=False, micro_batch=8)
+    c = bench.ds_config(spec, 2)
+    assert "optimizer" not in c and "offload_optimizer" not in c["zero_optimization"]
+    assert c["zero_optimization"]["stage"] == 3 and c["gradient_accumulation_steps"] == 1
+    assert c["bf16"] == {"enabled": True} and c["gradient_clipping"] == 1.0
+
+
+def test_decay_groups_leave_biases_and_norms_undecayed(bench):
+    import torch
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    decay, plain = bench.decay_groups(model)
+    assert [p.shape for p in decay["params"]] == [(4, 4)] and len(plain["params"]) == 3
+    assert plain["weight_decay"] == 0.0 and "weight_decay" not in decay
+    model[0].weight.data = torch.empty(0)  # as deepspeed.zero.Init leaves a partitioned parameter
+    model[0].weight.ds_shape = torch.Size([4, 4])
+    assert bench.decay_groups(model)[0]["params"] == [model[0].weight]
+
+
+def test_failure_names_the_ranks_error_not_the_launchers(bench):
+    out = ("step 1\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+           "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+           "E1126 api.py:1002] failed (exitcode: 1) local_rank: 1\nTraceback (most recent call last):\n"
+           "  File \"run.py\", line 9\n    raise ChildFailedError(\n"
+           f"{bench.LAUNCHER_FAILED}: \n=====\nx.py FAILED\n  error_file: <N/A>\n=====\n")
+    assert bench.failure(1, out, "l.log") == "rc=1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate " \
+                                             "2.00 GiB (log: l.log)"
+    assert bench.failure(2, "error: --zero-stage 0 ...\n", "l.log") == "rc=2: error: --zero-stage 0 ... (log: l.log)"
+
+
+def test_a_timeout_kills_the_command_and_its_descendants(bench, tmp_path):
+    import os
+    import time
+    pid_file = tmp_path / "pid"  # a grandchild in a session of its own, as torchrun starts its ranks
+    rc, out = bench.run_logged(["bash", "-c", f"echo started; setsid sleep 60 & echo $! > {pid_file}; wait"],
+                               str(tmp_path / "run.log"), timeout=1)
+    assert rc == 124 and out.startswith("started") and out.endswith("timed out after 1 s")
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # SIGKILL is delivered at once; its exit is noticed by its reaper
+        if not os.path.exists(f"/proc/{grandchild}") or "Z" in open(f"/proc/{grandchild}/stat").read().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the command's child {grandchild} outlived the timeout")
+    assert "timed out after 1 s" in (tmp_path / "run.log").read_text()
