@@ -199,8 +199,8 @@ class TrainConfig:
                                         "--save) and exit 0", group="logging, evaluation and exit")
     enable_cuda_graph: bool = arg(
         False, "capture the whole training step (forward, backward, gradient reduction, optimizer) as one CUDA "
-               "graph and replay it every iteration (removes kernel-launch overhead; GPUs, no pipeline "
-               "parallelism, no fp16, no dropout, no recompute)")
+               "graph and replay it every iteration (removes kernel-launch overhead; GPUs; not with optimizer "
+               "offload, nor recompute together with dropout)")
     cuda_graph_warmup_steps: int = arg(3, "eager steps before the capture (compilation, cuBLAS autotuning, "
                                           "optimizer state)")
 
@@ -834,7 +834,8 @@ def _check_cuda_graph(ns: argparse.Namespace, gpus: bool) -> None:
     dropout = ns.hidden_dropout > 0 or ns.attention_dropout > 0
     blockers = [
         (not gpus or ns.distributed_backend == "gloo", "it needs CUDA GPUs and NCCL"),
-        (ns.fp16, "fp16 loss scaling reads the overflow flag back every step; use --bf16"),
+        (ns.fp16 and ns.adam_impl == "fused", "with --fp16 an overflowed step is skipped on the device by torch's "
+                                              "fused AdamW, which csrc's kernel cannot do; use --adam-impl torch"),
         (ns.recompute_granularity is not None and dropout,
          "recompute with dropout saves and restores RNG states through the host, which a capture forbids; set "
          "--hidden-dropout 0 --attention-dropout 0, or drop the recompute flags"),

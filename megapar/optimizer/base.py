@@ -22,6 +22,7 @@ full optimizer state keyed by parameter name, so they load at any layout and int
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Iterator, NamedTuple, Optional
 
@@ -69,11 +70,15 @@ def saved_param_groups(adam: torch.optim.Optimizer) -> list[dict]:
             for g in adam.param_groups]
 
 
-def resolve_adam_impl(impl: str, device: torch.device) -> str:
+def resolve_adam_impl(impl: str, device: torch.device, skips_on_device: bool = False) -> str:
     """--adam-impl auto -> "fused" on GPUs when the csrc kernels were built at install (as Megatron
-    takes apex's FusedAdam when it is importable), else "torch"; an explicit choice stays."""
+    takes apex's FusedAdam when it is importable), else "torch"; an explicit choice stays.
+    skips_on_device: an fp16 overflow must skip the update without the host (a CUDA graph), which
+    torch's fused AdamW does (its found_inf) and csrc's kernel does not: "torch"."""
     if impl != "auto":
         return impl
+    if skips_on_device:
+        return "torch"
     from ..kernels import aot_kernels_installed
     return "fused" if device.type == "cuda" and aot_kernels_installed() else "torch"
 
@@ -147,17 +152,24 @@ def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fused
 
 
 # ---- the shared step: unscale, norm, clip ----------------------------------------------------------
-def unscale_and_check(grads: list[torch.Tensor], scale: float, device: torch.device,
-                      inf_group: Optional[dist.ProcessGroup]) -> bool:
-    """Multiply grads by 1/scale in place; True if any rank of inf_group saw inf/nan (collective
-    when torch.distributed is initialised, so every rank must call it, even with no grads)."""
+def find_overflow(grads: list[torch.Tensor], scale: torch.Tensor, device: torch.device,
+                  inf_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Multiply grads by 1/scale in place; a [1] fp32 device tensor, 1.0 if any rank of inf_group saw
+    inf/nan (collective when torch.distributed is initialised, so every rank must call it, even
+    with no grads). `scale`: a device tensor; nothing reads back to the host."""
     found = torch.zeros(1, device=device)
     if grads:
-        inv = torch.full((1,), 1.0 / scale, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale.reciprocal().reshape(1))
     if dist.is_initialized():
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=inf_group)
-    return bool(found.item())
+    return found
+
+
+def unscale_and_check(grads: list[torch.Tensor], scale: float, device: torch.device,
+                      inf_group: Optional[dist.ProcessGroup]) -> bool:
+    """find_overflow with a host scale, and its answer read back."""
+    return bool(find_overflow(grads, torch.tensor(scale, dtype=torch.float32, device=device), device,
+                              inf_group).item())
 
 
 def global_norm(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup], device) -> torch.Tensor:
@@ -237,6 +249,11 @@ class BaseOptimizer(ABC):
         if missing:
             raise ValueError(f"parameters {missing[:3]} are not in the gradient buffer")
         self.device, self.offload = grad_buffer.device, offload
+        # fp16 under --enable-cuda-graph: the loss scale is a device tensor the graph reads at replay, an
+        # overflow skips the update on the device, and the host settles the scaler after the step
+        # (settle_overflow)
+        self.device_scale = torch.tensor(scaler.scale, dtype=torch.float32, device=self.device) \
+            if cfg.fp16 and cfg.enable_cuda_graph else None
 
     def _own(self, owned: list[Owned]) -> None:
         """Take `owned` as the tensors this rank updates; build AdamW over them (two param groups:
@@ -251,7 +268,8 @@ class BaseOptimizer(ABC):
                  {"params": [o.master for o in owned if no_weight_decay(o.name, o.param)], "weight_decay": 0.0}]
         step_device = torch.device("cpu") if self.offload else self.device
         self.adam = make_adamw(decay, self.cfg, step_device, cpu_fused=self.offload)
-        self.adam_impl = resolve_adam_impl(self.cfg.adam_impl, step_device)
+        self.adam_impl = resolve_adam_impl(self.cfg.adam_impl, step_device,
+                                           skips_on_device=self.device_scale is not None)
         self.fused_adam = None  # --adam-impl fused: built at the first step (after a checkpoint load)
 
     @property
@@ -260,12 +278,21 @@ class BaseOptimizer(ABC):
         return self.adam.param_groups
 
     # ---- step ------------------------------------------------------------------------------
+    @property
+    def loss_scale(self):
+        """What the schedule multiplies the loss by: the scaler's scale (a device tensor under a CUDA graph)."""
+        return self.scaler.scale if self.device_scale is None else self.device_scale
+
     def step(self) -> tuple[bool, torch.Tensor]:
         """Steps 2-6 of the module docstring; call after `grad_buffer.finish()`, on every rank.
         Returns (applied, grad norm as a 0-dim device tensor); applied is False (and the norm
         nan) when an fp16 overflow skipped the step. Nothing reads back to the host except
-        fp16's overflow check, so the step can be captured in a CUDA graph."""
-        if self.cfg.fp16:
+        fp16's overflow check, so the step can be captured in a CUDA graph; under a graph
+        (`device_scale`) fp16 reads nothing back either: an overflow skips the update on the
+        device and returns a nan norm, and the caller settles it with `settle_overflow`."""
+        if self.device_scale is not None:
+            self.adam.found_inf = find_overflow(self.grads, self.device_scale, self.device, self.inf_group)
+        elif self.cfg.fp16:
             found_inf = unscale_and_check(self.grads, self.scaler.scale, self.device, self.inf_group)
             self.scaler.update(found_inf)
             if found_inf:
@@ -274,7 +301,23 @@ class BaseOptimizer(ABC):
         self._stage_grads()
         clip_grads_(self.step_grads, norm, self.cfg.clip_grad, self.adam)
         self._apply_update()
+        if self.device_scale is not None:
+            norm = torch.where(self.adam.found_inf.reshape(()) > 0, float("nan"), norm)
         return True, norm
+
+    def settle_overflow(self, grad_norm: float) -> bool:
+        """fp16 under a CUDA graph, after the step's results reached the host: a non-finite gradient
+        norm means the step overflowed and was skipped on the device. Update the scaler as the eager
+        step does and put its scale where the next replay reads it. Returns whether the step applied."""
+        found_inf = not math.isfinite(grad_norm)
+        self.scaler.update(found_inf)
+        self.device_scale.fill_(self.scaler.scale)
+        return not found_inf
+
+    def _load_scaler(self, state: dict) -> None:
+        self.scaler.load_state_dict(state)
+        if self.device_scale is not None:
+            self.device_scale.fill_(self.scaler.scale)
 
     def _apply_update(self) -> None:
         """Steps 5 and 6 (the offloaded optimizer steps and publishes chunk by chunk, or in the
@@ -344,7 +387,7 @@ class BaseOptimizer(ABC):
         moments and step count, the model parameters (set to the masters), the loss scaler."""
         self.fused_adam = None  # its pointer tables point at the moments about to be replaced
         self._load_state(saved["state"], int(saved["step"]))
-        self.scaler.load_state_dict(saved["grad_scaler"])
+        self._load_scaler(saved["grad_scaler"])
 
     # ---- torch_dist checkpoint state (this rank's share, read and written in place) ---------------------
     def step_count(self) -> int:
@@ -359,7 +402,7 @@ class BaseOptimizer(ABC):
         the masters where they are separate, the loss scaler."""
         self.fused_adam = None  # its pointer tables may point at replaced state
         self._finish_load(step)
-        self.scaler.load_state_dict(grad_scaler)
+        self._load_scaler(grad_scaler)
 
     @abstractmethod
     def owned_state(self) -> list[tuple[str, nn.Parameter, int, int, dict[str, torch.Tensor]]]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ class ScheduleConfig:
     pp_group: Optional[dist.ProcessGroup] = None       # None: the default (world) group
     prev_rank: Optional[int] = None                    # global ranks of the pipeline neighbours
     next_rank: Optional[int] = None
-    loss_scale: float = 1.0
+    loss_scale: Union[float, torch.Tensor] = 1.0         # fp16; a device tensor in a CUDA-graphed step
     no_sync: Callable[[], ContextManager] = contextlib.nullcontext  # wraps all but the last backward
     p2p_timeout: float = 600.0                         # seconds a p2p wait may take before it raises
     label: str = ""                                    # prefix for diagnostics, e.g. "iteration 12"

@@ -96,7 +96,7 @@ def schedule_config(run: Run, num_microbatches: int, label: str = "") -> Schedul
         tensor_shape=(cfg.model.seq_length // (run.topo.tp if cfg.model.sequence_parallel else 1),
                       cfg.train.micro_batch_size, cfg.model.hidden_size),                  # [s(/tp), b, h]
         pp_group=run.topo.groups.pp, prev_rank=run.topo.prev_rank(run.rank), next_rank=run.topo.next_rank(run.rank),
-        loss_scale=run.optimizer.scaler.scale, no_sync=run.grad_buffer.no_sync, pp_grad_group=run.topo.groups.pp_grad,
+        loss_scale=run.optimizer.loss_scale, no_sync=run.grad_buffer.no_sync, pp_grad_group=run.topo.groups.pp_grad,
         log_keys=LOG_KEYS)
 
 
@@ -165,6 +165,8 @@ def train_step(run: Run, dataset, state: TrainState, timers: Timers,
     timers.start("step (cuda graph)")
     out = graph(_lists(data))
     timers.stop("step (cuda graph)")
+    if run.cfg.train.fp16:  # an overflow skipped the update on the device; the loss scale moves on the host
+        return run.optimizer.settle_overflow(out[1].item()), out
     return True, out
 
 
