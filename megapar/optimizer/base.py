@@ -154,12 +154,13 @@ def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fused
 # ---- the shared step: unscale, norm, clip ----------------------------------------------------------
 def find_overflow(grads: list[torch.Tensor], scale: torch.Tensor, device: torch.device,
                   inf_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """Multiply grads by 1/scale in place; a [1] fp32 device tensor, 1.0 if any rank of inf_group saw
+    """Multiply grads by 1/scale in place; a 0-dim fp32 device tensor, 1.0 if any rank of inf_group saw
     inf/nan (collective when torch.distributed is initialised, so every rank must call it, even
-    with no grads). `scale`: a device tensor; nothing reads back to the host."""
-    found = torch.zeros(1, device=device)
+    with no grads). `scale`: a 0-dim device tensor; nothing reads back to the host. The shapes are
+    torch's GradScaler's, which torch's fused AdamW takes as its `found_inf`."""
+    found = torch.zeros((), device=device)
     if grads:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale.reciprocal().reshape(1))
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale.reciprocal())
     if dist.is_initialized():
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=inf_group)
     return found
@@ -302,7 +303,7 @@ class BaseOptimizer(ABC):
         clip_grads_(self.step_grads, norm, self.cfg.clip_grad, self.adam)
         self._apply_update()
         if self.device_scale is not None:
-            norm = torch.where(self.adam.found_inf.reshape(()) > 0, float("nan"), norm)
+            norm = torch.where(self.adam.found_inf > 0, float("nan"), norm)
         return True, norm
 
     def settle_overflow(self, grad_norm: float) -> bool:
