@@ -4,7 +4,8 @@ gradients, and one step path (`BaseOptimizer.step`):
     1. reduce grads    the GradBuffer reduces during backward and in `grad_buffer.finish()`, which
                        the caller runs before step(), in the optimizer's `grad_buffer_mode`
     2. unscale         [fp16] this rank's gradients *= 1/scale; inf/nan on any rank of inf_group
-                       skips the step on every rank, and the loss scaler updates
+                       skips the step on every rank, and the loss scaler updates (under a CUDA
+                       graph the skip happens on the device and the scaler updates after the step)
     3. norm            L2 norm of the gradients this rank counts, summed over norm_group
     4. clip            gradients /= max(1, norm / clip_grad), without a host sync
     5. step            AdamW on the masters this rank owns (torch's, or csrc's fused kernel)
@@ -280,7 +281,7 @@ class BaseOptimizer(ABC):
 
     # ---- step ------------------------------------------------------------------------------
     @property
-    def loss_scale(self):
+    def loss_scale(self) -> float | torch.Tensor:
         """What the schedule multiplies the loss by: the scaler's scale (a device tensor under a CUDA graph)."""
         return self.scaler.scale if self.device_scale is None else self.device_scale
 

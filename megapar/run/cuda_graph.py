@@ -19,7 +19,8 @@ Lifecycle (per GraphedStep):
      (queued behind the previous replay: the caller need not wait for it).
 What the graph reads must stay at the same address: the parameters, the fp32 masters, the Adam
 moments, the gradient buffer and the learning rate, which the optimizer keeps in a device tensor
-(make_adamw, capturable=True) that the LR scheduler fills in place before each replay.
+(make_adamw, capturable=True) that the LR scheduler fills in place before each replay, and fp16's
+loss scale, a device tensor the host refills after each step (optimizer/base.py, settle_overflow).
 What the step allocates and frees inside itself is captured with it: ZeRO-2's per-layer gradient
 buckets and ZeRO-3's gathered weights get the same addresses in the graph's memory pool at every
 replay, and the collectives that fill them (reduce-scatter, all-gather, the pipeline's
