@@ -47,6 +47,29 @@ def test_fused_wgrad_accumulates_into_main_grad_cpu(dtype):
     _fused_vs_reference(dtype, "cpu")
 
 
+def test_row_parallel_bias_joins_the_gemm_node_at_tp_1():
+    """At tp 1 nothing is reduced between a row-parallel GEMM and its bias, so the bias is added in
+    the GEMM's autograd node (one Python backward fewer), to the GEMM's output as a separate add
+    would: the output is bit for bit F.linear(x, W) + b, and the gradients are the reference's."""
+    row = RowParallelLinear(24, 16, Init(1, "b"), fused_grad_accumulation=True)
+    with torch.no_grad():
+        row.bias.normal_()
+    buf = GradBuffer(row.parameters(), None)
+    buf.start_step()
+    x = torch.randn(5, 2, 24, requires_grad=True)
+    y = row(x)
+    assert type(y.grad_fn).__name__ == "_LinearAccumulateGradBackward"        # one node, bias included
+    w, b, x_ref = (t.detach().clone().requires_grad_() for t in (row.weight, row.bias, x))
+    want = F.linear(x_ref, w) + b
+    assert torch.equal(y, want)
+    g = torch.randn_like(y)
+    y.backward(g)
+    want.backward(g)
+    assert row.weight.grad is None and row.bias.grad is None                    # the hooks freed the dummies
+    torch.testing.assert_close((x.grad, row.weight.main_grad, row.bias.main_grad), (x_ref.grad, w.grad, b.grad),
+                               rtol=1e-6, atol=1e-6)
+
+
 def test_unfused_layers_without_buffer_keep_plain_grads():
     layer = ColumnParallelLinear(16, 24, Init(1, "a"), fused_grad_accumulation=True)   # no GradBuffer -> no main_grad
     layer(torch.randn(3, 16)).sum().backward()

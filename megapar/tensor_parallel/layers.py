@@ -16,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .linear import add_bias, linear
-from .mappings import Group, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp, to_tp_region
+from .mappings import (Group, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp, to_tp_region,
+                       tp_world)
 
 if TYPE_CHECKING:
     from ..fp8 import Fp8Gemm
@@ -117,6 +118,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
+        if tp_world(self.tp_group) == 1:  # no reduction: the bias joins the GEMM's autograd node
+            return linear(x, self.weight, self.bias, fp8=self.fp8, bias_after_gemm=True)
         if self.sequence_parallel:
             y = reduce_scatter_to_sp(linear(x, self.weight, fp8=self.fp8), self.tp_group)  # [s/tp, b, out]
         else:

@@ -47,8 +47,10 @@ def _add_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor
     """main_grad [out, in] += grad_out^T [out, T] @ x [T, in], accumulated in main_grad's dtype."""
     if main_grad.is_cuda and grad_out.dtype != main_grad.dtype:
         torch.addmm(main_grad, grad_out.t(), x, out_dtype=main_grad.dtype, out=main_grad)
-    else:  # CPU (no mixed-dtype GEMM) or an fp32 model
+    elif grad_out.dtype != main_grad.dtype:  # CPU: no mixed-dtype GEMM
         main_grad.addmm_(grad_out.t().to(main_grad.dtype), x.to(main_grad.dtype))
+    else:  # an fp32 model
+        main_grad.addmm_(grad_out.t(), x)
 
 
 def _add_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> None:
@@ -103,32 +105,35 @@ def accumulate_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: boo
 
 
 class _LinearAccumulateGrad(torch.autograd.Function):
-    """forward: x W^T + b (x all-gathered along dim 0 first with sequence_parallel);
+    """forward: x W^T + b (x all-gathered along dim 0 first with sequence_parallel; with bias_after_gemm
+    the bias is added to the GEMM's rounded output, as a separate add would);
     backward: dx = g W (all-reduced, or reduce-scattered with sequence_parallel, over grad_x_group,
     overlapping the next two), W.main_grad += g^T x, b.main_grad += sum(g), dW, db = dummies."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 weight_main_grad: torch.Tensor, bias_main_grad: Optional[torch.Tensor], gemv: bool,
-                grad_x_group: Group, sequence_parallel: bool) -> torch.Tensor:
+                grad_x_group: Group, sequence_parallel: bool, bias_after_gemm: bool) -> torch.Tensor:
         if sequence_parallel:
             x = all_gather_dim0(x, grad_x_group)                                  # [s/tp, b, in] -> [s, b, in]
         ctx.save_for_backward(x, weight)
         # not saved tensors: every accumulation into the buffer bumps their version
         ctx.weight_main_grad, ctx.bias_main_grad, ctx.gemv = weight_main_grad, bias_main_grad, gemv
         ctx.grad_x_group, ctx.sequence_parallel = grad_x_group, sequence_parallel
+        if bias_after_gemm:
+            return F.linear(x, weight) + bias
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        grad_x = grad_out.matmul(weight)                                       # [*, in]
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])                         # [T, out]
+        grad_x = g2d.mm(weight).view(*grad_out.shape[:-1], weight.shape[1])    # [*, in]
         pending, group = None, ctx.grad_x_group
         if ctx.sequence_parallel:  # reduced in the background                 # [s/tp, b, in]
             grad_x, pending = reduce_scatter_dim0(grad_x, group, async_op=True)
         elif tp_world(group) > 1:  # grad_x is ours alone: reduced in place, in the background
             pending = dist.all_reduce(grad_x, group=group, async_op=True)
-        g2d = grad_out.reshape(-1, grad_out.shape[-1])                         # [T, out]
         accumulate_wgrad_(ctx.weight_main_grad, g2d, x.reshape(-1, x.shape[-1]))  # [out, in] += [out, T] @ [T, in]
         grad_b = None
         if ctx.bias_main_grad is not None:
@@ -136,7 +141,7 @@ class _LinearAccumulateGrad(torch.autograd.Function):
             grad_b = torch.empty(g2d.shape[-1], dtype=grad_out.dtype, device=grad_out.device)
         if pending is not None:
             pending.wait()
-        return grad_x, torch.empty_like(weight), grad_b, None, None, None, None, None
+        return grad_x, torch.empty_like(weight), grad_b, None, None, None, None, None, None
 
 
 class _BiasAddAccumulateGrad(torch.autograd.Function):
@@ -174,13 +179,15 @@ def _active(p: nn.Parameter) -> bool:
 
 def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] = None,
            grad_x_group: Group = None, sequence_parallel: bool = False,
-           fp8: Optional["Fp8Gemm"] = None) -> torch.Tensor:
+           fp8: Optional["Fp8Gemm"] = None, bias_after_gemm: bool = False) -> torch.Tensor:
     """F.linear, with the gradients accumulated into `main_grad` when the parameters allow it.
 
     grad_x_group: x is replicated over this TP group, so its gradient is all-reduced over it
     (copy_to_tp's backward, overlapped with the weight gradient on the fused path); with
     sequence_parallel x is this rank's part of the sequence, all-gathered first (gather_from_sp).
-    fp8: the GEMM runs with fp8 operands (megapar/fp8.py), scaled by this rank's own tensors."""
+    fp8: the GEMM runs with fp8 operands (megapar/fp8.py), scaled by this rank's own tensors.
+    bias_after_gemm: y = (x W^T) + b, the bias added to the GEMM's rounded output as `add_bias`
+    adds it (the row-parallel layer at tp 1), but in the same autograd node as the GEMM."""
     tp = tp_world(grad_x_group)
     if fp8 is not None:
         from ..fp8 import fp8_matmul
@@ -188,13 +195,16 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] =
         return y if bias is None else add_bias(y, bias)
     if _active(weight) and (bias is None or _active(bias)):
         accumulate = _linear_accumulate_eager if tp > 1 else _linear_accumulate
-        return accumulate(x, weight, bias, grad_x_group, sequence_parallel and tp > 1)
-    return F.linear(to_tp_region(x, grad_x_group, sequence_parallel), weight, bias)
+        return accumulate(x, weight, bias, grad_x_group, sequence_parallel and tp > 1, bias_after_gemm)
+    x = to_tp_region(x, grad_x_group, sequence_parallel)
+    if bias_after_gemm and bias is not None:
+        return add_bias(F.linear(x, weight), bias)
+    return F.linear(x, weight, bias)
 
 
-def _linear_accumulate(x, weight, bias, group: Group, sequence_parallel: bool) -> torch.Tensor:
+def _linear_accumulate(x, weight, bias, group: Group, sequence_parallel: bool, bias_after_gemm: bool) -> torch.Tensor:
     return _LinearAccumulateGrad.apply(x, weight, bias, weight.main_grad, None if bias is None else bias.main_grad,
-                                       _gemv(bias), group, sequence_parallel)
+                                       _gemv(bias), group, sequence_parallel, bias_after_gemm and bias is not None)
 
 
 # With TP collectives inside: eager under torch.compile, like those of mappings.py (a collective
