@@ -41,10 +41,16 @@ def median_step(step: Callable[[], None], steps: int = 30, warmup: int = 5) -> f
     return statistics.median(times)
 
 
-def nanogpt_step(nanogpt_dir: str, layers: int, dropout: float, device: str) -> Callable[[], None]:
+def nanogpt_module(nanogpt_dir: str):
+    """nanoGPT's model.py (its GPT, GPTConfig), loaded from the folder it was copied to."""
     spec = importlib.util.spec_from_file_location("nanogpt_model", os.path.join(nanogpt_dir, "model.py"))
-    nano = importlib.util.module_from_spec(spec)   # nanoGPT's model.py
+    nano = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(nano)
+    return nano
+
+
+def nanogpt_step(nanogpt_dir: str, layers: int, dropout: float, device: str) -> Callable[[], None]:
+    nano = nanogpt_module(nanogpt_dir)
     cfg = nano.GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=layers, n_head=HEADS, n_embd=HIDDEN,
                          dropout=dropout, bias=True)
     gpt = nano.GPT(cfg).to(device)

@@ -46,6 +46,7 @@ from typing import Callable, Optional, Sequence
 
 from bench_offload_vs_deepspeed import (ROOT, DsSpec, Shape, decay_groups, ds_spec, gpu_peak, load_spec,
                                         run_deepspeed, run_megapar, run_worker, worker_row)
+from bench_host_overhead import nanogpt_module  # benchmarks/bench_host_overhead.py
 from bench_train import bench_flags  # benchmarks/bench_train.py
 from megapar.config.recipes import GPT2_345M
 from megapar.errors import USER_ERROR_EXIT, MegaparError
@@ -105,8 +106,8 @@ def fsdp2_worker(payload_path: str) -> None:
     with open(payload_path) as f:
         payload = json.load(f)
     spec = load_spec(payload["spec"])
-    sys.path.insert(0, payload["nanogpt_dir"])
-    from model import GPT, GPTConfig  # nanoGPT's model.py
+    nano = nanogpt_module(payload["nanogpt_dir"])
+    GPT, GPTConfig = nano.GPT, nano.GPTConfig
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if payload["device"] == "cuda":

@@ -120,7 +120,7 @@ def test_a_failed_worker_is_a_row_with_its_last_error(bench, tmp_path):
     (tmp_path / "out").mkdir()
     got = bench.run_fsdp2(s, payload, None, str(tmp_path / "out" / "fsdp2.log"), 120, 1)
     assert got["system"] == "FSDP2 reshard_after_forward=False"
-    assert got["error"].startswith("rc=1: ModuleNotFoundError: No module named 'model'")
+    assert got["error"].startswith("rc=1: FileNotFoundError: ") and "model.py" in got["error"]
     assert (tmp_path / "out" / "fsdp2.log").read_text().count("Traceback") >= 1
 
 
