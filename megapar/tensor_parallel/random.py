@@ -75,7 +75,9 @@ class RNGStatesTracker:
         for k, (cpu, cuda) in states.items():
             self.cpu[k] = cpu.clone()
             if cuda is not None and self.device is not None:
-                self.cuda.setdefault(k, torch.Generator(device=self.device)).set_state(cuda)
+                if k not in self.cuda:  # (a recompute restores states twice per layer: no new generator each time)
+                    self.cuda[k] = torch.Generator(device=self.device)
+                self.cuda[k].set_state(cuda)
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
