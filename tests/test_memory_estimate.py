@@ -68,6 +68,9 @@ ZERO = [
     (["--zero-stage", "2"], 2 * N + (4 * L / 4 + 4 * E) + 12 * N / 4, 8 * ONE, 0),
     (["--zero-stage", "3"], (2 * L / 4 + 2 * E) + (4 * L / 4 + 4 * E) + 12 * N / 4, 4 * ONE + 8 * ONE, 0),
     (["--zero-stage", "1", "--optimizer-cpu-offload"], 2 * N + 4 * N, 0, 16 * N / 4),
+    # the delayed update's CPU-cast copy of the new bf16 weights
+    (["--zero-stage", "3", "--optimizer-cpu-offload", "--delayed-param-update"],
+     (2 * L / 4 + 2 * E) + (4 * L / 4 + 4 * E), 12 * ONE, 16 * N / 4 + 2 * N / 4),
     (["--zero-stage", "3", "--param-cpu-offload"], 2 * E + (4 * L / 4 + 4 * E) + 12 * N / 4, 12 * ONE, 2 * L / 4),
     (["--zero-stage", "3", "--optimizer-cpu-offload", "--param-cpu-offload"], 2 * E + (4 * L / 4 + 4 * E), 12 * ONE,
      16 * N / 4 + 2 * L / 4),

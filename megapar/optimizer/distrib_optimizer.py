@@ -246,6 +246,11 @@ class DistributedOptimizer(BaseOptimizer):
         self.h2d_stage = torch.empty(stage_numel, dtype=torch.float32, device=self.device) \
             if cuda and self.dtype != torch.float32 else None
         self.delayed = delayed
+        # --delayed-param-update on a GPU with a 16-bit model: the worker also casts each chunk's new
+        # masters into this pinned copy (hidden behind the next step), so the exposed send moves 2 B
+        # per parameter instead of 4 (the same rounding as the device's cast)
+        self.host_weights = torch.empty(self.buffer.layout.numel, dtype=self.dtype, pin_memory=True) \
+            if delayed and self.h2d_stage is not None else None
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megapar-delayed-update")
         self.pending: Optional[Future] = None   # the update running in the background
         self.unpublished = False                # it finished, the model does not have its weights yet
@@ -296,6 +301,8 @@ class DistributedOptimizer(BaseOptimizer):
                                grad_scale)
         if send:
             self._send(c, state["master_param"], wait=self.nvme is not None)
+        elif self.host_weights is not None:
+            self.host_weights[c.lo:c.hi].copy_(state["master_param"])
 
     def _start_sends(self) -> None:
         """The weights about to be overwritten may still be read by queued work (the delayed update
@@ -305,17 +312,18 @@ class DistributedOptimizer(BaseOptimizer):
 
     @torch.no_grad()
     def _send(self, c: Chunk, masters: torch.Tensor, wait: bool = False) -> None:
-        """Chunk `c`'s new fp32 masters (host) into its owned model-dtype shard. On GPUs, from pinned
-        memory without blocking, on the `h2d` stream: as fp32 through a device buffer, cast there
-        (torch's own cross-dtype copy would cast on the CPU into pageable memory and copy that
-        synchronously). wait: return once `masters` has been read."""
+        """Chunk `c`'s new weights (host: fp32 masters, or `host_weights`, already in the model's dtype)
+        into its owned model-dtype shard. On GPUs, from pinned memory without blocking, on the `h2d`
+        stream: fp32 through a device buffer, cast there (torch's own cross-dtype copy would cast on
+        the CPU into pageable memory and copy that synchronously). wait: return once `masters` has
+        been read."""
         off = self.shards[c.bucket][2]
         dst = self.owned_params[c.bucket][c.lo - off:c.hi - off]
         if self.h2d is None or dst.device.type != "cuda":   # a CPU run, or a ZeRO-3 shard kept on the CPU
             dst.copy_(masters)
             return
         with torch.cuda.stream(self.h2d):
-            if self.h2d_stage is None:
+            if self.h2d_stage is None or masters.dtype == dst.dtype:
                 dst.copy_(masters, non_blocking=True)
             else:
                 n = self.h2d_stage.numel()
@@ -342,8 +350,9 @@ class DistributedOptimizer(BaseOptimizer):
         if self.unpublished:
             self.unpublished = False
             self._start_sends()
+            weights = self.master_shard if self.host_weights is None else self.host_weights
             for c in self.chunks:
-                self._send(c, self.master_shard[c.lo:c.hi])
+                self._send(c, weights[c.lo:c.hi])
             self._publish_params(params_written=True)
 
     def step(self) -> tuple[bool, torch.Tensor]:

@@ -20,6 +20,7 @@ training flags.
                   rank) and keeps in host memory the gradient copy (4 n / dp) and two chunks of
                   state (2 x 12 B x the chunk: nvme.CHUNK_NUMEL elements, or the largest parameter
                   when it is larger, at most n / dp). Disk is summed over the ranks of a node too.
+                  --delayed-param-update with 16-bit weights adds their host copy (2 n / dp).
     activations = per layer and microbatch, bytes saved for backward (flash attention: no score
                   matrix), with s·b·h = seq × micro-batch × hidden:
                     LayerNorm inputs/outputs (replicated over TP)           8 s·b·h · bytes/2
@@ -144,6 +145,8 @@ def state_bytes(cfg: Config, n: int, layers: int, largest: int = 0) -> tuple[flo
         host += (12 + 4) * n / dp                           # masters + moments, and a gradient copy
     else:
         gpu += optimizer
+    if p.delayed_param_update and elem == 2:
+        host += 2 * n / dp                                  # the new weights, cast on the CPU
     return gpu, transient, host, disk
 
 
