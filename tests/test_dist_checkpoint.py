@@ -5,7 +5,7 @@ import os
 import pytest
 
 from megapar.checkpoint import TRACKER, iter_dir
-from megapar.checkpoint.dist import COMMON_FILE, read_common
+from megapar.checkpoint.dist import COMMON_FILE, WRITE_THREADS, read_common
 from distributed import run_distributed
 from train_helpers import TINY_TRAIN
 
@@ -62,7 +62,9 @@ def test_same_layout_resume_is_exact(embedded_data, tmp_path):
     assert resumed == full                                                       # bitwise on CPU
     common = read_common(iter_dir(str(tmp_path / "ck"), STOP))
     assert common["iteration"] == STOP and common["layout"]["tp"] == 1 and common["optimizer"]["step"] == STOP
-    assert sorted(os.listdir(iter_dir(str(tmp_path / "ck"), STOP))) == [".metadata", "__0_0.distcp", COMMON_FILE]
+    files = set(os.listdir(iter_dir(str(tmp_path / "ck"), STOP)))
+    data = {f"__0_{i}.distcp" for i in range(WRITE_THREADS)}             # one rank, its writer threads' files
+    assert files == {".metadata", COMMON_FILE} | data
 
 
 @pytest.mark.parametrize("save_at,load_at", [
