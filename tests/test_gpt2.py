@@ -111,3 +111,33 @@ def test_state_dict_keys_are_megatron_names():
     assert "language_model.encoder.layers.1.mlp.dense_4h_to_h.weight" in keys   # local index
     assert "language_model.encoder.layers.2.input_layernorm.bias" not in keys
     assert not any(k.startswith("language_model.embedding") for k in keys)
+
+
+def test_layers_built_in_parallel_threads_have_the_serial_weights_and_arrive_in_order(monkeypatch):
+    """Encoder builds up to BUILD_THREADS layers at once (each weight drawn from its own generator):
+    the weights equal a one-thread build's, and on_layer_built (ZeRO-3's sharding) sees the layers
+    in order with at most BUILD_THREADS built ahead."""
+    import megapar.model.gpt2 as gpt2
+    cfg = tiny_model_config(["--num-layers", "6"])
+
+    def build(threads: int) -> tuple[GPT2Model, list[int]]:
+        monkeypatch.setattr(gpt2, "BUILD_THREADS", threads)
+        seen, built = [], []
+        real = gpt2.TransformerLayer
+
+        def counted(*args):
+            built.append(args[1])
+            return real(*args)
+        monkeypatch.setattr(gpt2, "TransformerLayer", counted)
+        model = GPT2Model(cfg.model, Stage.of(6, 1, 0), seed=3,
+                          on_layer_built=lambda layer: seen.append((len(built), len(seen))))
+        monkeypatch.setattr(gpt2, "TransformerLayer", real)
+        for started, index in seen:                            # started: layers begun when `index` was added
+            assert started <= index + threads
+        return model, [i for _, i in seen]
+
+    serial, order = build(1)
+    parallel, order3 = build(3)
+    assert order == order3 == list(range(6))
+    for (name, a), (_, b) in zip(serial.state_dict().items(), parallel.state_dict().items()):
+        assert torch.equal(a, b), name

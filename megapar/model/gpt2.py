@@ -13,8 +13,11 @@ State-dict keys follow Megatron's legacy layout (docs/design.md), with layer ind
 """
 from __future__ import annotations
 
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -85,15 +88,36 @@ class Embedding(nn.Module):
         return sp_dropout(x, self.dropout, self.training, self.sequence_parallel)
 
 
+# Layers built at once: a layer's weights are drawn on the CPU, each from its own generator (serial
+# work that releases the GIL), so threads draw several layers in parallel with the same values.
+BUILD_THREADS = min(8, os.cpu_count() or 1)
+
+
+def built_in_order(build: Callable[[int], nn.Module], indices: range) -> Iterator[nn.Module]:
+    """build(i) for each of `indices`, yielded in order, with at most BUILD_THREADS built ahead of
+    the one yielded (bounded memory before ZeRO-3 shards each)."""
+    with ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="megapar-build") as pool:
+        ahead: deque = deque()
+        for i in indices:
+            ahead.append(pool.submit(build, i))
+            if len(ahead) == BUILD_THREADS:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+
+
 class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig, stage: Stage, seed: int, tp_group, device, dtype,
                  on_layer_built: Optional[Callable[[nn.Module], None]] = None):
         super().__init__()
+        if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # a new thread's current GPU is 0
         self.layers = nn.ModuleList()
-        for g in range(stage.layer_start, stage.layer_end):
-            self.layers.append(TransformerLayer(cfg, g, seed, tp_group, device, dtype))
+        for layer in built_in_order(lambda g: TransformerLayer(cfg, g, seed, tp_group, device, dtype),
+                                    range(stage.layer_start, stage.layer_end)):
+            self.layers.append(layer)
             if on_layer_built is not None:   # ZeRO-3 shards each layer as soon as it exists
-                on_layer_built(self.layers[-1])
+                on_layer_built(layer)
         if stage.is_last:
             self.final_layernorm = make_layernorm(cfg, device, dtype)
         self.full_recompute = cfg.recompute_granularity == "full"
