@@ -142,3 +142,22 @@ def test_the_optimizer_log_line_names_the_delayed_update():
     assert offload_text(cpu).startswith(", CPU offload, delayed parameter update")
     assert offload_text(nvme).startswith(", NVMe offload to /nvme, delayed parameter update")
     assert "delayed" not in offload_text(SimpleNamespace(**{**vars(cpu), "delayed_param_update": False}))
+
+
+@pytest.mark.parametrize("env,expect", [
+    ({}, "pinned_max_round_threshold_mb:64"),
+    ({"PYTORCH_ALLOC_CONF": "pinned_use_background_threads:True"},
+     "pinned_use_background_threads:True,pinned_max_round_threshold_mb:64"),
+    ({"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:8"}, "pinned_max_round_threshold_mb:8"),
+], ids=["default", "keeps-other-settings", "user-threshold-wins"])
+def test_large_pinned_buffers_are_not_rounded_to_a_power_of_two(env, expect):
+    """GPU runs ask PyTorch's pinned allocator for exact sizes above 64 MB (the offload buffers are
+    allocated once: power-of-two rounding would only waste host memory), keeping the user's settings."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch; from megapar.run.initialize import exact_large_pinned_buffers as f; f(); "
+            "print(torch._C._accelerator_getAllocatorSettings())")
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expect
