@@ -4,12 +4,13 @@ Each parameter gets `param.main_grad`, a view into the buffer. A hook after each
 accumulation adds `param.grad` into `main_grad` (fp32 accumulation across microbatches, whatever
 the parameter dtype) and frees `param.grad`; linear-layer weights and biases with
 gradient-accumulation fusion were accumulated by backward itself (tensor_parallel/linear.py),
-so the hook only frees their dummy. Vectors (LayerNorm weights and biases, unfused biases) are
-small and many, ~100 in GPT-2 345M, and one launch each for their fp32 += bf16 adds showed in the
-H100 profile (docs/performance.md#performance-log-predicted-vs-measured): the hook queues them, and
-when the bucket is complete (or in `finish()`) they
-are concatenated, cast once and added with one multi-tensor add (a foreach add straight from
-bf16 into fp32 would fall back to one add per tensor, as torch's foreach ops need equal dtypes).
+which hands autograd no gradient for them: their hook (still run, with `param.grad` None) adds
+nothing. Vectors (LayerNorm weights and biases, unfused biases) are small and many, ~100 in GPT-2
+345M, and one launch each for their fp32 += bf16 adds showed in the H100 profile
+(docs/performance.md#performance-log-predicted-vs-measured): the hook queues them, and when the
+bucket is complete (or in `finish()`) they are concatenated, cast once and added with one
+multi-tensor add (a foreach add straight from bf16 into fp32 would fall back to one add per tensor,
+as torch's foreach ops need equal dtypes).
 
 The buffer is cut into buckets (parameters in reverse registration order, roughly the order
 backward produces them). Each bucket is padded to a multiple of dp, so it splits into dp equal
@@ -107,12 +108,14 @@ class Bucket:
 
     def accumulate(self, p: nn.Parameter, add_grad: bool) -> None:
         """A gradient of `p` arrived: add it into `p.main_grad` (vectors queued for one multi-tensor
-        add; add_grad=False: backward accumulated it there itself) and free `p.grad`."""
-        if add_grad and p.dim() == 1:
+        add) and free `p.grad`; add_grad=False: backward accumulated it there itself (p.grad is None)."""
+        if not add_grad:
+            return
+        if p.dim() == 1:
             if id(p) in self.queued:  # a second microbatch: no repeated tensor in one foreach
                 self.add_queued()
             self.queued[id(p)] = (p.main_grad, p.grad)
-        elif add_grad:
+        else:
             p.main_grad.add_(p.grad)
         p.grad = None
 
