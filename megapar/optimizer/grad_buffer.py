@@ -18,8 +18,10 @@ shards; data-parallel rank d owns shard d of every bucket (the ZeRO-1 layout; wi
 bucket the buffer is simply cut into dp equal ranges). Reduction per bucket is either
   * all_reduce      (plain data parallelism: every rank gets the full averaged gradient), or
   * reduce_scatter  (ZeRO-1: each rank gets the averaged gradient of the shard it owns).
-With `overlap=True` a bucket's collective starts asynchronously as soon as its last gradient
-arrives during the final microbatch's backward; `finish()` waits for all of them.
+With `overlap=True` (and more than one dp rank) a bucket's collective starts asynchronously as soon
+as its last gradient arrives during the final microbatch's backward; `finish()` waits for all of
+them. Without it the fused parameters get no hook at all (each would cost a Python call per
+microbatch and do nothing).
 
 The sums travel in `reduce_dtype` (--grad-reduce-dtype): fp32 by default (Megatron's), or bf16 /
 fp16, half the bytes, as DeepSpeed's communication_data_type: each bucket is divided by dp in
@@ -199,7 +201,7 @@ class GradBuffer(GradReduction):
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"unknown grad-buffer mode {mode}")
         super().__init__(dp_group, tp_group, reduce_dtype)
-        self.mode, self.overlap = mode, overlap
+        self.mode, self.overlap = mode, overlap and self.dp > 1   # one rank has nothing to overlap
         late = list(late_params)
         late_ids = {id(p) for p in late}
         params = [p for p in params if p.requires_grad and id(p) not in late_ids][::-1]
@@ -213,7 +215,8 @@ class GradBuffer(GradReduction):
             for p in b.params:
                 start, end = self.param_range[id(p)]
                 p.main_grad = self.data[start:end].view_as(p)
-                p.register_post_accumulate_grad_hook(self._hook(b, add_grad=not fuses(p)))
+                if self.overlap or not fuses(p):  # a fused parameter's hook only counts it for its bucket
+                    p.register_post_accumulate_grad_hook(self._hook(b, add_grad=not fuses(p)))
         self.late_bucket = self.buckets[-1] if late else None
         self.tp_summed = [self.data[slice(*self.param_range[id(p)])] for p in tp_summed]
 
