@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from distributed import run_distributed
 from megapar.optimizer.grad_buffer import GradBuffer
 from megapar.tensor_parallel.layers import ColumnParallelLinear, Init, RowParallelLinear, full_normal
+from megapar.tensor_parallel.linear import add_bias
 from train_helpers import TINY_TRAIN, run_training
 
 
@@ -35,7 +36,7 @@ def _fused_vs_reference(dtype, device):
         layers[1](hidden).square().sum().backward()
         ref(x.double()).square().sum().backward()
     for r, l in zip(ref, layers):
-        assert l.weight.grad is None and l.bias.grad is None  # the hook freed the dummies
+        assert l.weight.grad is None and l.bias.grad is None  # backward handed autograd none
         for mine, want in ((l.weight.main_grad, r.weight.grad), (l.bias.main_grad, r.bias.grad)):
             assert mine.dtype == torch.float32
             tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -65,9 +66,102 @@ def test_row_parallel_bias_joins_the_gemm_node_at_tp_1():
     g = torch.randn_like(y)
     y.backward(g)
     want.backward(g)
-    assert row.weight.grad is None and row.bias.grad is None                    # the hooks freed the dummies
+    assert row.weight.grad is None and row.bias.grad is None                    # backward handed autograd none
     torch.testing.assert_close((x.grad, row.weight.main_grad, row.bias.main_grad), (x_ref.grad, w.grad, b.grad),
                                rtol=1e-6, atol=1e-6)
+
+
+def _grads_seen_by_hooks(params) -> list:
+    """A post-accumulate-grad hook on each parameter that records what p.grad held when it ran."""
+    seen = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: seen.append((p, p.grad)))
+    return seen
+
+
+def _fused_trio() -> tuple[nn.Module, nn.Module, nn.Parameter]:
+    """A column-parallel GEMM, a row-parallel one (its bias in the GEMM's node at tp 1) and a bias
+    added by a node of its own (`add_bias`, as at tp > 1): every fused backward."""
+    fused = dict(fused_grad_accumulation=True)
+    col, row = ColumnParallelLinear(16, 24, Init(1, "a"), **fused), RowParallelLinear(24, 16, Init(1, "b"), **fused)
+    extra_bias = nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(2)))
+    extra_bias.fused_grad_accumulation = True
+    return col, row, extra_bias
+
+
+def _trio_forward(trio, x: torch.Tensor) -> torch.Tensor:
+    col, row, extra_bias = trio
+    y = add_bias(row(col(x)), extra_bias)
+    assert type(y.grad_fn).__name__ == "_BiasAddAccumulateGradBackward"
+    return y
+
+
+def _trio_params(trio) -> list[nn.Parameter]:
+    return [*trio[0].parameters(), *trio[1].parameters(), trio[2]]
+
+
+def test_fused_parameters_get_no_gradient_but_their_hooks_run():
+    """The fused backward hands autograd no gradient for the parameters it accumulated into
+    main_grad, so none is allocated, stored and freed; autograd still runs each one's
+    post-accumulate-grad hook once per backward (what the overlapped bucket reductions count on)."""
+    trio = _fused_trio()
+    params = _trio_params(trio)
+    GradBuffer(params, None).start_step()
+    seen = _grads_seen_by_hooks(params)
+    for x in _microbatches(torch.float32, "cpu", n=2):
+        _trio_forward(trio, x).square().sum().backward()
+    assert sorted(id(p) for p, _ in seen) == sorted(2 * [id(p) for p in params])
+    assert all(grad is None for _, grad in seen)
+    assert all(p.main_grad.abs().sum() > 0 for p in params)
+
+
+def test_grad_buffer_hooks_no_fused_parameter_without_overlap(monkeypatch):
+    """Without an overlapped reduction (and on one data-parallel rank even when asked for one) the
+    GradBuffer has nothing to do when a fused parameter's gradient arrives: it hooks only the
+    others (each hook is a Python call per parameter and microbatch)."""
+    from megapar.optimizer.grad_buffer import Bucket
+    calls = []
+    accumulate = Bucket.accumulate
+    monkeypatch.setattr(Bucket, "accumulate", lambda self, p, add_grad: calls.append(p) or accumulate(self, p, add_grad))
+    trio, plain = _fused_trio(), nn.Parameter(torch.ones(16))
+    buf = GradBuffer([*_trio_params(trio), plain], None, overlap=True)
+    buf.start_step()
+    (_trio_forward(trio, _microbatches(torch.float32, "cpu", n=1)[0]) * plain).sum().backward()
+    assert not buf.overlap and calls == [plain]
+    buf.finish()
+    assert plain.main_grad.abs().sum() > 0
+
+
+def _overlap_body(rank: int, world_size: int) -> dict:
+    """dp 2, one bucket per parameter: with overlap every bucket's all-reduce is launched by the
+    fused parameters' hooks during backward; without it, in finish(). The sums agree."""
+    out = {}
+    for overlap in (True, False):
+        trio = _fused_trio()
+        params = _trio_params(trio)
+        buf = GradBuffer(params, dist.group.WORLD, bucket_numel=1, overlap=overlap)
+        buf.start_step()
+        x = _microbatches(torch.float32, "cpu", n=world_size)[rank]
+        _trio_forward(trio, x).square().sum().backward()
+        launched = [b.handle is not None for b in buf.buckets]
+        buf.finish()
+        out[overlap] = launched, [p.main_grad.clone() for p in params]
+    return out
+
+
+def test_eager_fused_gemm_skips_the_python_layer_of_function_apply(monkeypatch):
+    """Eager, the fused Functions are applied through the C++ apply beneath
+    torch.autograd.Function.apply (its Python layer is host time per GEMM that training does not need)."""
+    calls = []
+    apply = torch.autograd.Function.apply.__func__
+    monkeypatch.setattr(torch.autograd.Function, "apply",
+                        classmethod(lambda cls, *args: calls.append(cls) or apply(cls, *args)))
+    layer = ColumnParallelLinear(16, 24, Init(1, "a"), fused_grad_accumulation=True)
+    GradBuffer(layer.parameters(), None).start_step()
+    y = layer(torch.randn(5, 16))
+    assert type(y.grad_fn).__name__ == "_LinearAccumulateGradBackward" and calls == []
+    y.sum().backward()
+    assert layer.weight.main_grad.abs().sum() > 0
 
 
 def test_unfused_layers_without_buffer_keep_plain_grads():
@@ -92,16 +186,19 @@ def test_fused_wgrad_accumulates_into_main_grad_cuda(dtype):
 
 def _compiled_vs_eager(device: str, dtype: torch.dtype, tol: float) -> None:
     """main_grad (weight and bias) after microbatches through torch.compile equals eager's: the
-    accumulations run as custom ops while compiling, as plain calls in eager mode."""
+    accumulations run as custom ops while compiling, as plain calls in eager mode. The compiled
+    backward, too, hands autograd no gradient for them and their hooks still run."""
     layer = ColumnParallelLinear(16, 24, Init(1, "a"), fused_grad_accumulation=True, device=device, dtype=dtype)
     buf = GradBuffer(layer.parameters(), None)
     buf.start_step()
+    seen = _grads_seen_by_hooks(layer.parameters())
     compiled = torch.compile(layer)
     xs = _microbatches(dtype, device)
     for x in xs:
         compiled(x).float().square().sum().backward()
     got = layer.weight.main_grad.clone(), layer.bias.main_grad.clone()
     assert got[0].abs().sum() > 0
+    assert len(seen) == 2 * len(xs) and all(grad is None for _, grad in seen)
     buf.start_step()
     for x in xs:
         layer(x).float().square().sum().backward()
@@ -174,9 +271,17 @@ def _tp_fused_body(rank, tp):
     return errors
 
 
-def test_tp2_fused_layers_match_serial_twin():
-    for errors in run_distributed(_tp_fused_body, world_size=2):
+def _two_rank_body(rank, world_size):
+    return _tp_fused_body(rank, world_size), _overlap_body(rank, world_size)
+
+
+def test_tp2_fused_layers_match_serial_twin_and_dp2_overlaps():
+    """Both bodies in one pair of processes (spawning them is most of the time)."""
+    for errors, overlapped in run_distributed(_two_rank_body, world_size=2):
         assert max(errors) < 1e-4, errors
+        assert all(overlapped[True][0]) and not any(overlapped[False][0])
+        for a, b in zip(overlapped[True][1], overlapped[False][1]):
+            assert torch.equal(a, b) and a.abs().sum() > 0
 
 
 def _layer_main_grads(flags):

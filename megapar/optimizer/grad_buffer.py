@@ -4,12 +4,13 @@ Each parameter gets `param.main_grad`, a view into the buffer. A hook after each
 accumulation adds `param.grad` into `main_grad` (fp32 accumulation across microbatches, whatever
 the parameter dtype) and frees `param.grad`; linear-layer weights and biases with
 gradient-accumulation fusion were accumulated by backward itself (tensor_parallel/linear.py),
-so the hook only frees their dummy. Vectors (LayerNorm weights and biases, unfused biases) are
-small and many, ~100 in GPT-2 345M, and one launch each for their fp32 += bf16 adds showed in the
-H100 profile (docs/performance.md#performance-log-predicted-vs-measured): the hook queues them, and
-when the bucket is complete (or in `finish()`) they
-are concatenated, cast once and added with one multi-tensor add (a foreach add straight from
-bf16 into fp32 would fall back to one add per tensor, as torch's foreach ops need equal dtypes).
+which hands autograd no gradient for them: their hook (still run, with `param.grad` None) adds
+nothing. Vectors (LayerNorm weights and biases, unfused biases) are small and many, ~100 in GPT-2
+345M, and one launch each for their fp32 += bf16 adds showed in the H100 profile
+(docs/performance.md#performance-log-predicted-vs-measured): the hook queues them, and when the
+bucket is complete (or in `finish()`) they are concatenated, cast once and added with one
+multi-tensor add (a foreach add straight from bf16 into fp32 would fall back to one add per tensor,
+as torch's foreach ops need equal dtypes).
 
 The buffer is cut into buckets (parameters in reverse registration order, roughly the order
 backward produces them). Each bucket is padded to a multiple of dp, so it splits into dp equal
@@ -17,8 +18,10 @@ shards; data-parallel rank d owns shard d of every bucket (the ZeRO-1 layout; wi
 bucket the buffer is simply cut into dp equal ranges). Reduction per bucket is either
   * all_reduce      (plain data parallelism: every rank gets the full averaged gradient), or
   * reduce_scatter  (ZeRO-1: each rank gets the averaged gradient of the shard it owns).
-With `overlap=True` a bucket's collective starts asynchronously as soon as its last gradient
-arrives during the final microbatch's backward; `finish()` waits for all of them.
+With `overlap=True` (and more than one dp rank) a bucket's collective starts asynchronously as soon
+as its last gradient arrives during the final microbatch's backward; `finish()` waits for all of
+them. Without it the fused parameters get no hook at all (each would cost a Python call per
+microbatch and do nothing).
 
 The sums travel in `reduce_dtype` (--grad-reduce-dtype): fp32 by default (Megatron's), or bf16 /
 fp16, half the bytes, as DeepSpeed's communication_data_type: each bucket is divided by dp in
@@ -107,12 +110,14 @@ class Bucket:
 
     def accumulate(self, p: nn.Parameter, add_grad: bool) -> None:
         """A gradient of `p` arrived: add it into `p.main_grad` (vectors queued for one multi-tensor
-        add; add_grad=False: backward accumulated it there itself) and free `p.grad`."""
-        if add_grad and p.dim() == 1:
+        add) and free `p.grad`; add_grad=False: backward accumulated it there itself (p.grad is None)."""
+        if not add_grad:
+            return
+        if p.dim() == 1:
             if id(p) in self.queued:  # a second microbatch: no repeated tensor in one foreach
                 self.add_queued()
             self.queued[id(p)] = (p.main_grad, p.grad)
-        elif add_grad:
+        else:
             p.main_grad.add_(p.grad)
         p.grad = None
 
@@ -196,7 +201,7 @@ class GradBuffer(GradReduction):
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"unknown grad-buffer mode {mode}")
         super().__init__(dp_group, tp_group, reduce_dtype)
-        self.mode, self.overlap = mode, overlap
+        self.mode, self.overlap = mode, overlap and self.dp > 1   # one rank has nothing to overlap
         late = list(late_params)
         late_ids = {id(p) for p in late}
         params = [p for p in params if p.requires_grad and id(p) not in late_ids][::-1]
@@ -210,7 +215,8 @@ class GradBuffer(GradReduction):
             for p in b.params:
                 start, end = self.param_range[id(p)]
                 p.main_grad = self.data[start:end].view_as(p)
-                p.register_post_accumulate_grad_hook(self._hook(b, add_grad=not fuses(p)))
+                if self.overlap or not fuses(p):  # a fused parameter's hook only counts it for its bucket
+                    p.register_post_accumulate_grad_hook(self._hook(b, add_grad=not fuses(p)))
         self.late_bucket = self.buckets[-1] if late else None
         self.tp_summed = [self.data[slice(*self.param_range[id(p)])] for p in tp_summed]
 

@@ -6,10 +6,13 @@ hands it to the parameter, and the GradBuffer hook adds it into the fp32 `main_g
 and bias also costs a Python hook call and a kernel launch. Fused, the GEMM itself accumulates in
 fp32 into `main_grad` (cuBLAS with bf16 inputs, an fp32 C and beta = 1:
 `torch.addmm(..., out_dtype=float32)`), the bias gradient is added to its `main_grad` without a
-hook, and autograd receives uninitialised dummies so the GradBuffer's per-parameter hook still
-fires (it drives the bucketed all-reduce) but adds nothing. Tried against a 345M H100 profile that
-put several ms of the step in the unfused path; the step's wall time moved by less than the
-run-to-run spread (it is partly launch-bound; docs/performance.md#performance-log-predicted-vs-measured).
+hook, and autograd receives no gradient for either (no dummy to allocate, hand over and free):
+it still runs the GradBuffer's per-parameter post-accumulate-grad hook, with `p.grad` None, which
+adds nothing but drives the bucketed all-reduce
+(`tests/test_wgrad_fusion.py::test_fused_parameters_get_no_gradient_but_their_hooks_run`). Tried
+against a 345M H100 profile that put several ms of the step in the unfused path; the step's wall
+time moved by less than the run-to-run spread (it is partly launch-bound;
+docs/performance.md#performance-log-predicted-vs-measured).
 
 A parameter takes this path only when its layer marked it `fused_grad_accumulation` and it has a
 `main_grad` (set by the GradBuffer); the hook reads the same mark. Under torch.compile the
@@ -108,7 +111,7 @@ class _LinearAccumulateGrad(torch.autograd.Function):
     """forward: x W^T + b (x all-gathered along dim 0 first with sequence_parallel; with bias_after_gemm
     the bias is added to the GEMM's rounded output, as a separate add would);
     backward: dx = g W (all-reduced, or reduce-scattered with sequence_parallel, over grad_x_group,
-    overlapping the next two), W.main_grad += g^T x, b.main_grad += sum(g), dW, db = dummies."""
+    overlapping the next two), W.main_grad += g^T x, b.main_grad += sum(g), dW, db = None."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -135,17 +138,15 @@ class _LinearAccumulateGrad(torch.autograd.Function):
         elif tp_world(group) > 1:  # grad_x is ours alone: reduced in place, in the background
             pending = dist.all_reduce(grad_x, group=group, async_op=True)
         accumulate_wgrad_(ctx.weight_main_grad, g2d, x.reshape(-1, x.shape[-1]))  # [out, in] += [out, T] @ [T, in]
-        grad_b = None
         if ctx.bias_main_grad is not None:
             accumulate_bgrad_(ctx.bias_main_grad, g2d, ctx.gemv)
-            grad_b = torch.empty(g2d.shape[-1], dtype=grad_out.dtype, device=grad_out.device)
         if pending is not None:
             pending.wait()
-        return grad_x, torch.empty_like(weight), grad_b, None, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None, None, None
 
 
 class _BiasAddAccumulateGrad(torch.autograd.Function):
-    """forward: y + b; backward: dy = g, b.main_grad += sum(g), db = dummy."""
+    """forward: y + b; backward: dy = g, b.main_grad += sum(g), db = None."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, bias: torch.Tensor, bias_main_grad: torch.Tensor, gemv: bool) -> torch.Tensor:
@@ -155,11 +156,22 @@ class _BiasAddAccumulateGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         accumulate_bgrad_(ctx.bias_main_grad, grad_out.reshape(-1, grad_out.shape[-1]), ctx.gemv)
-        return grad_out, torch.empty_like(ctx.bias_main_grad, dtype=grad_out.dtype), None, None
+        return grad_out, None, None, None
+
+
+def _apply(fn: type[torch.autograd.Function], *args) -> torch.Tensor:
+    """fn.apply(*args); in eager mode through the C++ apply beneath torch.autograd.Function.apply,
+    whose Python layer, on every call, binds arguments for a `setup_context` (this file's Functions
+    define none), routes functorch transforms (checked here) and unwraps dead functorch wrappers
+    (tensors that escaped a finished transform; training has none). torch.compile traces the
+    public `apply`."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return fn.apply(*args)
+    return super(torch.autograd.Function, fn).apply(*args)
 
 
 def fuses(p: Optional[nn.Parameter]) -> bool:
-    """True when backward accumulates p's gradient into p.main_grad itself (p.grad is a dummy)."""
+    """True when backward accumulates p's gradient into p.main_grad itself (and hands autograd none)."""
     return p is not None and getattr(p, "fused_grad_accumulation", False) and hasattr(p, "main_grad")
 
 
@@ -203,8 +215,8 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] =
 
 
 def _linear_accumulate(x, weight, bias, group: Group, sequence_parallel: bool, bias_after_gemm: bool) -> torch.Tensor:
-    return _LinearAccumulateGrad.apply(x, weight, bias, weight.main_grad, None if bias is None else bias.main_grad,
-                                       _gemv(bias), group, sequence_parallel, bias_after_gemm and bias is not None)
+    return _apply(_LinearAccumulateGrad, x, weight, bias, weight.main_grad, None if bias is None else bias.main_grad,
+                  _gemv(bias), group, sequence_parallel, bias_after_gemm and bias is not None)
 
 
 # With TP collectives inside: eager under torch.compile, like those of mappings.py (a collective
@@ -215,5 +227,5 @@ _linear_accumulate_eager = torch.compiler.disable(_linear_accumulate)
 def add_bias(y: torch.Tensor, bias: nn.Parameter) -> torch.Tensor:
     """y + bias, with the bias gradient accumulated into `bias.main_grad` when it allows it."""
     if _active(bias):
-        return _BiasAddAccumulateGrad.apply(y, bias, bias.main_grad, _gemv(bias))
+        return _apply(_BiasAddAccumulateGrad, y, bias, bias.main_grad, _gemv(bias))
     return y + bias
