@@ -311,3 +311,18 @@ def test_queued_vector_grads_match_fused_accumulation():
     for name, want in fused.items():
         assert want.abs().sum() > 0, name
         torch.testing.assert_close(hooked[name], want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_torch_that_skips_the_hooks_of_parameters_without_a_gradient_is_refused(monkeypatch):
+    """The overlapped and ZeRO-2/3 reductions count fused parameters through hooks that autograd must
+    run although backward gives them no gradient: a torch that skips them is refused in one line,
+    never left to lose those gradients."""
+    from megapar.tensor_parallel import linear as lin
+    from megapar.topology import ConfigError
+    assert lin._hooks_run_without_gradient()                      # this torch runs them
+    monkeypatch.setattr(lin, "_hooks_run_without_gradient", lambda: False)
+    from megapar.optimizer.sharded_grads import ShardedGradBuffer
+    layer = ColumnParallelLinear(16, 24, Init(1, "a"), fused_grad_accumulation=True)
+    with pytest.raises(ConfigError, match="--no-gradient-accumulation-fusion"):
+        ShardedGradBuffer([layer], [], None)                     # ZeRO-2/3: each layer's hooks count it
+    GradBuffer(layer.parameters(), None)                          # one rank, no overlap: no hook counts them

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..tensor_parallel.linear import fuses
+from ..tensor_parallel.linear import fuses, require_hooks_without_gradient
 from ..tensor_parallel.mappings import reduce_scatter_tensor
 
 
@@ -211,6 +211,8 @@ class GradBuffer(GradReduction):
         self.layout = ShardLayout(self.buckets, self.dp, self.dp_rank)
         self.device = device
         self.data = torch.zeros(self.buckets[-1].end if self.buckets else 0, dtype=torch.float32, device=device)
+        if self.overlap and any(getattr(p, "fused_grad_accumulation", False) for b in self.buckets for p in b.params):
+            require_hooks_without_gradient()
         for b in self.buckets:
             for p in b.params:
                 start, end = self.param_range[id(p)]

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..tensor_parallel.linear import fuses
+from ..tensor_parallel.linear import fuses, require_hooks_without_gradient
 from .grad_buffer import Bucket, GradReduction, ShardLayout, reduce
 from .sharded_params import unit_offsets
 
@@ -60,6 +60,8 @@ class ShardedGradBuffer(GradReduction):
         self.shard_data = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)  # [sum of shards]
         self.edge_data = torch.zeros(self.edge.end - self.edge.start if edge else 0, dtype=torch.float32,
                                      device=self.device)
+        if any(getattr(p, "fused_grad_accumulation", False) for b in self.buckets for p in b.params):
+            require_hooks_without_gradient()
         for i, b in enumerate(self.buckets):
             b.data = self.edge_data if b is self.edge else \
                 torch.zeros(b.end - b.start, dtype=torch.float32, device=self.device)        # [bucket]

@@ -33,6 +33,7 @@ gradient, which the GradBuffer hook adds to `main_grad`) and its bias is added b
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -168,6 +169,34 @@ def _apply(fn: type[torch.autograd.Function], *args) -> torch.Tensor:
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return fn.apply(*args)
     return super(torch.autograd.Function, fn).apply(*args)
+
+
+@functools.cache
+def _hooks_run_without_gradient() -> bool:
+    """Whether autograd runs a leaf's post-accumulate-grad hook when backward hands it no gradient."""
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g: torch.Tensor):
+            return g, None
+    w, ran = torch.zeros(1, requires_grad=True), []
+    w.register_post_accumulate_grad_hook(lambda _: ran.append(True))
+    Probe.apply(torch.zeros(1, requires_grad=True), w).sum().backward()
+    return bool(ran)
+
+
+def require_hooks_without_gradient() -> None:
+    """Gradient buffers whose reductions count fused parameters through their post-accumulate-grad
+    hooks rely on autograd running them although the fused backward hands those parameters no
+    gradient (torch does; undocumented). Refuse a torch that does not, rather than lose gradients."""
+    if not _hooks_run_without_gradient():
+        from ..topology import ConfigError
+        raise ConfigError(f"torch {torch.__version__} does not run a parameter's post-accumulate-grad hook when "
+                          f"backward gives it no gradient, which the fused gradient accumulation relies on; add "
+                          f"--no-gradient-accumulation-fusion or use a newer torch")
 
 
 def fuses(p: Optional[nn.Parameter]) -> bool:
