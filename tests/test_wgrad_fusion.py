@@ -122,7 +122,8 @@ def test_grad_buffer_hooks_no_fused_parameter_without_overlap(monkeypatch):
     from megapar.optimizer.grad_buffer import Bucket
     calls = []
     accumulate = Bucket.accumulate
-    monkeypatch.setattr(Bucket, "accumulate", lambda self, p, add_grad: calls.append(p) or accumulate(self, p, add_grad))
+    monkeypatch.setattr(Bucket, "accumulate",
+                        lambda self, p, add_grad: calls.append(p) or accumulate(self, p, add_grad))
     trio, plain = _fused_trio(), nn.Parameter(torch.ones(16))
     buf = GradBuffer([*_trio_params(trio), plain], None, overlap=True)
     buf.start_step()
