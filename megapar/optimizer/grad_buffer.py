@@ -211,8 +211,8 @@ class GradBuffer(GradReduction):
         self.layout = ShardLayout(self.buckets, self.dp, self.dp_rank)
         self.device = device
         self.data = torch.zeros(self.buckets[-1].end if self.buckets else 0, dtype=torch.float32, device=device)
-        if self.overlap and any(getattr(p, "fused_grad_accumulation", False) for b in self.buckets for p in b.params):
-            require_hooks_without_gradient()
+        if self.overlap:
+            require_hooks_without_gradient(p for b in self.buckets for p in b.params)
         for b in self.buckets:
             for p in b.params:
                 start, end = self.param_range[id(p)]

@@ -60,8 +60,7 @@ class ShardedGradBuffer(GradReduction):
         self.shard_data = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)  # [sum of shards]
         self.edge_data = torch.zeros(self.edge.end - self.edge.start if edge else 0, dtype=torch.float32,
                                      device=self.device)
-        if any(getattr(p, "fused_grad_accumulation", False) for b in self.buckets for p in b.params):
-            require_hooks_without_gradient()
+        require_hooks_without_gradient(p for b in self.buckets for p in b.params)
         for i, b in enumerate(self.buckets):
             b.data = self.edge_data if b is self.edge else \
                 torch.zeros(b.end - b.start, dtype=torch.float32, device=self.device)        # [bucket]

@@ -71,9 +71,8 @@ def exact_large_pinned_buffers() -> None:
     put = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if get is None or put is None:
         return
-    current = get() or ""
-    chosen = current + "".join(os.environ.get(k, "") for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
-    if "pinned_max_round_threshold" in chosen:
+    current = get() or ""            # the user's PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF until set
+    if "pinned_max_round_threshold" in current:
         return
     mine = f"pinned_max_round_threshold_mb:{PINNED_ROUND_LIMIT_MB}"
     put(f"{current},{mine}" if current else mine)

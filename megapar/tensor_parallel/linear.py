@@ -188,11 +188,12 @@ def _hooks_run_without_gradient() -> bool:
     return bool(ran)
 
 
-def require_hooks_without_gradient() -> None:
-    """Gradient buffers whose reductions count fused parameters through their post-accumulate-grad
-    hooks rely on autograd running them although the fused backward hands those parameters no
-    gradient (torch does; undocumented). Refuse a torch that does not, rather than lose gradients."""
-    if not _hooks_run_without_gradient():
+def require_hooks_without_gradient(params) -> None:
+    """Gradient buffers whose reductions count fused parameters (among `params`) through their
+    post-accumulate-grad hooks rely on autograd running them although the fused backward hands those
+    parameters no gradient (torch does; undocumented). Refuse a torch that does not, rather than
+    lose gradients."""
+    if any(getattr(p, "fused_grad_accumulation", False) for p in params) and not _hooks_run_without_gradient():
         from ..topology import ConfigError
         raise ConfigError(f"torch {torch.__version__} does not run a parameter's post-accumulate-grad hook when "
                           f"backward gives it no gradient, which the fused gradient accumulation relies on; add "
