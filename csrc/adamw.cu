@@ -19,7 +19,7 @@ int64_t adamw_chunk_elems() { return kAdamChunk; }
 int adamw_table_cols() { return kAdamCols; }
 
 const char* adamw_step(const int64_t* tensors, const int64_t* chunks, int64_t n_chunks, const float* hyper,
-                       const float* step, const float* grad_scale, float beta1, float beta2, float eps,
+                       const float* step, const float* grad_scale, const float* found_inf, float beta1, float beta2, float eps,
                        DType param_dtype, cudaStream_t stream) {
   if (n_chunks == 0) return nullptr;
   if (n_chunks > 0x7fffffff) return "adamw: too many chunks for one launch";
@@ -27,13 +27,13 @@ const char* adamw_step(const int64_t* tensors, const int64_t* chunks, int64_t n_
   const unsigned blocks = static_cast<unsigned>(n_chunks);
   switch (param_dtype) {
     case DType::kBFloat16:
-      adamw_kernel<__nv_bfloat16><<<blocks, kAdamThreads, 0, stream>>>(tensors, chunks, hyper, step, grad_scale, c);
+      adamw_kernel<__nv_bfloat16><<<blocks, kAdamThreads, 0, stream>>>(tensors, chunks, hyper, step, grad_scale, found_inf, c);
       break;
     case DType::kFloat16:
-      adamw_kernel<__half><<<blocks, kAdamThreads, 0, stream>>>(tensors, chunks, hyper, step, grad_scale, c);
+      adamw_kernel<__half><<<blocks, kAdamThreads, 0, stream>>>(tensors, chunks, hyper, step, grad_scale, found_inf, c);
       break;
     case DType::kFloat32:  // no low-precision copy (fp32 model: the master is the parameter)
-      adamw_kernel<float><<<blocks, kAdamThreads, 0, stream>>>(tensors, chunks, hyper, step, grad_scale, c);
+      adamw_kernel<float><<<blocks, kAdamThreads, 0, stream>>>(tensors, chunks, hyper, step, grad_scale, found_inf, c);
       break;
   }
   return last_error();

@@ -25,13 +25,15 @@ void check_table(const torch::Tensor& t, const torch::Tensor& ref, torch::Scalar
 // param_dtype: the model parameters' dtype name, "bfloat16" or "float16" ("float32" when there is
 // no low-precision copy).
 void adamw_step(const torch::Tensor& tensors, const torch::Tensor& chunks, const torch::Tensor& hyper,
-                const torch::Tensor& step, const std::optional<torch::Tensor>& grad_scale, double beta1, double beta2,
+                const torch::Tensor& step, const std::optional<torch::Tensor>& grad_scale,
+                const std::optional<torch::Tensor>& found_inf, double beta1, double beta2,
                 double eps, const std::string& param_dtype) {
   check_table(tensors, tensors, torch::kInt64, megapar::adamw_table_cols(), "tensor table");
   check_table(chunks, tensors, torch::kInt64, 2, "chunk table");
   check_table(hyper, tensors, torch::kFloat32, 2, "hyper-parameter table");
   check_table(step, tensors, torch::kFloat32, -1, "step");
   if (grad_scale.has_value()) check_table(*grad_scale, tensors, torch::kFloat32, -1, "grad_scale");
+  if (found_inf.has_value()) check_table(*found_inf, tensors, torch::kFloat32, -1, "found_inf");
   megapar::DType dt = megapar::DType::kFloat32;
   if (param_dtype == "bfloat16") {
     dt = megapar::DType::kBFloat16;
@@ -44,7 +46,8 @@ void adamw_step(const torch::Tensor& tensors, const torch::Tensor& chunks, const
   const c10::cuda::CUDAGuard guard(tensors.device());
   const char* err = megapar::adamw_step(
       tensors.data_ptr<int64_t>(), chunks.data_ptr<int64_t>(), chunks.size(0), hyper.data_ptr<float>(),
-      step.data_ptr<float>(), grad_scale ? grad_scale->data_ptr<float>() : nullptr, static_cast<float>(beta1),
+      step.data_ptr<float>(), grad_scale ? grad_scale->data_ptr<float>() : nullptr,
+      found_inf ? found_inf->data_ptr<float>() : nullptr, static_cast<float>(beta1),
       static_cast<float>(beta2), static_cast<float>(eps), dt, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == nullptr, "megapar_kernels.adamw_step: ", err ? err : "");
 }
@@ -55,7 +58,7 @@ void register_adamw(pybind11::module_& m) {
   m.def("adamw_step", &adamw_step,
         "AdamW on fp32 masters over a tensor table in one launch, writing the model's low-precision copy",
         py::arg("tensors"), py::arg("chunks"), py::arg("hyper"), py::arg("step"), py::arg("grad_scale"),
-        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("param_dtype"));
+        py::arg("found_inf"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("param_dtype"));
   m.attr("adamw_chunk_elems") = megapar::adamw_chunk_elems();
   m.attr("adamw_table_cols") = megapar::adamw_table_cols();
 }

@@ -8,7 +8,8 @@
 //   chunks  [c, 2]     int64: (tensor, first element); one thread block per chunk of kChunk elements
 //   hyper   [G, 2]     fp32:  (lr, weight decay) per param group, refreshed on the device each step
 //   step    [1]        fp32:  the step number of this update (already incremented)
-//   grad_scale [1]     fp32 or nullptr: gradients are divided by it (global-norm clipping)
+//   grad_scale [1]     fp32 or nullptr: gradients are divided by it (global-norm clipping, fp16's loss scale)
+//   found_inf  [1]     fp32 or nullptr: nonzero skips the update (an fp16 overflow found on the device)
 #pragma once
 
 #include "common.cuh"
@@ -37,7 +38,9 @@ __global__ void __launch_bounds__(kAdamThreads) adamw_kernel(const int64_t* __re
                                                              const int64_t* __restrict__ chunks,
                                                              const float* __restrict__ hyper,
                                                              const float* __restrict__ step_ptr,
-                                                             const float* __restrict__ grad_scale, AdamConsts c) {
+                                                             const float* __restrict__ grad_scale,
+                                                             const float* __restrict__ found_inf, AdamConsts c) {
+  if (found_inf != nullptr && *found_inf != 0.f) return;  // the whole update is skipped: nothing is written
   const int64_t* row = tensors + kAdamCols * chunks[2 * blockIdx.x];
   const int64_t start = chunks[2 * blockIdx.x + 1];
   float* __restrict__ p = reinterpret_cast<float*>(row[0]);

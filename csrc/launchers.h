@@ -46,11 +46,12 @@ const char* layernorm_backward(const void* dy, const void* x, const float* mean,
 // AdamW over the tensor tables of adamw_kernels.cuh (one launch, n_chunks thread blocks):
 // fp32 masters and moments updated in place, the model's copy written in param_dtype
 // (kFloat32: no copy). hyper is fp32 [groups, 2] = (lr, weight decay), step fp32 [1] (already
-// incremented), grad_scale nullptr or fp32 [1] (gradients are divided by it).
+// incremented), grad_scale nullptr or fp32 [1] (gradients are divided by it), found_inf nullptr or
+// fp32 [1] (nonzero: nothing is updated; the caller keeps the step number).
 int64_t adamw_chunk_elems();
 int adamw_table_cols();
 const char* adamw_step(const int64_t* tensors, const int64_t* chunks, int64_t n_chunks, const float* hyper,
-                       const float* step, const float* grad_scale, float beta1, float beta2, float eps,
+                       const float* step, const float* grad_scale, const float* found_inf, float beta1, float beta2, float eps,
                        DType param_dtype, cudaStream_t stream);
 
 }  // namespace megapar

@@ -21,7 +21,6 @@ def test_cuda_graph_needs_a_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("flags, world, why", [
-    (["--fp16", "--adam-impl", "fused"], 1, "use --adam-impl torch"),
     (["--recompute-activations", "--hidden-dropout", "0.1"], 1, "--hidden-dropout 0 --attention-dropout 0, or drop "
                                                                 "the recompute flags"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-hang-diagnostics"], 2, "drop it"),
@@ -65,9 +64,10 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 ONE_GPU = {"fp32": ([], 2e-5), "bf16": (["--bf16"], 2e-3), "bf16-compiled": (["--bf16", "--torch-compile"], 2e-3),
            "bf16-dropout": (["--bf16", *DROPOUT], 2e-3), "bf16-recompute": (["--bf16", *FULL_RECOMPUTE], 2e-3),
-           # fp16 skips an overflowed step with torch's fused AdamW (the eager twin uses it too); a scale the
-           # first steps do not overflow at, so that every iteration logs a loss
-           "fp16": (["--fp16", "--adam-impl", "torch", "--initial-loss-scale", "4096"], 2e-3)}
+           # fp16 skips an overflowed step inside csrc's AdamW (the eager twin uses it too; torch's fused AdamW:
+           # test_fp16_overflow_is_skipped_on_the_device_...); a scale the first steps do not overflow at, so
+           # that every iteration logs a loss
+           "fp16": (["--fp16", "--adam-impl", "fused", "--initial-loss-scale", "4096"], 2e-3)}
 TWO_GPUS = {"tp2": ["--tensor-parallel", "2"], "zero1": ["--use-distributed-optimizer"],
             "tp2-compiled": ["--tensor-parallel", "2", "--torch-compile"],
             "tp2-sp-compiled": ["--tensor-parallel", "2", "--sequence-parallel", "--torch-compile"],
@@ -118,10 +118,13 @@ def test_graph_matches_eager_two_gpus(gpu_runs, layout):
 
 
 @pytest.mark.gpu
-def test_fp16_overflow_is_skipped_on_the_device_as_the_eager_step_skips_it():
-    """The graphed fp16 step (device_scale) against the eager one on the same gradients: an overflow leaves
-    the masters and the step count alone without a host read, settle_overflow moves the scale as the eager
-    step's scaler does, and the next clean step updates both alike."""
+@pytest.mark.parametrize("adam_impl", ["torch", "fused"])
+def test_fp16_overflow_is_skipped_on_the_device_as_the_eager_step_skips_it(adam_impl):
+    """The graphed fp16 step (device_scale: the overflow read from the norm of the scaled gradients, the
+    scale divided out inside AdamW) against the eager one (unscale, then check) on the same gradients: an
+    overflow leaves the masters, the model's weights and the step count alone without a host read, with
+    torch's fused AdamW and with csrc's; settle_overflow moves the scale as the eager step's scaler does,
+    and the next clean steps update both alike."""
     from megapar.config.arguments import TrainConfig
     from megapar.optimizer.grad_buffer import GradBuffer
     from megapar.optimizer.grad_scaler import DynamicGradScaler
@@ -134,12 +137,12 @@ def test_fp16_overflow_is_skipped_on_the_device_as_the_eager_step_skips_it():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)).to(device, torch.float16)
         buf = GradBuffer(model.parameters(), None)
-        cfg = TrainConfig(fp16=True, enable_cuda_graph=graphed, adam_impl="torch", lr=1e-2, clip_grad=1.0)
+        cfg = TrainConfig(fp16=True, enable_cuda_graph=graphed, adam_impl=adam_impl, lr=1e-2, clip_grad=1.0)
         scaler = DynamicGradScaler(initial_scale=1024.0, hysteresis=1, growth_interval=2)
         return model, MixedPrecisionOptimizer(model, buf, cfg, scaler, tp_rank=0, norm_group=None, inf_group=None)
 
     (m_eager, eager), (m_graph, graphed) = build(False), build(True)
-    assert eager.device_scale is None and graphed.device_scale is not None and graphed.adam_impl == "torch"
+    assert eager.device_scale is None and graphed.device_scale is not None and graphed.adam_impl == adam_impl
     for step, overflow in enumerate([False, True, False, False]):
         for opt, model in ((eager, m_eager), (graphed, m_graph)):
             for i, p in enumerate(model.parameters()):
@@ -148,13 +151,13 @@ def test_fp16_overflow_is_skipped_on_the_device_as_the_eager_step_skips_it():
                     g[0] = float("inf")
                 p.main_grad.copy_(g)
         applied_eager, _ = eager.step()
-        before = [m.clone() for m in graphed.masters]
+        before = [t.clone() for t in (*graphed.masters, *m_graph.parameters())]
         _, norm = graphed.step()
         applied_graph = graphed.settle_overflow(norm.item())
         assert applied_eager == applied_graph == (not overflow)
         assert graphed.scaler.scale == eager.scaler.scale == graphed.device_scale.item()
         if overflow:
-            assert all(torch.equal(a, b) for a, b in zip(before, graphed.masters))
+            assert all(torch.equal(a, b) for a, b in zip(before, (*graphed.masters, *m_graph.parameters())))
         for a, b in zip(eager.masters, graphed.masters):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert graphed.step_count() == eager.step_count() == 3

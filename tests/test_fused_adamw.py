@@ -104,6 +104,28 @@ def test_kernel_matches_reference(param_dtype, offset, lr_tensor):
                 assert torch.equal(e[4], e[0].to(param_dtype))
 
 
+@pytest.mark.gpu
+def test_kernel_skips_the_update_on_found_inf():
+    """found_inf nonzero: nothing written and the step number kept; zero: the update of a run that never
+    saw the flag (the flag is read on the device, as a captured fp16 step needs)."""
+    torch.manual_seed(0)
+    groups = [_entries("cuda", [70000, 5], torch.float16)]
+    ref = [_clone(g) for g in groups]
+    fused = MultiTensorAdamW(list(zip(groups, WDS)), BETAS, EPS, torch.zeros((), device="cuda"))
+    plain = MultiTensorAdamW(list(zip(ref, WDS)), BETAS, EPS, torch.zeros((), device="cuda"))
+    scale = torch.tensor(4.0, device="cuda")
+    for found in (0.0, 1.0, 0.0):
+        before = [t.clone() for e in groups[0] for t in e if t is not None]
+        fused.step([1e-3], scale, torch.tensor(found, device="cuda"))
+        if found:
+            assert all(torch.equal(a, b) for a, b in zip(before, (t for e in groups[0] for t in e if t is not None)))
+        else:
+            plain.step([1e-3], scale)
+    assert fused.step_count.item() == plain.step_count.item() == 2
+    for e, f in zip(groups[0], ref[0]):
+        assert all(torch.equal(a, b) for a, b in zip(e, f) if a is not None)
+
+
 TRAINING = {"fp32": ([], 2e-5, 1), "bf16-graph-resume": (["--bf16", "--enable-cuda-graph"], 2e-3, 1),
             "bf16-zero1-dp2": (["--bf16", "--use-distributed-optimizer"], 2e-3, 2)}
 
@@ -141,7 +163,9 @@ class _ReferenceKernel:
     def __init__(self, groups, betas, eps, step):
         self.groups, self.betas, self.eps, self.step_count = groups, betas, eps, step
 
-    def step(self, lrs, grad_scale=None):
+    def step(self, lrs, grad_scale=None, found_inf=None):
+        if found_inf is not None and found_inf.item():
+            return
         self.step_count.add_(1)
         adamw_reference(self.groups, lrs, self.step_count, grad_scale, *self.betas, self.eps)
 

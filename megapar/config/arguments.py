@@ -834,8 +834,6 @@ def _check_cuda_graph(ns: argparse.Namespace, gpus: bool) -> None:
     dropout = ns.hidden_dropout > 0 or ns.attention_dropout > 0
     blockers = [
         (not gpus or ns.distributed_backend == "gloo", "it needs CUDA GPUs and NCCL"),
-        (ns.fp16 and ns.adam_impl == "fused", "with --fp16 an overflowed step is skipped on the device by torch's "
-                                              "fused AdamW, which csrc's kernel cannot do; use --adam-impl torch"),
         (ns.recompute_granularity is not None and dropout,
          "recompute with dropout saves and restores RNG states through the host, which a capture forbids; set "
          "--hidden-dropout 0 --attention-dropout 0, or drop the recompute flags"),

@@ -73,10 +73,8 @@ RECIPES: dict[str, Recipe] = {
     "345m-compile": _recipe(1, GPT2_345M, 8, 8, *COMPILE, about="345M, each layer compiled"),
     "124m-graph": _recipe(1, GPT2_124M, 16, 16, *GRAPH, about="124M, compiled, whole step one CUDA graph"),
     "345m-graph": _recipe(1, GPT2_345M, 8, 8, *GRAPH, about="345M, compiled, whole step one CUDA graph"),
-    # fp16 under a graph skips an overflowed step with torch's fused AdamW (csrc's cannot)
     "345m-graph-fp16": Recipe(1, (*GPT2_345M, *SEQ_1024, "--fp16", "--initial-loss-scale", "65536",
-                                  "--micro-batch-size", "8", "--global-batch-size", "8", *COMPILE,
-                                  "--enable-cuda-graph", "--adam-impl", "torch"),
+                                  "--micro-batch-size", "8", "--global-batch-size", "8", *GRAPH),
                               "345M in fp16 with loss scaling, compiled, whole step one CUDA graph"),
     "345m-m8": _recipe(1, GPT2_345M, 8, 64, about="345M, 8 microbatches per step"),
     "345m-recompute": _recipe(1, GPT2_345M, 8, 8, *FULL_RECOMPUTE, about="345M, full activation recompute"),

@@ -5,7 +5,7 @@ Each entry is one parameter (or a ZeRO-1 part of one): (master, grad, exp_avg, e
 all flat-compatible views of the same numel; master, grad and moments fp32, param the model's
 bf16/fp16 tensor or None (fp32 model: the master is the parameter). The update is torch's AdamW:
 
-    g = grad / grad_scale                      (grad_scale: global-norm clipping, or 1)
+    g = grad / grad_scale                      (grad_scale: global-norm clipping and fp16's loss scale, or 1)
     master *= 1 - lr * weight_decay
     exp_avg = b1 * exp_avg + (1 - b1) g;       exp_avg_sq = b2 * exp_avg_sq + (1 - b2) g^2
     master -= lr / (1 - b1^t) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - b2^t) + eps)
@@ -92,15 +92,20 @@ class MultiTensorAdamW:
         self._keep = entries  # the tables point into these tensors
 
     @torch.no_grad()
-    def step(self, lrs: Sequence[LR], grad_scale: Optional[Tensor] = None) -> None:
+    def step(self, lrs: Sequence[LR], grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
         """One AdamW update with these learning rates (per group: a float, or a device tensor that
-        a captured step reads at replay)."""
+        a captured step reads at replay). found_inf: a one-element fp32 device tensor, nonzero when
+        an fp16 overflow skips this update (torch's fused AdamW's argument of that name): nothing is
+        written and the step number stays, decided on the device."""
         for i, lr in enumerate(lrs):
             if torch.is_tensor(lr):
                 self.hyper[i, 0].copy_(lr)
             else:
                 self.hyper[i, 0].fill_(lr)
         self.step_count.add_(1)
+        if found_inf is not None:
+            found_inf = found_inf.reshape(1).float()
+            self.step_count.sub_(found_inf)
         self.kernels.adamw_step(self.tensors, self.chunks, self.hyper, self.step_count,
-                                None if grad_scale is None else grad_scale.reshape(1).float(),
+                                None if grad_scale is None else grad_scale.reshape(1).float(), found_inf,
                                 self.betas[0], self.betas[1], self.eps, self.param_dtype)

@@ -5,9 +5,12 @@ gradients, and one step path (`BaseOptimizer.step`):
                        the caller runs before step(), in the optimizer's `grad_buffer_mode`
     2. unscale         [fp16] this rank's gradients *= 1/scale; inf/nan on any rank of inf_group
                        skips the step on every rank, and the loss scaler updates (under a CUDA
-                       graph the skip happens on the device and the scaler updates after the step)
-    3. norm            L2 norm of the gradients this rank counts, summed over norm_group
-    4. clip            gradients /= max(1, norm / clip_grad), without a host sync
+                       graph: see 3 and 4, and the scaler updates after the step)
+    3. norm            L2 norm of the gradients this rank counts, summed over norm_group [fp16 under
+                       a CUDA graph: of the still-scaled gradients; a non-finite norm is the overflow,
+                       which AdamW skips on the device]
+    4. clip            gradients /= max(1, norm / clip_grad), without a host sync [fp16 under a CUDA
+                       graph: the scale is divided out here too, inside AdamW]
     5. step            AdamW on the masters this rank owns (torch's, or csrc's fused kernel)
     6. publish         the model parameters take the new masters' values on every rank
 
@@ -71,15 +74,11 @@ def saved_param_groups(adam: torch.optim.Optimizer) -> list[dict]:
             for g in adam.param_groups]
 
 
-def resolve_adam_impl(impl: str, device: torch.device, skips_on_device: bool = False) -> str:
+def resolve_adam_impl(impl: str, device: torch.device) -> str:
     """--adam-impl auto -> "fused" on GPUs when the csrc kernels were built at install (as Megatron
-    takes apex's FusedAdam when it is importable), else "torch"; an explicit choice stays.
-    skips_on_device: an fp16 overflow must skip the update without the host (a CUDA graph), which
-    torch's fused AdamW does (its found_inf) and csrc's kernel does not: "torch"."""
+    takes apex's FusedAdam when it is importable), else "torch"; an explicit choice stays."""
     if impl != "auto":
         return impl
-    if skips_on_device:
-        return "torch"
     from ..kernels import aot_kernels_installed
     return "fused" if device.type == "cuda" and aot_kernels_installed() else "torch"
 
@@ -118,7 +117,8 @@ def adamw_update(adam: torch.optim.AdamW, impl: str, fused, masters: list[torch.
     if impl == "fused":
         if fused is None:
             fused = fused_adamw(adam, {id(m): (g, p) for m, g, p in zip(masters, grads, params)})
-        fused.step([g["lr"] for g in adam.param_groups], getattr(adam, "grad_scale", None))
+        fused.step([g["lr"] for g in adam.param_groups], getattr(adam, "grad_scale", None),
+                   getattr(adam, "found_inf", None))
         return fused
     for m, g in zip(masters, grads):
         m.grad = g
@@ -153,25 +153,18 @@ def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fused
 
 
 # ---- the shared step: unscale, norm, clip ----------------------------------------------------------
-def find_overflow(grads: list[torch.Tensor], scale: torch.Tensor, device: torch.device,
-                  inf_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """Multiply grads by 1/scale in place; a 0-dim fp32 device tensor, 1.0 if any rank of inf_group saw
-    inf/nan (collective when torch.distributed is initialised, so every rank must call it, even
-    with no grads). `scale`: a 0-dim device tensor; nothing reads back to the host. The shapes are
-    torch's GradScaler's, which torch's fused AdamW takes as its `found_inf`."""
-    found = torch.zeros((), device=device)
-    if grads:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale.reciprocal())
-    if dist.is_initialized():
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=inf_group)
-    return found
-
-
 def unscale_and_check(grads: list[torch.Tensor], scale: float, device: torch.device,
                       inf_group: Optional[dist.ProcessGroup]) -> bool:
-    """find_overflow with a host scale, and its answer read back."""
-    return bool(find_overflow(grads, torch.tensor(scale, dtype=torch.float32, device=device), device,
-                              inf_group).item())
+    """Multiply grads by 1/scale in place; True if any rank of inf_group saw inf/nan (collective when
+    torch.distributed is initialised, so every rank must call it, even with no grads; the answer is
+    read back to the host)."""
+    found = torch.zeros((), device=device)
+    if grads:
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, found, torch.tensor(scale, dtype=torch.float32, device=device).reciprocal())
+    if dist.is_initialized():
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=inf_group)
+    return bool(found.item())
 
 
 def global_norm(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup], device) -> torch.Tensor:
@@ -185,13 +178,18 @@ def global_norm(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup],
     return total.sqrt().reshape(())
 
 
-def clip_grads_(grads: list[torch.Tensor], norm: torch.Tensor, clip_grad: float, adam: torch.optim.AdamW) -> None:
+def clip_grads_(grads: list[torch.Tensor], norm: torch.Tensor, clip_grad: float, adam: torch.optim.AdamW,
+                loss_scale: Optional[torch.Tensor] = None) -> None:
     """Make the global gradient norm `norm` (a device tensor) at most clip_grad (0: off), without a
     host sync: grads are divided by max(1, (norm + 1e-6) / clip_grad), inside the fused AdamW
-    kernel (its `grad_scale`, read by the next adam.step()) or by one foreach division."""
-    if clip_grad <= 0:
+    kernel (its `grad_scale`, read by the next adam.step()) or by one foreach division.
+    loss_scale: a device tensor the grads are still multiplied by (`norm` is already the unscaled
+    one); it is divided out in the same place."""
+    divisor = ((norm + 1e-6) / clip_grad).clamp(min=1.0) if clip_grad > 0 else None
+    if loss_scale is not None:
+        divisor = loss_scale if divisor is None else divisor * loss_scale
+    if divisor is None:
         return
-    divisor = ((norm + 1e-6) / clip_grad).clamp(min=1.0)
     step_device = adam.param_groups[0]["params"][0].device if adam.param_groups[0]["params"] else norm.device
     divisor = divisor.to(step_device)  # offload: the step runs on the CPU
     if adam.defaults.get("fused"):
@@ -270,8 +268,7 @@ class BaseOptimizer(ABC):
                  {"params": [o.master for o in owned if no_weight_decay(o.name, o.param)], "weight_decay": 0.0}]
         step_device = torch.device("cpu") if self.offload else self.device
         self.adam = make_adamw(decay, self.cfg, step_device, cpu_fused=self.offload)
-        self.adam_impl = resolve_adam_impl(self.cfg.adam_impl, step_device,
-                                           skips_on_device=self.device_scale is not None)
+        self.adam_impl = resolve_adam_impl(self.cfg.adam_impl, step_device)
         self.fused_adam = None  # --adam-impl fused: built at the first step (after a checkpoint load)
 
     @property
@@ -292,16 +289,20 @@ class BaseOptimizer(ABC):
         fp16's overflow check, so the step can be captured in a CUDA graph; under a graph
         (`device_scale`) fp16 reads nothing back either: an overflow skips the update on the
         device and returns a nan norm, and the caller settles it with `settle_overflow`."""
-        if self.device_scale is not None:
-            self.adam.found_inf = find_overflow(self.grads, self.device_scale, self.device, self.inf_group)
-        elif self.cfg.fp16:
+        if self.cfg.fp16 and self.device_scale is None:
             found_inf = unscale_and_check(self.grads, self.scaler.scale, self.device, self.inf_group)
             self.scaler.update(found_inf)
             if found_inf:
                 return False, torch.full((), float("nan"), device=self.device)
         norm = global_norm(self.norm_grads, self.norm_group, self.device)
+        if self.device_scale is not None:
+            # The gradients keep their scale, which AdamW divides out with the clipping: no pass of its
+            # own over them. norm_group's ranks hold every distinct gradient once and compute the same
+            # norm, so an inf/nan anywhere makes it non-finite on every rank: AdamW's found_inf.
+            self.adam.found_inf = (~torch.isfinite(norm)).float()
+            norm = norm / self.device_scale  # exact for the power-of-two scales the scaler keeps
         self._stage_grads()
-        clip_grads_(self.step_grads, norm, self.cfg.clip_grad, self.adam)
+        clip_grads_(self.step_grads, norm, self.cfg.clip_grad, self.adam, self.device_scale)
         self._apply_update()
         if self.device_scale is not None:
             norm = torch.where(self.adam.found_inf > 0, float("nan"), norm)

@@ -16,7 +16,9 @@ Lifecycle (per GraphedStep):
      cuBLAS picks its algorithms, AdamW creates its state tensors;
   2. the next call captures the step (capture records kernels and runs none), then replays it;
   3. every later call copies its microbatches into the graph's static input tensors and replays
-     (queued behind the previous replay: the caller need not wait for it).
+     (queued behind the previous replay: the caller need not wait for it). A caller that must wait
+     for a step's results before the next replay (fp16's loss scale) `prefetch`es the next
+     microbatches first, so that loading them is not part of the GPU's wait.
 What the graph reads must stay at the same address: the parameters, the fp32 masters, the Adam
 moments, the gradient buffer and the learning rate, which the optimizer keeps in a device tensor
 (make_adamw, capturable=True) that the LR scheduler fills in place before each replay, and fp16's
@@ -31,7 +33,7 @@ advance from replay to replay exactly as in eager steps.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -57,18 +59,38 @@ class GraphedStep:
         self.inputs: list[Optional[torch.Tensor]] = []   # the graph's copies of the microbatches' tensors
         self.output: Optional[torch.Tensor] = None
         self.calls = 0
+        self.prefetched: Optional[Hashable] = None  # the key of the microbatches `prefetch` copied in
 
-    def __call__(self, batches: Batches) -> torch.Tensor:
+    def __call__(self, batches: Optional[Batches]) -> torch.Tensor:
+        """Queue one step on `batches`; None: on the microbatches the last `prefetch` copied in."""
         self.calls += 1
+        if batches is None and self.prefetched is None:
+            raise RuntimeError("GraphedStep called without microbatches and none prefetched")
+        self.prefetched = None
         if self.calls <= self.warmup:
             return self._eager(batches)
         if self.graph is None:
             self._capture(batches)
+        if batches is not None:
+            self._copy_in(batches)
+        self.graph.replay()
+        return self.output.clone()  # the next replay overwrites the graph's own output
+
+    def prefetch(self, batches: Batches, key: Hashable) -> bool:
+        """Copy the next call's microbatches into the graph's inputs now, while the replay queued last
+        runs: the copies are queued behind it on the same stream, so they never overwrite what it
+        reads. `key` names them (the caller checks `prefetched` before its next call). Only once the
+        graph exists (warm-up and capture calls take their own microbatches); returns whether it copied."""
+        if self.graph is None:
+            return False
+        self._copy_in(batches)
+        self.prefetched = key
+        return True
+
+    def _copy_in(self, batches: Batches) -> None:
         for static, x in zip(self.inputs, tree_flatten(batches)[0], strict=True):
             if x is not None:
                 static.copy_(x, non_blocking=True)
-        self.graph.replay()
-        return self.output.clone()  # the next replay overwrites the graph's own output
 
     def _eager(self, batches: Batches) -> torch.Tensor:
         self.stream.wait_stream(torch.cuda.current_stream())

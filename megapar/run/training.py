@@ -163,9 +163,12 @@ def train_step(run: Run, dataset, state: TrainState, timers: Timers,
     if graph is None:
         return queue_step(run, data, f"iteration {state.iteration + 1}", timers)
     timers.start("step (cuda graph)")
-    out = graph(_lists(data))
+    out = graph(None if graph.prefetched == state.consumed_samples else _lists(data))
     timers.stop("step (cuda graph)")
     if run.cfg.train.fp16:  # an overflow skipped the update on the device; the loss scale moves on the host
+        following = state.consumed_samples + run.cfg.train.global_batch_size
+        if state.iteration + 1 < train_iters(run.cfg):  # load the next batch while this step runs
+            graph.prefetch(_lists(data_iterators(run, dataset, following)), key=following)
         return run.optimizer.settle_overflow(out[1].item()), out
     return True, out
 
