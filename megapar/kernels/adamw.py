@@ -104,8 +104,8 @@ class MultiTensorAdamW:
                 self.hyper[i, 0].fill_(lr)
         self.step_count.add_(1)
         if found_inf is not None:
+            self.step_count.sub_(found_inf.reshape(self.step_count.shape))
             found_inf = found_inf.reshape(1).float()
-            self.step_count.sub_(found_inf)
         self.kernels.adamw_step(self.tensors, self.chunks, self.hyper, self.step_count,
                                 None if grad_scale is None else grad_scale.reshape(1).float(), found_inf,
                                 self.betas[0], self.betas[1], self.eps, self.param_dtype)
