@@ -1,16 +1,18 @@
-"""megapar against DeepSpeed ZeRO and PyTorch FSDP2 at data parallel 2 on GPT-2 345M, alternating.
+"""megapar against DeepSpeed ZeRO and PyTorch FSDP2 at data parallel 2 on GPT-2 345M or GPT-3's 1.3B
+shape, alternating.
 
-    python benchmarks/bench_vs_anchors.py [--stages 2 3] [--systems megapar deepspeed fsdp2] \
-        [--megapar-variants graph compile] [--iters 30] [--warmup 10] [--rounds 1] [--timeout 420] \
-        [--budget SECONDS] [--nanogpt-dir .gpu/nanogpt] [--fsdp2-eager] [--out DIR]
+    python benchmarks/bench_vs_anchors.py [--shape {345m,1.3b}] [--stages 2 3] \
+        [--systems megapar deepspeed fsdp2] [--megapar-variants graph compile] [--iters 30] [--warmup 10] \
+        [--rounds 1] [--timeout 420] [--budget SECONDS] [--nanogpt-dir .gpu/nanogpt] [--fsdp2-eager] [--out DIR]
 
-The shape: 24 layers, hidden 1024, 16 heads, seq 1024, bf16, the padded vocabulary (50304), dropout 0,
-micro-batch 8 per GPU on 2 GPUs, global batch 16 (no accumulation). For each ZeRO stage each round
-runs, one after the other on the same two GPUs:
+The shape (--shape): 345m is GPT-2 345M (24 layers, hidden 1024, 16 heads), 1.3b GPT-3's 1.3B (24
+layers, hidden 2048, 16 heads); both at seq 1024, bf16, the padded vocabulary (50304), dropout 0, on 2
+GPUs with the micro-batch of megapar's recipes (8 per GPU, global batch 16: no accumulation). For each
+ZeRO stage each round runs, one after the other on the same two GPUs:
 
-- megapar: scripts/pretrain_gpt2.sh with the recipe `345m-dp2-zero<stage>-graph` (compiled layers, the
-  whole step one CUDA graph, csrc's AdamW; --megapar-variants compile adds the non-graphed
-  `345m-dp2-zero<stage>`) and benchmarks/bench_train.py's benchmark flags, a log line per iteration;
+- megapar: scripts/pretrain_gpt2.sh with the recipe `<shape>-dp2-zero<stage>-graph` (compiled layers,
+  the whole step one CUDA graph, csrc's AdamW; --megapar-variants compile adds the non-graphed
+  `<shape>-dp2-zero<stage>`) and benchmarks/bench_train.py's benchmark flags, a log line per iteration;
 - DeepSpeed (benchmarks/bench_offload_vs_deepspeed.py's worker, without offload): Hugging Face's
   GPT2LMHeadModel at the same shape under ZeRO stage 2 or 3, bf16, torch's fused AdamW as the client
   optimizer (DeepSpeed's own GPU AdamW would need its CUDA ops compiled), overlapped reduction,
@@ -48,11 +50,12 @@ from bench_offload_vs_deepspeed import (ROOT, DsSpec, Shape, decay_groups, ds_sp
                                         run_deepspeed, run_megapar, run_worker, worker_row)
 from bench_host_overhead import nanogpt_module  # benchmarks/bench_host_overhead.py
 from bench_train import bench_flags  # benchmarks/bench_train.py
-from megapar.config.recipes import GPT2_345M
+from megapar.config.recipes import GPT2_345M, GPT_1_3B
 from megapar.errors import USER_ERROR_EXIT, MegaparError
 
 GPUS = 2
-VARIANTS = {"graph": "345m-dp2-zero{stage}-graph", "compile": "345m-dp2-zero{stage}"}  # megapar's recipes
+MODELS = {"345m": GPT2_345M, "1.3b": GPT_1_3B}  # --shape: its model flags, also the prefix of megapar's recipes
+VARIANTS = {"graph": "{shape}-dp2-zero{stage}-graph", "compile": "{shape}-dp2-zero{stage}"}  # megapar's recipes
 SYSTEMS = ("megapar", "deepspeed", "fsdp2")
 FSDP2_WORKER = "--_fsdp2-worker"  # the internal flag: run FSDP2 from the payload file it names
 MIN_RUN_S = 60  # --budget: a run that would get less than this is skipped
@@ -60,22 +63,36 @@ MIN_RUN_S = 60  # --budget: a run that would get less than this is skipped
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One ZeRO stage's runs: megapar's flags per recipe and the anchors' spec (from megapar's flags)."""
-    stage: int
+    """One ZeRO stage's runs: the shape, megapar's flags per recipe and the anchors' spec (from megapar's flags)."""
+    shape: Shape  # the model flags of --shape, the GPUs, the ZeRO stage
     megapar: dict[str, list[str]]  # recipe name -> the flags after pretrain_gpt2.sh
     spec: DsSpec
 
+    @property
+    def stage(self) -> int:
+        return self.shape.zero_stage
+
+
+def model_size(model_flags: Sequence[str]) -> tuple[int, int, int]:
+    """(layers, hidden, heads) of MODELS' flags."""
+    values = dict(zip(model_flags[::2], model_flags[1::2]))
+    return tuple(int(values[f]) for f in ("--num-layers", "--hidden-size", "--num-attention-heads"))
+
 
 def stage_plan(stage: int, args: argparse.Namespace, token_vocab: int) -> StagePlan:
-    """The runs of `stage`, megapar's flags parsed as megapar parses them (MegaparError, e.g. for an
-    unknown recipe, before anything runs)."""
+    """The runs of `stage` at args.shape, megapar's flags parsed as megapar parses them (MegaparError,
+    e.g. for an unknown recipe, before anything runs)."""
+    shape = Shape(MODELS[args.shape], GPUS, stage)
     bench = argparse.Namespace(iters=args.iters, log_window=1, vocab_file=args.vocab_file, merge_file=args.merge_file)
     megapar = {name: ["--recipe", name, *bench_flags(bench)]
-               for name in (VARIANTS[v].format(stage=stage) for v in args.megapar_variants)}
-    specs = {ds_spec(flags, Shape(GPT2_345M, GPUS, stage), token_vocab, stage, args.iters,
-                     os.path.join(args.out, f"result_zero{stage}.json")) for flags in megapar.values()}
+               for name in (VARIANTS[v].format(shape=args.shape, stage=stage) for v in args.megapar_variants)}
+    specs = {ds_spec(flags, shape, token_vocab, stage, args.iters, os.path.join(args.out, f"result_zero{stage}.json"))
+             for flags in megapar.values()}
     assert len(specs) == 1, f"megapar's ZeRO-{stage} recipes differ in model, batch or AdamW: {specs}"
-    return StagePlan(stage, megapar, replace(specs.pop(), offload=False))
+    spec = specs.pop()
+    assert (spec.layers, spec.hidden, spec.heads) == model_size(shape.model_flags), \
+        f"megapar's recipes {list(megapar)} are not the {args.shape} shape"
+    return StagePlan(shape, megapar, replace(spec, offload=False))
 
 
 def fsdp2_payload(spec: DsSpec, nanogpt_dir: str, compile_blocks: bool, device: str = "cuda") -> dict:
@@ -190,11 +207,11 @@ def run_stage(plan: StagePlan, args: argparse.Namespace, rnd: int, peak: Optiona
             for name, flags in plan.megapar.items():
                 add(kind, f"megapar {name}",
                     lambda t, name=name, flags=flags: run_megapar(
-                        Shape(GPT2_345M, GPUS, plan.stage), flags, plan.spec, peak,
-                        os.path.join(args.out, f"{name}_{rnd}.log"), t, args.warmup, f"megapar {name}"))
+                        plan.shape, flags, plan.spec, peak, os.path.join(args.out, f"{name}_{rnd}.log"), t,
+                        args.warmup, f"megapar {name}"))
         elif kind == "deepspeed":
             add(kind, f"DeepSpeed ZeRO-{plan.stage}",
-                lambda t: run_deepspeed(Shape(GPT2_345M, GPUS, plan.stage), plan.spec, peak, log, t, args.warmup))
+                lambda t: run_deepspeed(plan.shape, plan.spec, peak, log, t, args.warmup))
         else:
             payload = fsdp2_payload(plan.spec, args.nanogpt_dir, not args.fsdp2_eager)
             add(kind, f"FSDP2 reshard_after_forward={plan.stage == 3}",
@@ -252,6 +269,8 @@ def format_ratios(rows: list[dict]) -> str:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="345m", choices=list(MODELS),
+                   help="the model: 345m GPT-2 345M, 1.3b GPT-3's 1.3B shape (megapar's <shape>-dp2-* recipes)")
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3], choices=(2, 3))
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, help="run in this order")
     p.add_argument("--megapar-variants", nargs="+", default=["graph"], choices=list(VARIANTS),

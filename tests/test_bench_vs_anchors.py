@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megapar.config.recipes import RECIPES
+from megapar.config.recipes import GPT_1_3B, RECIPES
 
 ROOT = Path(__file__).resolve().parent.parent
 NANOGPT = ROOT / ".gpu" / "nanogpt"  # nanoGPT's model.py is never committed: git-ignored, where present
@@ -27,7 +27,7 @@ def args_for(bench, tmp_path, *argv):
 @pytest.mark.parametrize("variant", ["graph", "compile"])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_plan_takes_the_shape_from_megapars_recipe(bench, tmp_path, variant, stage):
-    name = bench.VARIANTS[variant].format(stage=stage)
+    name = bench.VARIANTS[variant].format(shape="345m", stage=stage)
     if name not in RECIPES:
         pytest.skip(f"recipe {name} is not in this checkout's megapar/config/recipes.py")
     args = args_for(bench, tmp_path, "--megapar-variants", variant)
@@ -42,7 +42,7 @@ def test_plan_takes_the_shape_from_megapars_recipe(bench, tmp_path, variant, sta
 
 
 def test_both_variants_share_one_anchor_spec(bench, tmp_path):
-    if not all(v.format(stage=2) in RECIPES for v in bench.VARIANTS.values()):
+    if not all(v.format(shape="345m", stage=2) in RECIPES for v in bench.VARIANTS.values()):
         pytest.skip("the graphed dp2 ZeRO recipes are not in this checkout")
     plan = bench.stage_plan(2, args_for(bench, tmp_path, "--megapar-variants", "graph", "compile"), 50257)
     assert list(plan.megapar) == ["345m-dp2-zero2-graph", "345m-dp2-zero2"]
@@ -50,7 +50,8 @@ def test_both_variants_share_one_anchor_spec(bench, tmp_path):
 
 def test_defaults_and_bad_options(bench, tmp_path, capsys):
     args = args_for(bench, tmp_path)
-    assert (args.stages, args.megapar_variants, args.iters, args.warmup, args.rounds) == ([2, 3], ["graph"], 30, 10, 1)
+    assert (args.shape, args.stages, args.megapar_variants, args.iters, args.warmup, args.rounds) == \
+        ("345m", [2, 3], ["graph"], 30, 10, 1)
     with pytest.raises(SystemExit):
         args_for(bench, tmp_path, "--iters", "10")
     assert "--iters must be more than --warmup (10)" in capsys.readouterr().err
@@ -58,6 +59,24 @@ def test_defaults_and_bad_options(bench, tmp_path, capsys):
         bench.parse_args(["--systems", "fsdp2", "--nanogpt-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert f"error: --nanogpt-dir {tmp_path} has no model.py; copy nanoGPT's" in err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_shape_1_3b_plans_the_1_3b_recipes_and_model_for_every_system(bench, tmp_path, stage):
+    args = args_for(bench, tmp_path, "--shape", "1.3b", "--megapar-variants", "graph", "compile")
+    plan = bench.stage_plan(stage, args, 50257)
+    assert list(plan.megapar) == [f"1.3b-dp2-zero{stage}-graph", f"1.3b-dp2-zero{stage}"]
+    assert plan.shape == bench.Shape(GPT_1_3B, 2, stage) and plan.stage == stage
+    s = plan.spec  # DeepSpeed's GPT2Config and FSDP2's GPTConfig are built from it
+    assert (s.layers, s.hidden, s.heads, s.seq, s.vocab) == (24, 2048, 16, 1024, 50304)
+    assert (s.micro_batch, s.global_batch, s.stage, s.offload, s.recompute) == (8, 16, stage, False, False)
+    assert bench.fsdp2_payload(s, "x", True)["spec"]["hidden"] == 2048
+
+
+def test_a_shape_whose_recipes_are_another_model_is_refused(bench, tmp_path, monkeypatch):
+    monkeypatch.setitem(bench.MODELS, "345m", GPT_1_3B)
+    with pytest.raises(AssertionError, match="are not the 345m shape"):
+        bench.stage_plan(2, args_for(bench, tmp_path), 50257)
 
 
 def test_an_unknown_recipe_is_one_line_before_any_run(bench, tmp_path, capsys, monkeypatch):

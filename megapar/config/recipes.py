@@ -114,6 +114,12 @@ RECIPES: dict[str, Recipe] = {
                                           about=f"345M, data parallel 2, ZeRO-{z}, CUDA graph") for z in (1, 2, 3)},
     # GPT-3's 1.3B shape (24 layers, hidden 2048, 16 heads) at seq 1024, as measured against nanoGPT's bench.py
     "1.3b-graph": _recipe(1, GPT_1_3B, 8, 8, *GRAPH, about="1.3B shape, compiled, whole step one CUDA graph"),
+    # the same shape on two GPUs, as measured against DeepSpeed ZeRO and FSDP2 without recompute (estimate_memory at
+    # micro-batch 8: 29.0 GiB per GPU at ZeRO-1, 27.1 at ZeRO-2, 26.2 at ZeRO-3)
+    **{f"1.3b-dp2-zero{z}": _recipe(2, GPT_1_3B, 8, 16, *COMPILE, *_zero(z),
+                                    about=f"1.3B compiled, data parallel 2, ZeRO-{z}") for z in (1, 2, 3)},
+    **{f"1.3b-dp2-zero{z}-graph": _recipe(2, GPT_1_3B, 8, 16, *GRAPH, *_zero(z),
+                                          about=f"1.3B, data parallel 2, ZeRO-{z}, CUDA graph") for z in (1, 2, 3)},
     # GPT-3's 1.3B shape at seq 2048 on one GPU (estimate_memory: 50.6 GiB at micro-batch 8): bf16 vs fp8 GEMMs
     "1.3b-compile": Recipe(1, (*GPT_1_3B, *SEQ_2048_BF16, "--micro-batch-size", "8", "--global-batch-size", "8",
                                *COMPILE), "1.3B (24 layers, hidden 2048, seq 2048), compiled"),
