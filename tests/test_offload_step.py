@@ -144,20 +144,40 @@ def test_the_optimizer_log_line_names_the_delayed_update():
     assert "delayed" not in offload_text(SimpleNamespace(**{**vars(cpu), "delayed_param_update": False}))
 
 
-@pytest.mark.parametrize("env,expect", [
-    ({}, "pinned_max_round_threshold_mb:64"),
-    ({"PYTORCH_ALLOC_CONF": "pinned_use_background_threads:True"},
-     "pinned_use_background_threads:True,pinned_max_round_threshold_mb:64"),
-    ({"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:8"}, "pinned_max_round_threshold_mb:8"),
-], ids=["default", "keeps-other-settings", "user-threshold-wins"])
-def test_large_pinned_buffers_are_not_rounded_to_a_power_of_two(env, expect):
-    """GPU runs ask PyTorch's pinned allocator for exact sizes above 64 MB (the offload buffers are
-    allocated once: power-of-two rounding would only waste host memory), keeping the user's settings."""
-    import os
-    import subprocess
-    import sys
-    code = ("import torch; from megapar.run.initialize import exact_large_pinned_buffers as f; f(); "
-            "print(torch._C._accelerator_getAllocatorSettings())")
-    clean = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
-    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == expect
+def test_host_buffers_off_the_gpu_are_plain_memory():
+    """CPU runs: no page-locking at any size, zero-filled when asked (megapar/pinned.py)."""
+    from megapar.pinned import EXACT_ABOVE_BYTES, host_buffer
+    for numel in (10, EXACT_ABOVE_BYTES // 4 + 1):
+        t = host_buffer(numel, torch.float32, pinned=False, zero=True)
+        assert t.shape == (numel,) and t.dtype == torch.float32 and not t.any()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.gpu
+def test_large_pinned_host_buffers_take_their_exact_size():
+    """A pinned buffer above EXACT_ABOVE_BYTES is page-locked at its own size (PyTorch's pinned allocator
+    would round 160 MiB + 4 B up to 256 MiB), zero-filled, usable for asynchronous copies both ways, and
+    unregistered when freed (the same pages can be locked again)."""
+    from megapar.pinned import EXACT_ABOVE_BYTES, host_buffer
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    torch.cuda.init()
+    numel = 40 * 2**20 + 1                               # 160 MiB + 4 B of fp32
+    assert numel * 4 > EXACT_ABOVE_BYTES
+    before = _rss()
+    host = host_buffer(numel, torch.float32, pinned=True)
+    grown = _rss() - before
+    assert host.is_pinned() and not host.any()
+    assert grown < numel * 4 * 1.1, f"{grown / 2**20:.0f} MiB resident for a {numel * 4 / 2**20:.0f} MiB buffer"
+    dev = torch.arange(numel, dtype=torch.float32, device="cuda")
+    host.copy_(dev, non_blocking=True)
+    back = torch.empty_like(dev).copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, dev) and host[-1].item() == numel - 1
+    del host
+    for _ in range(3):                                   # registering and freeing repeatedly leaks nothing
+        assert host_buffer(numel, torch.float32, pinned=True).is_pinned()

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..config.arguments import ModelConfig
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
+from ..pinned import host_buffer
 from .layout import HEAD, WORD, canonical_key, chunk_layout
 from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_same_model, get_rng_state, load_file,
                      loaded_line, read_saved_config, read_tracker, restore_scheduler, set_rng_state)
@@ -453,7 +454,7 @@ class AsyncSaves:
         """One host allocation for every chunk (pinning is paid once, not per tensor)."""
         chunks = [(name, ch) for name, e in entries.items() for ch in e.chunks]
         sizes = [-(-ch.tensor.numel() * ch.tensor.element_size() // 64) * 64 for _, ch in chunks]   # 64-B aligned
-        flat = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self.pin)                   # [bytes]
+        flat = host_buffer(sum(sizes), torch.uint8, pinned=self.pin)                              # [bytes]
         pos = 0
         for (name, ch), size in zip(chunks, sizes):
             n = ch.tensor.numel() * ch.tensor.element_size()

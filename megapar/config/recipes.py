@@ -133,8 +133,7 @@ RECIPES: dict[str, Recipe] = {
     "13b-dp2-zero3": Recipe(2, (*GPT3_13B, *SEQ_2048_BF16, "--micro-batch-size", "1", "--global-batch-size", "32",
                                 *_zero(3), "--recompute-granularity", "full"),
                             "GPT-3 13B on two GPUs: ZeRO-3, full recompute"),
-    # estimate_memory: 53.8 GiB per GPU, 95.8 GiB of host memory per rank (measured: about 20 GiB more, and 12 GiB
-    # more with --delayed-param-update, which then needs a host above 256 GiB for the two ranks)
+    # estimate_memory: 53.8 GiB per GPU, 95.8 GiB of host memory per rank (+12 GiB with --delayed-param-update)
     "13b-dp2-zero3-offload": Recipe(2, (*GPT3_13B, *SEQ_2048_BF16, "--micro-batch-size", "1",
                                         "--global-batch-size", "32", *_zero(3), "--optimizer-cpu-offload"),
                                     "GPT-3 13B on two GPUs: ZeRO-3 with the optimizer on the CPU, no recompute"),

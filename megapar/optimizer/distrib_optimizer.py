@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..pinned import host_buffer
 from ..checkpoint.common import OPTIM_KINDS
 from ..tensor_parallel.mappings import all_gather_tensor
 from .base import BaseOptimizer, Owned, adam_state, adamw_group_update
@@ -152,23 +153,25 @@ class DistributedOptimizer(BaseOptimizer):
                     p.data = full[start - b.start:end - b.start].view_as(p)
             self.bucket_params.append(full)
             self.owned_params.append(full[lo - b.start:hi - b.start])
-        pinned = dict(dtype=torch.float32, device="cpu", pin_memory=self.device.type == "cuda")
-        f32 = pinned if self.offload else dict(dtype=torch.float32, device=self.device)
+        pin = self.device.type == "cuda"  # host buffers the GPU copies from or into (megapar/pinned.py)
         separate = self.dtype != torch.float32 or self.offload
         self.nvme: Optional[NvmeState] = None
         if self.nvme_root is not None:  # the flat shards are memory maps of the files
             rank = dist.get_rank() if dist.is_initialized() else 0
-            self.nvme = NvmeState(self.nvme_root, rank, shard_numel, pin=pinned["pin_memory"])
+            self.nvme = NvmeState(self.nvme_root, rank, shard_numel, pin=pin)
             self.master_shard, self.exp_avg, self.exp_avg_sq = (self.nvme.mapped[k] for k in KINDS)
+        elif self.offload:  # the moments are never copied: not pinned
+            self.master_shard = host_buffer(shard_numel, torch.float32, pinned=pin, zero=True)
+            self.exp_avg, self.exp_avg_sq = (torch.zeros(shard_numel, dtype=torch.float32) for _ in range(2))
         else:
+            f32 = dict(dtype=torch.float32, device=self.device)
             self.master_shard = torch.zeros(shard_numel, **f32) if separate else None
-            moments = dict(dtype=torch.float32, device="cpu") if self.offload else f32  # never copied: not pinned
-            self.exp_avg, self.exp_avg_sq = torch.zeros(shard_numel, **moments), torch.zeros(shard_numel, **moments)
+            self.exp_avg, self.exp_avg_sq = torch.zeros(shard_numel, **f32), torch.zeros(shard_numel, **f32)
         if self.master_shard is not None:
             for owned, (lo, hi, off) in zip(self.owned_params, self.shards):
                 self.master_shard[off:off + hi - lo].copy_(owned)
         if self.offload:  # the reduced gradients come to the CPU for the step
-            self.cpu_grads = torch.zeros(shard_numel, **pinned)
+            self.cpu_grads = host_buffer(shard_numel, torch.float32, pinned=pin, zero=True)
 
     def _plan_parts(self) -> list[Part]:
         names = {id(p): n for n, p in self.named}
@@ -249,7 +252,7 @@ class DistributedOptimizer(BaseOptimizer):
         # --delayed-param-update on a GPU with a 16-bit model: the worker also casts each chunk's new
         # masters into this pinned copy (hidden behind the next step), so the exposed send moves 2 B
         # per parameter instead of 4 (the same rounding as the device's cast)
-        self.host_weights = torch.empty(self.buffer.layout.numel, dtype=self.dtype, pin_memory=True) \
+        self.host_weights = host_buffer(self.buffer.layout.numel, self.dtype, pinned=True) \
             if delayed and self.h2d_stage is not None else None
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megapar-delayed-update")
         self.pending: Optional[Future] = None   # the update running in the background

@@ -36,6 +36,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..pinned import host_buffer
 from ..topology import ConfigError
 
 KINDS = ("master_param", "exp_avg", "exp_avg_sq")
@@ -171,7 +172,7 @@ class NvmeState:
             return
         largest = max(n for _, n in ranges)
         if not self.slots or self.slots[0][KINDS[0]].numel() < largest:
-            self.slots = [{k: torch.empty(largest, dtype=torch.float32, pin_memory=self.pin) for k in KINDS}
+            self.slots = [{k: host_buffer(largest, torch.float32, pinned=self.pin) for k in KINDS}
                           for _ in range(2)]
         reads: list[Future] = [self.io.submit(self._read, 0, *ranges[0])]
         writes: list[Future] = []

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..pinned import host_buffer
 from ..tensor_parallel.mappings import all_gather_tensor
 
 
@@ -69,8 +70,8 @@ class Unit:
         size = self.numel // dp
         shard = self.full[dp_rank * size:(dp_rank + 1) * size]
         if offload:
-            self.shard = shard.to("cpu", copy=True)                                   # [numel / dp]
-            self.shard = self.shard.pin_memory() if self.device.type == "cuda" else self.shard
+            self.shard = host_buffer(size, self.dtype, pinned=self.device.type == "cuda")  # [numel / dp]
+            self.shard.copy_(shard)
         else:
             self.shard = shard.clone()                                                # [numel / dp]
         self.gathered, self.handle = True, None

@@ -57,27 +57,6 @@ def init_distributed(backend: Optional[str], timeout_minutes: float) -> tuple[in
     return rank, dist.get_world_size(), device
 
 
-# PyTorch's pinned (host) memory allocator rounds each request up to a power of two to reuse blocks;
-# the offload and async-save buffers are allocated once, so above this size rounding only wastes host
-# memory (a 25.7 GB shard would take 32 GiB).
-PINNED_ROUND_LIMIT_MB = 64
-
-
-def exact_large_pinned_buffers() -> None:
-    """Have PyTorch allocate pinned buffers above PINNED_ROUND_LIMIT_MB at their exact size (what the
-    memory estimator counts), unless the user's PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF already
-    sets the threshold. The allocator's other settings are kept."""
-    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    put = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if get is None or put is None:
-        return
-    current = get() or ""            # the user's PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF until set
-    if "pinned_max_round_threshold" in current:
-        return
-    mine = f"pinned_max_round_threshold_mb:{PINNED_ROUND_LIMIT_MB}"
-    put(f"{current},{mine}" if current else mine)
-
-
 def params_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
 
@@ -104,8 +83,6 @@ class Run:
 
 def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, vocab_size: int) -> Run:
     c = topo.coord(rank)
-    if device.type == "cuda":
-        exact_large_pinned_buffers()
     seed_everything(cfg.train.seed, c.tp, c.pp, device)
     log = print_rank0
     set_vocab(cfg.model, vocab_size, topo.tp, log=log)

@@ -1,0 +1,56 @@
+"""Host buffers for GPU transfers, page-locked at their exact size.
+
+PyTorch's pinned allocator (`pin_memory=True`, its CachingHostAllocator) rounds every request up to a
+power of two so that freed blocks can be reused by size class: a 13B rank's 25.7 GB gradient shard
+takes 32 GiB. The offload state, its staging copies and an async save's buffers are allocated once
+and live for the run, so the rounding only wastes host memory (16 GiB per 13B rank, enough to push two
+ranks past a 256 GiB host; docs/performance.md). Buffers above EXACT_ABOVE_BYTES are therefore
+anonymous memory (zero-filled by the kernel) page-locked in place with cudaHostRegister, as PyTorch's
+own `pinned_use_cuda_host_register` does but without the rounding, and unregistered when the last
+tensor on them is freed. Smaller buffers keep the caching allocator (its reuse is worth the rounding).
+"""
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+EXACT_ABOVE_BYTES = 64 * 2**20
+
+
+class _LockedPages(mmap.mmap):
+    """Anonymous host memory, page-locked for CUDA from `lock()` until it is freed (after the last
+    tensor viewing it: torch.frombuffer keeps it alive)."""
+
+    address = 0
+
+    def lock(self) -> None:
+        view = torch.frombuffer(self, dtype=torch.uint8)
+        address = view.data_ptr()
+        del view
+        err = torch.cuda.cudart().cudaHostRegister(address, len(self), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {len(self) / 2**30:.1f} GiB of host memory failed (CUDA error "
+                               f"{int(err)}); the host may not allow that much page-locked memory (ulimit -l)")
+        self.address = address
+
+    def __del__(self) -> None:
+        if self.address:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.address)
+            except Exception:  # interpreter shutdown: the process's pages go anyway
+                pass
+            self.address = 0
+
+
+def host_buffer(numel: int, dtype: torch.dtype, pinned: bool, zero: bool = False) -> torch.Tensor:
+    """A 1-D host tensor of `numel` elements of `dtype`; page-locked when `pinned` (a GPU run's
+    transfer buffer), at its exact size above EXACT_ABOVE_BYTES. zero: filled with zeros (the large
+    pinned ones are zero already)."""
+    nbytes = numel * dtype.itemsize
+    if pinned and nbytes > EXACT_ABOVE_BYTES:
+        pages = _LockedPages(-1, nbytes)
+        pages.lock()
+        return torch.frombuffer(pages, dtype=dtype)
+    make = torch.zeros if zero else torch.empty
+    return make(numel, dtype=dtype, pin_memory=pinned)
