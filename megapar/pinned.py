@@ -3,8 +3,8 @@
 PyTorch's pinned allocator (`pin_memory=True`, its CachingHostAllocator) rounds every request up to a
 power of two so that freed blocks can be reused by size class: a 13B rank's 25.7 GB gradient shard
 takes 32 GiB. The offload state, its staging copies and an async save's buffers are allocated once
-and live for the run, so the rounding only wastes host memory (16 GiB per 13B rank, enough to push two
-ranks past a 256 GiB host; docs/performance.md). Buffers above EXACT_ABOVE_BYTES are therefore
+and live for the run, so the rounding only wastes host memory (at 13B, enough to push two ranks of the
+delayed update past a 256 GiB host; docs/performance.md). Buffers above EXACT_ABOVE_BYTES are therefore
 anonymous memory (zero-filled by the kernel) page-locked in place with cudaHostRegister, as PyTorch's
 own `pinned_use_cuda_host_register` does but without the rounding, and unregistered when the last
 tensor on them is freed. Smaller buffers keep the caching allocator (its reuse is worth the rounding).
