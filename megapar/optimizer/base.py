@@ -300,7 +300,7 @@ class BaseOptimizer(ABC):
             # own over them. norm_group's ranks hold every distinct gradient once and compute the same
             # norm, so an inf/nan anywhere makes it non-finite on every rank: AdamW's found_inf.
             self.adam.found_inf = (~torch.isfinite(norm)).float()
-            norm = norm / self.device_scale  # exact for the power-of-two scales the scaler keeps
+            norm = norm / self.device_scale  # exact for power-of-two scales
         self._stage_grads()
         clip_grads_(self.step_grads, norm, self.cfg.clip_grad, self.adam, self.device_scale)
         self._apply_update()

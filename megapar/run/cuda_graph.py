@@ -76,16 +76,14 @@ class GraphedStep:
         self.graph.replay()
         return self.output.clone()  # the next replay overwrites the graph's own output
 
-    def prefetch(self, batches: Batches, key: Hashable) -> bool:
+    def prefetch(self, batches: Batches, key: Hashable) -> None:
         """Copy the next call's microbatches into the graph's inputs now, while the replay queued last
         runs: the copies are queued behind it on the same stream, so they never overwrite what it
         reads. `key` names them (the caller checks `prefetched` before its next call). Only once the
-        graph exists (warm-up and capture calls take their own microbatches); returns whether it copied."""
-        if self.graph is None:
-            return False
-        self._copy_in(batches)
-        self.prefetched = key
-        return True
+        graph exists: warm-up and capture calls take their own microbatches."""
+        if self.graph is not None:
+            self._copy_in(batches)
+            self.prefetched = key
 
     def _copy_in(self, batches: Batches) -> None:
         for static, x in zip(self.inputs, tree_flatten(batches)[0], strict=True):
