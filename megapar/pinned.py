@@ -15,6 +15,8 @@ import mmap
 
 import torch
 
+from .topology import ConfigError
+
 EXACT_ABOVE_BYTES = 64 * 2**20
 
 
@@ -30,8 +32,9 @@ class _LockedPages(mmap.mmap):
         del view
         err = torch.cuda.cudart().cudaHostRegister(address, len(self), 0)
         if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {len(self) / 2**30:.1f} GiB of host memory failed (CUDA error "
-                               f"{int(err)}); the host may not allow that much page-locked memory (ulimit -l)")
+            raise ConfigError(f"cannot page-lock {len(self) / 2**30:.1f} GiB of host memory for GPU copies "
+                              f"(cudaHostRegister: CUDA error {int(err)}); raise the locked-memory limit (ulimit -l "
+                              f"unlimited) or free host memory (estimate_memory prints the host GiB per rank)")
         self.address = address
 
     def __del__(self) -> None:
