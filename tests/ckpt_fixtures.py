@@ -63,7 +63,7 @@ def _save_body(rank, world, root, tp, pp, dp, zero, steps, iteration, extra):
         opt = DistributedOptimizer(model, buf, cfg.train, scaler, c.tp, topo.groups.dp)
     else:
         buf = GradBuffer(model.parameters(), topo.groups.dp)
-        opt = MixedPrecisionOptimizer(model, buf, cfg.train, scaler, c.tp, norm_group=topo.groups.mp, inf_group=None)
+        opt = MixedPrecisionOptimizer(model, buf, cfg.train, scaler, c.tp, norm_group=topo.groups.mp)
     sched = OptimizerParamScheduler(opt, cfg.train.lr, 0.0, 2, 100, "cosine")
     for step in range(steps):
         for name, p in model.named_parameters():

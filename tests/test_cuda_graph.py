@@ -120,11 +120,11 @@ def test_graph_matches_eager_two_gpus(gpu_runs, layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("adam_impl", ["torch", "fused"])
 def test_fp16_overflow_is_skipped_on_the_device_as_the_eager_step_skips_it(adam_impl):
-    """The graphed fp16 step (device_scale: the overflow read from the norm of the scaled gradients, the
-    scale divided out inside AdamW) against the eager one (unscale, then check) on the same gradients: an
-    overflow leaves the masters, the model's weights and the step count alone without a host read, with
-    torch's fused AdamW and with csrc's; settle_overflow moves the scale as the eager step's scaler does,
-    and the next clean steps update both alike."""
+    """The graphed fp16 step (device_scale: AdamW skips on the norm's overflow flag) against the eager one
+    (which reads the flag back and returns early) on the same gradients: an overflow leaves the masters,
+    the model's weights and the step count alone without a host read, with torch's fused AdamW and with
+    csrc's; settle_overflow moves the scale as the eager step's scaler does, and the next clean steps
+    update both alike."""
     from megapar.config.arguments import TrainConfig
     from megapar.optimizer.grad_buffer import GradBuffer
     from megapar.optimizer.grad_scaler import DynamicGradScaler
@@ -139,7 +139,7 @@ def test_fp16_overflow_is_skipped_on_the_device_as_the_eager_step_skips_it(adam_
         buf = GradBuffer(model.parameters(), None)
         cfg = TrainConfig(fp16=True, enable_cuda_graph=graphed, adam_impl=adam_impl, lr=1e-2, clip_grad=1.0)
         scaler = DynamicGradScaler(initial_scale=1024.0, hysteresis=1, growth_interval=2)
-        return model, MixedPrecisionOptimizer(model, buf, cfg, scaler, tp_rank=0, norm_group=None, inf_group=None)
+        return model, MixedPrecisionOptimizer(model, buf, cfg, scaler, tp_rank=0, norm_group=None)
 
     (m_eager, eager), (m_graph, graphed) = build(False), build(True)
     assert eager.device_scale is None and graphed.device_scale is not None and graphed.adam_impl == adam_impl

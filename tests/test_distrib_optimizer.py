@@ -41,7 +41,7 @@ def _zero1(group, bucket_numel, dtype=torch.float32, scaler=None, device=None, o
     buf = GradBuffer(model.parameters(), group, mode="reduce_scatter", bucket_numel=bucket_numel, overlap=overlap)
     cfg = TrainConfig(**{**TRAIN, **train})
     opt = DistributedOptimizer(model, buf, cfg, scaler or ConstantGradScaler(), tp_rank=0, dp_group=group,
-                               norm_group=group, inf_group=group)
+                               norm_group=group)
     return model, buf, opt
 
 
@@ -257,7 +257,7 @@ def test_dp1_resumes_from_dp4_checkpoint(dp4_run):
 def test_non_sharded_optimizer_trains_and_state_bytes():
     model = _model()
     buf = GradBuffer(model.parameters(), None, mode="all_reduce")
-    opt = MixedPrecisionOptimizer(model, buf, TrainConfig(**TRAIN), ConstantGradScaler(), 0, None, None)
+    opt = MixedPrecisionOptimizer(model, buf, TrainConfig(**TRAIN), ConstantGradScaler(), 0, None)
     losses = [_train_step(model, buf, opt, 0, 1, 0, None)[0] for _ in range(5)]
     assert losses[-1] < losses[0] - 0.1, losses
     assert opt.optimizer_state_bytes() == 12 * _numel()

@@ -190,7 +190,7 @@ def test_optimizers_route_fused_updates(monkeypatch, zero1):
         buf = GradBuffer(model.parameters(), None, mode="reduce_scatter" if zero1 else "all_reduce")
         train = TrainConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5, adam_impl=impl)
         opt = (DistributedOptimizer(model, buf, train, ConstantGradScaler(), tp_rank=0, dp_group=None)
-               if zero1 else MixedPrecisionOptimizer(model, buf, train, ConstantGradScaler(), 0, None, None))
+               if zero1 else MixedPrecisionOptimizer(model, buf, train, ConstantGradScaler(), 0, None))
         return model, buf, opt
 
     runs = [build("torch"), build("fused")]

@@ -13,7 +13,7 @@ from test_distrib_optimizer import TRAIN, _model
 STEPS = 4
 
 
-def _build(stage: int, dtype=torch.float32, device: str = "cpu", **kw):
+def _build(stage: int, dtype=torch.float32, device: str = "cpu", train=None, scaler=None, **kw):
     from megapar.config.arguments import TrainConfig
     from megapar.optimizer.distrib_optimizer import DistributedOptimizer
     from megapar.optimizer.grad_buffer import GradBuffer
@@ -26,8 +26,8 @@ def _build(stage: int, dtype=torch.float32, device: str = "cpu", **kw):
         layers = list(model.language_model.encoder.layers)
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         buf = ShardedGradBuffer(layers, [p for p in model.parameters() if id(p) not in in_layers], None)
-    opt = DistributedOptimizer(model, buf, TrainConfig(**TRAIN), ConstantGradScaler(), tp_rank=0, dp_group=None,
-                               offload=True, stage=stage, **kw)
+    opt = DistributedOptimizer(model, buf, train or TrainConfig(**TRAIN), scaler or ConstantGradScaler(), tp_rank=0,
+                               dp_group=None, offload=True, stage=stage, **kw)
     return model, buf, opt
 
 
@@ -83,6 +83,37 @@ def test_delayed_update_is_the_exact_update_of_one_update_older_gradients(stage,
     for a, b in zip(_state(delayed[0], opt), _state(model, exact[2])):
         assert torch.equal(a, b)
     opt.close()
+
+
+def test_fp16_gradients_stream_to_the_host_still_scaled():
+    """ZeRO-2 offload with fp16 and a loss scale of 1024: each layer's gradient shard goes to the host
+    during backward still scaled (AdamW divides the scale out with the clipping), bit for bit what
+    copying every shard after backward gives; an inf skips the step on both and changes nothing."""
+    from megapar.config.arguments import TrainConfig
+    from megapar.optimizer.grad_scaler import ConstantGradScaler
+    cfg = TrainConfig(**TRAIN, fp16=True)
+    runs = [_build(2, torch.float16, train=cfg, scaler=ConstantGradScaler(1024.0)) for _ in range(2)]
+    streamed, (model, buf, copied) = [], runs[1]
+    opt = runs[0][2]
+    buf.on_shard_final = None                              # the reference copies every shard after backward
+    runs[0][1].on_shard_final = lambda i: (streamed.append(i), opt._copy_out(i))
+
+    def step(model, buf, opt, it, inf=False):
+        ids, labels = batch(b=2, seed=it)
+        buf.start_step()
+        (model(ids, labels=labels).float().mean() * opt.loss_scale).backward()
+        buf.finish()
+        if inf:
+            opt.grads[0].view(-1)[0] = float("inf")
+        return opt.step()[0]
+    for it in range(2):
+        assert [step(*r, it) for r in runs] == [True, True]
+    assert streamed, "no gradient shard was streamed during backward"
+    before = [t.clone() for t in _state(*runs[0][::2])]
+    assert [step(*r, 2, inf=True) for r in runs] == [False, False]
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(*runs[0][::2])))
+    for a, b in zip(_state(runs[0][0], opt), _state(model, copied)):
+        assert torch.equal(a, b)
 
 
 def test_delayed_update_uses_the_learning_rate_of_its_own_step():

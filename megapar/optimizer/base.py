@@ -3,14 +3,13 @@ gradients, and one step path (`BaseOptimizer.step`):
 
     1. reduce grads    the GradBuffer reduces during backward and in `grad_buffer.finish()`, which
                        the caller runs before step(), in the optimizer's `grad_buffer_mode`
-    2. unscale         [fp16] this rank's gradients *= 1/scale; inf/nan on any rank of inf_group
-                       skips the step on every rank, and the loss scaler updates (under a CUDA
-                       graph: see 3 and 4, and the scaler updates after the step)
-    3. norm            L2 norm of the gradients this rank counts, summed over norm_group [fp16 under
-                       a CUDA graph: of the still-scaled gradients; a non-finite norm is the overflow,
-                       which AdamW skips on the device]
-    4. clip            gradients /= max(1, norm / clip_grad), without a host sync [fp16 under a CUDA
-                       graph: the scale is divided out here too, inside AdamW]
+    2. norm            L2 norm of the gradients this rank counts, summed over norm_group
+    3. overflow        [fp16] the gradients still carry the loss scale: a non-finite norm (the same
+                       on every rank) is an overflow, which skips the step on every rank and backs
+                       the scaler off; the norm is divided by the scale (under a CUDA graph the
+                       skip happens inside AdamW and the scaler updates after the step)
+    4. clip            gradients /= max(1, norm / clip_grad) [fp16: and /= scale], without a host
+                       sync, inside AdamW or by one foreach division
     5. step            AdamW on the masters this rank owns (torch's, or csrc's fused kernel)
     6. publish         the model parameters take the new masters' values on every rank
 
@@ -153,20 +152,6 @@ def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fused
 
 
 # ---- the shared step: unscale, norm, clip ----------------------------------------------------------
-def unscale_and_check(grads: list[torch.Tensor], scale: float, device: torch.device,
-                      inf_group: Optional[dist.ProcessGroup]) -> bool:
-    """Multiply grads by 1/scale in place; True if any rank of inf_group saw inf/nan (collective when
-    torch.distributed is initialised, so every rank must call it, even with no grads; the answer is
-    read back to the host)."""
-    found = torch.zeros((), device=device)
-    if grads:
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            grads, found, torch.tensor(scale, dtype=torch.float32, device=device).reciprocal())
-    if dist.is_initialized():
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=inf_group)
-    return bool(found.item())
-
-
 def global_norm(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup], device) -> torch.Tensor:
     """L2 norm of all `tensors` of every rank of `group` (one multi-tensor kernel locally), as a
     0-dim fp32 device tensor (no host sync)."""
@@ -235,15 +220,15 @@ class BaseOptimizer(ABC):
     grad_buffer_mode = "all_reduce"
 
     def __init__(self, model: nn.Module, grad_buffer: GradBuffer, cfg, scaler, tp_rank: int,
-                 norm_group: Optional[dist.ProcessGroup], inf_group: Optional[dist.ProcessGroup],
-                 offload: bool = False):
-        """norm_group: the ranks whose norm_grads together hold each distinct gradient once;
-        inf_group: every rank (an overflow anywhere skips the step everywhere); offload: AdamW
-        runs on the CPU (torch's fused CPU kernel) over host masters and `step_grads`."""
+                 norm_group: Optional[dist.ProcessGroup], offload: bool = False):
+        """norm_group: the ranks whose norm_grads together hold each distinct gradient once (every
+        other rank holds copies of them, so the norm, and an fp16 overflow, is the same on every
+        rank); offload: AdamW runs on the CPU (torch's fused CPU kernel) over host masters and
+        `step_grads`."""
         if grad_buffer.dp > 1 and grad_buffer.mode != self.grad_buffer_mode:
             raise ValueError(f"{type(self).__name__} needs a GradBuffer built with mode={self.grad_buffer_mode!r}")
         self.cfg, self.buffer, self.scaler, self.tp_rank = cfg, grad_buffer, scaler, tp_rank
-        self.norm_group, self.inf_group = norm_group, inf_group
+        self.norm_group = norm_group
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         missing = [n for n, p in self.named if id(p) not in grad_buffer.param_range]
         if missing:
@@ -289,20 +274,25 @@ class BaseOptimizer(ABC):
         fp16's overflow check, so the step can be captured in a CUDA graph; under a graph
         (`device_scale`) fp16 reads nothing back either: an overflow skips the update on the
         device and returns a nan norm, and the caller settles it with `settle_overflow`."""
-        if self.cfg.fp16 and self.device_scale is None:
-            found_inf = unscale_and_check(self.grads, self.scaler.scale, self.device, self.inf_group)
-            self.scaler.update(found_inf)
-            if found_inf:
-                return False, torch.full((), float("nan"), device=self.device)
         norm = global_norm(self.norm_grads, self.norm_group, self.device)
-        if self.device_scale is not None:
-            # The gradients keep their scale, which AdamW divides out with the clipping: no pass of its
-            # own over them. norm_group's ranks hold every distinct gradient once and compute the same
-            # norm, so an inf/nan anywhere makes it non-finite on every rank: AdamW's found_inf.
-            self.adam.found_inf = (~torch.isfinite(norm)).float()
-            norm = norm / self.device_scale  # exact for power-of-two scales
+        scale = None
+        if self.cfg.fp16:
+            # The gradients keep their scale, which the clipping divides out: no pass of its own over
+            # them. norm_group's ranks hold every distinct gradient once and compute the same norm, so
+            # an inf/nan on any rank makes it non-finite on every rank.
+            overflow = (~torch.isfinite(norm)).float()
+            scale = self.loss_scale if self.device_scale is not None else \
+                torch.tensor(self.scaler.scale, dtype=torch.float32, device=self.device)
+            norm = norm / scale  # exact for power-of-two scales
+            if self.device_scale is not None:
+                self.adam.found_inf = overflow  # AdamW skips on the device; settle_overflow after the step
+            else:
+                skipped = bool(overflow.item())
+                self.scaler.update(skipped)
+                if skipped:
+                    return False, torch.full((), float("nan"), device=self.device)
         self._stage_grads()
-        clip_grads_(self.step_grads, norm, self.cfg.clip_grad, self.adam, self.device_scale)
+        clip_grads_(self.step_grads, norm, self.cfg.clip_grad, self.adam, scale)
         self._apply_update()
         if self.device_scale is not None:
             norm = torch.where(self.adam.found_inf > 0, float("nan"), norm)

@@ -92,13 +92,12 @@ class DistributedOptimizer(BaseOptimizer):
 
     def __init__(self, model: nn.Module, grad_buffer, cfg, scaler, tp_rank: int,
                  dp_group: Optional[dist.ProcessGroup], norm_group: Optional[dist.ProcessGroup] = None,
-                 inf_group: Optional[dist.ProcessGroup] = None, sharded_params: Optional[ShardedParams] = None,
+                 sharded_params: Optional[ShardedParams] = None,
                  offload: bool = False, stage: int = 1, nvme_root: Optional[str] = None, delayed: bool = False):
         """grad_buffer: built over this model's parameters with mode="reduce_scatter" and
         `dp_group` (a GradBuffer at stage 1, a ShardedGradBuffer at stages 2-3). norm_group: every
         rank whose owned shards together make up the whole model's gradient (all tp x pp x dp
-        ranks; None = the world when torch.distributed is initialised). inf_group: every rank (an
-        overflow anywhere skips the step everywhere). sharded_params: stage 3's layer units, whose
+        ranks; None = the world when torch.distributed is initialised). sharded_params: stage 3's layer units, whose
         owned shards are the parameters this optimizer writes. offload: masters, moments and the
         AdamW step on the CPU; nvme_root (implies offload): masters and moments in files under
         nvme_root/rank_NNNNN/ (call `close()` at the end to delete them). delayed (needs offload):
@@ -111,7 +110,7 @@ class DistributedOptimizer(BaseOptimizer):
         offload = offload or nvme_root is not None
         if delayed and not offload:
             raise ValueError("the delayed parameter update needs the offloaded (CPU) step")
-        super().__init__(model, grad_buffer, cfg, scaler, tp_rank, norm_group, inf_group, offload)
+        super().__init__(model, grad_buffer, cfg, scaler, tp_rank, norm_group, offload)
         self.dp_group, self.dp, self.dp_rank = dp_group, grad_buffer.dp, grad_buffer.dp_rank
         self.dtype = self.named[0][1].dtype
         if any(p.dtype != self.dtype for _, p in self.named):
@@ -367,12 +366,12 @@ class DistributedOptimizer(BaseOptimizer):
     # ---- offload: gradients to the CPU, weights back -------------------------------------------
     def _stream_layer_grads(self) -> None:
         """Stages 2-3: copy each layer's gradient shard to the host as soon as the last microbatch's
-        reduction completes it, on a side stream, while backward goes on through the earlier layers.
-        Not with fp16 (the copies would still carry the loss scale) nor with sequence parallelism
+        reduction completes it, on a side stream, while backward goes on through the earlier layers
+        (fp16's copies carry the loss scale, which AdamW divides out). Not with sequence parallelism
         (`finish()` sums some shard ranges over tp after the layers are done)."""
         self.streamed: set[int] = set()
         self.d2h: Optional[torch.cuda.Stream] = None
-        if not hasattr(self.buffer, "on_shard_final") or self.cfg.fp16 or self.buffer.tp_summed:
+        if not hasattr(self.buffer, "on_shard_final") or self.buffer.tp_summed:
             return
         self.d2h = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.buffer.on_shard_final = self._copy_out
@@ -391,8 +390,8 @@ class DistributedOptimizer(BaseOptimizer):
         self.streamed.add(i)
 
     def _stage_grads(self) -> None:
-        """Offload: the reduced (unscaled) gradient shard to the CPU for the step (the buckets not
-        already streamed out during backward)."""
+        """Offload: the reduced gradient shard to the CPU for the step (the buckets not already
+        streamed out during backward)."""
         if self.offload:
             for i, (lo, hi, off) in enumerate(self.shards):
                 if i not in self.streamed:

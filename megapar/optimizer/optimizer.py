@@ -23,10 +23,10 @@ class MixedPrecisionOptimizer(BaseOptimizer):
     grad_buffer_mode = "all_reduce"
 
     def __init__(self, model: nn.Module, grad_buffer: GradBuffer, cfg, scaler, tp_rank: int,
-                 norm_group: Optional[dist.ProcessGroup], inf_group: Optional[dist.ProcessGroup]):
-        """norm_group: ranks whose gradients together form one full model (tp x pp);
-        inf_group: every rank (an overflow anywhere skips the step everywhere)."""
-        super().__init__(model, grad_buffer, cfg, scaler, tp_rank, norm_group, inf_group)
+                 norm_group: Optional[dist.ProcessGroup]):
+        """norm_group: ranks whose gradients together form one full model (tp x pp; the data-parallel
+        replicas hold the same reduced gradients)."""
+        super().__init__(model, grad_buffer, cfg, scaler, tp_rank, norm_group)
         owned = []
         for n, p in self.named:
             master = p if p.dtype == torch.float32 else p.detach().float().clone()

@@ -59,12 +59,11 @@ def build_zero(cfg: Config, topo: Topology, rank: int, device: torch.device,
                                 hysteresis=t.hysteresis))
     if p.zero_stage >= 1:
         optimizer = DistributedOptimizer(model, grad_buffer, t, scaler, tp_rank, topo.groups.dp,
-                                         norm_group=None, inf_group=None, sharded_params=sharded,
+                                         norm_group=None, sharded_params=sharded,
                                          offload=p.optimizer_cpu_offload, stage=p.zero_stage,
                                          nvme_root=p.optimizer_nvme_offload, delayed=p.delayed_param_update)
     else:
-        optimizer = MixedPrecisionOptimizer(model, grad_buffer, t, scaler, tp_rank, norm_group=topo.groups.mp,
-                                            inf_group=None)
+        optimizer = MixedPrecisionOptimizer(model, grad_buffer, t, scaler, tp_rank, norm_group=topo.groups.mp)
     return model, Zero(sharded, grad_buffer, optimizer)
 
 
