@@ -21,8 +21,10 @@ sequence length (the speed does not depend on the data). The first two steps of 
 warm-up; the numbers are the mean of the later ones (megapar: its per-iteration log lines; DeepSpeed:
 each optimizer step timed with a synchronize and perf_counter). tokens/s, TFLOP/s per GPU and MFU use
 megapar's FLOP formula (megapar/run/throughput.py) and GPU peak for both rows; peak memory is
-torch.cuda.max_memory_allocated (megapar's "max allocated" log field). A failed run (OOM, a compile
-error, a timeout) is reported in its row.
+torch.cuda.max_memory_allocated (megapar's "max allocated" log field); host memory is the largest sum of
+the resident memory of the run's processes (the launcher, its ranks and their children; pinned buffers
+included), sampled every second, beside what the memory estimator predicts for the offloaded state. A
+failed run (OOM, a compile error, a timeout) is reported in its row.
 
 Shapes: 6.7b (GPT-3 6.7B, 1 GPU, ZeRO-2), 1.3b (24 x 2048, 16 heads, 1 GPU, ZeRO-2), 13b (40 x 5120,
 40 heads, 2 GPUs, ZeRO-3 for both; DeepSpeed under torch.distributed.run, the model built inside
@@ -38,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
@@ -157,12 +160,12 @@ def megapar_step_ms(log: str) -> dict[int, float]:
 
 
 def table_row(system: str, ms: float, spec: DsSpec, gpus: int, peak_tflops: Optional[float],
-              mem_mib: float) -> dict:
+              mem_mib: float, host_gib: float = float("nan")) -> dict:
     """ms/step -> tokens/s, TFLOP/s per GPU and MFU by megapar's formula (the same for both systems)."""
     tokens_s = spec.global_batch * spec.seq / (ms / 1e3)
     tflops = flops_per_token(spec.layers, spec.hidden, spec.seq, spec.vocab) * tokens_s / gpus / 1e12
     return {"system": system, "ms": ms, "tokens_s": tokens_s, "gpus": gpus, "tflops": tflops,
-            "mfu": tflops / peak_tflops if peak_tflops else None, "mem_gib": mem_mib / 1024}
+            "mfu": tflops / peak_tflops if peak_tflops else None, "mem_gib": mem_mib / 1024, "host_gib": host_gib}
 
 
 def descendants(pid: int) -> list[int]:
@@ -175,12 +178,49 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def run_logged(cmd: list[str], log_path: str, timeout: float, env: Optional[dict] = None) -> tuple[int, str]:
-    """(exit code, output) of `cmd` run from the checkout root; the output also goes to `log_path`.
+def resident_gib(pids: list[int]) -> float:
+    """The resident memory of these processes together (Linux /proc/PID/statm; gone ones count 0)."""
+    pages = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                pages += int(f.read().split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            pass
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+class HostPeak:
+    """The largest resident memory of process `pid` and its descendants together, sampled every
+    `interval` seconds (a thread) until the block ends."""
+
+    def __init__(self, pid: int, interval: float = 1.0):
+        self.pid, self.interval, self.gib = pid, interval, 0.0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> "HostPeak":
+        def sample() -> None:
+            while True:
+                self.gib = max(self.gib, resident_gib([self.pid, *descendants(self.pid)]))
+                if self._stop.wait(self.interval):
+                    return
+        self._thread = threading.Thread(target=sample, name="host-peak", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_logged(cmd: list[str], log_path: str, timeout: float, env: Optional[dict] = None) -> tuple[int, str, float]:
+    """(exit code, output, HostPeak's GiB) of `cmd` run from the checkout root; the output also goes to
+    `log_path`.
     A timeout is exit code 124 with what was printed before it; it kills the command and all its
     descendants, found by parent id: torchrun and megapar's launcher start theirs in sessions of
     their own, which a process-group kill would leave running on the GPUs."""
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env) as proc:
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env) as proc, \
+            HostPeak(proc.pid) as host:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
             rc = proc.returncode
@@ -195,7 +235,7 @@ def run_logged(cmd: list[str], log_path: str, timeout: float, env: Optional[dict
     out = stdout + stderr
     with open(log_path, "w") as f:
         f.write(" ".join(cmd) + "\n" + out)
-    return rc, out
+    return rc, out, host.gib
 
 
 def failure(rc: int, out: str, log_path: str) -> str:
@@ -217,11 +257,12 @@ def run_megapar(shape: Shape, flags: list[str], spec: DsSpec, peak: Optional[flo
     """megapar's row: pretrain_gpt2.sh with `flags` (a log line per iteration), the mean of the
     iterations after `warmup`."""
     cmd = ["bash", os.path.join(ROOT, "scripts", "pretrain_gpt2.sh"), "--nproc-per-node", str(shape.gpus), *flags]
-    rc, out = run_logged(cmd, log_path, timeout)
+    rc, out, host = run_logged(cmd, log_path, timeout)
     steps, mems = megapar_step_ms(out), [int(m) for m in MEM_RE.findall(out)]
     if rc != 0 or not any(s > warmup for s in steps):
-        return {"system": system, "error": failure(rc, out, log_path)}
-    return table_row(system, steady_mean(steps, warmup), spec, shape.gpus, peak, max(mems) if mems else float("nan"))
+        return {"system": system, "error": failure(rc, out, log_path) + f"; host memory peak +{host:.0f} GiB"}
+    return table_row(system, steady_mean(steps, warmup), spec, shape.gpus, peak, max(mems) if mems else float("nan"),
+                     host)
 
 
 def free_port() -> int:
@@ -248,18 +289,19 @@ def run_worker(script: list[str], payload: dict, result_path: str, gpus: int, lo
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus),
                "--master-addr", "127.0.0.1", "--master-port", env["MASTER_PORT"], *script, payload_path]
-    rc, out = run_logged(cmd, log_path, timeout, env)
+    rc, out, host = run_logged(cmd, log_path, timeout, env)
     if rc != 0 or not os.path.exists(result_path):
-        return None, failure(rc, out, log_path)
+        return None, failure(rc, out, log_path) + f"; host memory peak +{host:.0f} GiB"
     with open(result_path) as f:
-        return json.load(f), ""
+        return {**json.load(f), "host_gib": host}, ""
 
 
 def worker_row(system: str, result: dict, spec: DsSpec, gpus: int, peak: Optional[float],
                warmup: int = WARMUP_STEPS) -> dict:
     """The table row of a worker's result (its step times, from step 1, and peak memory)."""
     steps = {i + 1: ms for i, ms in enumerate(result["step_ms"])}
-    return table_row(system, steady_mean(steps, warmup), spec, gpus, peak, result["max_allocated_mib"])
+    return table_row(system, steady_mean(steps, warmup), spec, gpus, peak, result["max_allocated_mib"],
+                     result.get("host_gib", float("nan")))
 
 
 def run_deepspeed(shape: Shape, spec: DsSpec, peak: Optional[float], log_path: str, timeout: float,
@@ -383,8 +425,8 @@ def gpu_peak(timeout: float = 300) -> tuple[Optional[float], str]:
 def format_table(rows: list[tuple[int, dict]], peak_desc: str) -> str:
     """The markdown table: one row per system per round, and each round's megapar/DeepSpeed tokens/s."""
     out = [f"MFU against {peak_desc}", "",
-           "| round | system | ms/step | tokens/s | TFLOP/s/GPU | MFU | max allocated GiB | megapar/DS tokens/s |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| round | system | ms/step | tokens/s | TFLOP/s/GPU | MFU | max allocated GiB "
+           "| host GiB (peak resident) | megapar/DS tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted({r for r, _ in rows}):
         pair = [row for rr, row in rows if rr == r]
         ok = {row["system"].split()[0]: row for row in pair if "error" not in row}
@@ -392,11 +434,12 @@ def format_table(rows: list[tuple[int, dict]], peak_desc: str) -> str:
                  if {"megapar", "DeepSpeed"} <= set(ok) else "")
         for row in pair:
             if "error" in row:
-                out.append(f"| {r} | {row['system']} | failed: {row['error']} | | | | | |")
+                out.append(f"| {r} | {row['system']} | failed: {row['error']} | | | | | | |")
                 continue
             mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
             out.append(f"| {r} | {row['system']} | {row['ms']:.0f} | {row['tokens_s']:.0f} | {row['tflops']:.1f} | "
-                       f"{mfu} | {row['mem_gib']:.1f} | {ratio if row['system'] == 'megapar' else ''} |")
+                       f"{mfu} | {row['mem_gib']:.1f} | {row['host_gib']:.1f} | "
+                       f"{ratio if row['system'] == 'megapar' else ''} |")
     return "\n".join(out)
 
 

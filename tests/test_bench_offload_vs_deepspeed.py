@@ -2,6 +2,7 @@
 flags, DeepSpeed's config, megapar's log parsed, the table's maths (its GPU runs are the lead's)."""
 import importlib
 from dataclasses import replace
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,15 @@ def test_table_row_maths_and_ratio(bench):
     assert "failed: rc=1: OOM" in lines[7] and lines[6].endswith("|  |")
 
 
+def test_host_peak_sees_what_a_run_allocates(bench, tmp_path):
+    """run_logged reports the largest resident memory of the command's process tree: here a child
+    process that holds 300 MiB for a few samples."""
+    code = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
+            "\"import time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(2.5)\"])")
+    rc, _, host = bench.run_logged([sys.executable, "-c", code], str(tmp_path / "run.log"), timeout=30)
+    assert rc == 0 and 0.3 < host < 0.6, host
+
+
 def test_iters_must_outlast_the_warmup(bench, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--iters", "2"])
@@ -139,8 +149,8 @@ def test_a_timeout_kills_the_command_and_its_descendants(bench, tmp_path):
     import os
     import time
     pid_file = tmp_path / "pid"  # a grandchild in a session of its own, as torchrun starts its ranks
-    rc, out = bench.run_logged(["bash", "-c", f"echo started; setsid sleep 60 & echo $! > {pid_file}; wait"],
-                               str(tmp_path / "run.log"), timeout=1)
+    rc, out, _ = bench.run_logged(["bash", "-c", f"echo started; setsid sleep 60 & echo $! > {pid_file}; wait"],
+                                  str(tmp_path / "run.log"), timeout=1)
     assert rc == 124 and out.startswith("started") and out.endswith("timed out after 1 s")
     grandchild = int(pid_file.read_text())
     for _ in range(50):  # SIGKILL is delivered at once; its exit is noticed by its reaper
