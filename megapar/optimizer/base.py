@@ -151,7 +151,7 @@ def adam_state(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fused
             "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
-# ---- the shared step: unscale, norm, clip ----------------------------------------------------------
+# ---- the shared step: norm, overflow, clip ----------------------------------------------------------
 def global_norm(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup], device) -> torch.Tensor:
     """L2 norm of all `tensors` of every rank of `group` (one multi-tensor kernel locally), as a
     0-dim fp32 device tensor (no host sync)."""
