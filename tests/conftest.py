@@ -1,3 +1,5 @@
+import dataclasses
+import fcntl
 import os
 import sys
 from pathlib import Path
@@ -6,7 +8,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # `from distributed import run_distributed`
+sys.path.insert(0, str(ROOT / "tests" / "faults"))  # `from harness import refused`
 from data_dirs import GPT2_DIR, SHIPPED, UNSHIPPED  # noqa: E402
+from harness import ROWS, Row, table  # noqa: E402
 
 
 def pytest_configure(config):
@@ -27,6 +31,46 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test marked `serial` runs while no other test of the session runs, also when pytest-xdist
+    runs tests in several worker processes: it holds the session's lock file exclusively, every
+    other test holds it shared (from the setup of its fixtures to their teardown). A serial test
+    first takes a gate that the others pass through before they take the lock, so that workers
+    starting test after test cannot keep it waiting."""
+    if not hasattr(item.config, "workerinput"):  # one process runs the tests one after another
+        yield
+        return
+    folder = Path(item.config.option.basetemp).parent  # each worker's temporary folder lies in the session's
+    alone = item.get_closest_marker("serial") is not None
+    mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
+    with open(folder / "serial.gate", "a") as gate, open(folder / "serial.lock", "a") as lock:
+        fcntl.flock(gate, mode)
+        fcntl.flock(lock, mode)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # closing the files releases the locks
+
+
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its rows of the fault table (tests/faults/harness.py) to the
+    controller, which prints them with its own."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["fault_rows"] = [dataclasses.astuple(r) for r in ROWS]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    ROWS.extend(Row(*r) for r in getattr(node, "workeroutput", {}).get("fault_rows", []))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fault table: one row per refused() case the session ran, wherever it ran."""
+    if ROWS:
+        terminalreporter.write_sep("-", "fault injection")
+        terminalreporter.write_line(table())
 
 
 @pytest.fixture(scope="session")

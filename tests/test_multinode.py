@@ -7,6 +7,7 @@ The bad rendezvous flags are fault cases in tests/faults/test_faults_launch.py.
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -51,9 +52,18 @@ FAKE_SCONTROL = """#!/usr/bin/env bash
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range: the launcher binds it seconds later, and
+    meanwhile no socket the kernel numbers itself (a connection, a store on port 0, in another test
+    running in parallel) can take it; only another explicit choice of the same port could."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(max(1024, low - 8192), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def env() -> dict[str, str]:

@@ -164,6 +164,7 @@ def _iteration_times_body(rank, world_size, argv, workdir, slow):
     return [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([\d.]+)", out.getvalue())]
 
 
+@pytest.mark.serial  # wall-clock iteration times: no other test may share the cores meanwhile
 def test_writing_a_profile_is_left_out_of_iteration_times(embedded_data, tmp_path):
     from distributed import run_distributed
     argv = TINY_TRAIN + embedded_data + ["--train-iters", "4", "--log-interval", "4", "--profile",
@@ -174,6 +175,7 @@ def test_writing_a_profile_is_left_out_of_iteration_times(embedded_data, tmp_pat
 
 
 @pytest.mark.slow  # --quick skips it; 15 s of it are sleeps; the profile case above is the quick representative
+@pytest.mark.serial  # wall-clock iteration times
 def test_evaluation_and_saving_are_left_out_of_iteration_times(embedded_data, tmp_path):
     """Each logged time is its own step's: none holds a 3 s evaluation or save, none is ~0 (steps
     are read back one behind; on the CPU a step is timed when it returns, not when it is read)."""

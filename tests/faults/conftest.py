@@ -1,14 +1,9 @@
 """Fault-injection tests (tests/faults/harness.py): the full CPU suite runs all of them; the quick
 tier (`run_tests.sh --quick`, which leaves out `slow`) keeps one cheap case of each fault class
-below and the harness's own tests. Prints the fault table at the end of the session."""
+below and the harness's own tests. tests/conftest.py prints the fault table at the end of the session."""
 import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `from harness import refused`
-
-from harness import ROWS, table  # noqa: E402
 
 QUICK = {
     "test_faults_smoke.py": None,                                          # the harness itself: all
@@ -63,9 +58,3 @@ def _check_quick_names(name: str, quick, file_items: list) -> None:
     if missing:
         raise pytest.UsageError(f"tests/faults/conftest.py: QUICK names {missing} in {name}, which has no such "
                                 f"test: rename them there too")
-
-
-def pytest_terminal_summary(terminalreporter):
-    if ROWS:
-        terminalreporter.write_sep("-", "fault injection")
-        terminalreporter.write_line(table())

@@ -7,7 +7,7 @@ Python traceback, and every file that existed before byte-identical afterwards.
 
 `watch` lists files or folders whose every file is hashed before and compared after (nothing
 lost, nothing changed); new files are allowed only under `allow_new` (e.g. a log). Each call also
-adds a row to the session's table, which `tests/faults/conftest.py` prints at the end:
+adds a row to the session's table, which `tests/conftest.py` prints at the end:
 class, case, refused with message, nothing lost.
 """
 from __future__ import annotations
