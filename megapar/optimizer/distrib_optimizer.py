@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..pinned import host_buffer
 from ..checkpoint.common import OPTIM_KINDS
+from ..pinned import host_buffer
 from ..tensor_parallel.mappings import all_gather_tensor
 from .base import BaseOptimizer, Owned, adam_state, adamw_group_update
 from .nvme import CHUNK_NUMEL, KINDS, NvmeState
@@ -97,13 +97,13 @@ class DistributedOptimizer(BaseOptimizer):
         """grad_buffer: built over this model's parameters with mode="reduce_scatter" and
         `dp_group` (a GradBuffer at stage 1, a ShardedGradBuffer at stages 2-3). norm_group: every
         rank whose owned shards together make up the whole model's gradient (all tp x pp x dp
-        ranks; None = the world when torch.distributed is initialised). sharded_params: stage 3's layer units, whose
-        owned shards are the parameters this optimizer writes. offload: masters, moments and the
-        AdamW step on the CPU; nvme_root (implies offload): masters and moments in files under
-        nvme_root/rank_NNNNN/ (call `close()` at the end to delete them). delayed (needs offload):
-        --delayed-param-update, the CPU step runs in the background and is published at the next
-        step. Model parameters outside the units are re-pointed into one buffer per bucket (their
-        values are kept)."""
+        ranks; None = the world when torch.distributed is initialised). sharded_params: stage 3's
+        layer units, whose owned shards are the parameters this optimizer writes. offload: masters,
+        moments and the AdamW step on the CPU; nvme_root (implies offload): masters and moments in
+        files under nvme_root/rank_NNNNN/ (call `close()` at the end to delete them). delayed (needs
+        offload): --delayed-param-update, the CPU step runs in the background and is published at
+        the next step. Model parameters outside the units are re-pointed into one buffer per bucket
+        (their values are kept)."""
         if norm_group is None and dist.is_initialized():
             norm_group = dist.group.WORLD
         self.stage, self.nvme_root = stage, nvme_root
