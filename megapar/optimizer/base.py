@@ -281,7 +281,7 @@ class BaseOptimizer(ABC):
             # them. norm_group's ranks hold every distinct gradient once and compute the same norm, so
             # an inf/nan on any rank makes it non-finite on every rank.
             overflow = (~torch.isfinite(norm)).float()
-            scale = self.loss_scale if self.device_scale is not None else \
+            scale = self.device_scale if self.device_scale is not None else \
                 torch.tensor(self.scaler.scale, dtype=torch.float32, device=self.device)
             norm = norm / scale  # exact for power-of-two scales
             if self.device_scale is not None:
