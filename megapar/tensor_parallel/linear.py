@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..topology import ConfigError
 from .mappings import Group, all_gather_dim0, reduce_scatter_dim0, to_tp_region, tp_world
 
 if TYPE_CHECKING:
@@ -194,7 +195,6 @@ def require_hooks_without_gradient(params) -> None:
     parameters no gradient (torch does; undocumented). Refuse a torch that does not, rather than
     lose gradients."""
     if any(getattr(p, "fused_grad_accumulation", False) for p in params) and not _hooks_run_without_gradient():
-        from ..topology import ConfigError
         raise ConfigError(f"torch {torch.__version__} does not run a parameter's post-accumulate-grad hook when "
                           f"backward gives it no gradient, which the fused gradient accumulation relies on; add "
                           f"--no-gradient-accumulation-fusion or use a newer torch")
