@@ -8,6 +8,8 @@ delayed update past a 256 GiB host; docs/performance.md). Buffers above EXACT_AB
 anonymous memory (zero-filled by the kernel) page-locked in place with cudaHostRegister, as PyTorch's
 own `pinned_use_cuda_host_register` does but without the rounding, and unregistered when the last
 tensor on them is freed. Smaller buffers keep the caching allocator (its reuse is worth the rounding).
+A buffer asked for `page_aligned` (O_DIRECT file I/O into it: nvme.py) is such anonymous memory at any
+size, pinned or not, as mmap's pages start on a page boundary and torch's allocator promises less.
 """
 from __future__ import annotations
 
@@ -46,14 +48,17 @@ class _LockedPages(mmap.mmap):
             self.address = 0
 
 
-def host_buffer(numel: int, dtype: torch.dtype, pinned: bool, zero: bool = False) -> torch.Tensor:
+def host_buffer(numel: int, dtype: torch.dtype, pinned: bool, zero: bool = False,
+                page_aligned: bool = False) -> torch.Tensor:
     """A 1-D host tensor of `numel` elements of `dtype`; page-locked when `pinned` (a GPU run's
     transfer buffer), at its exact size above EXACT_ABOVE_BYTES. zero: filled with zeros (the large
-    pinned ones are zero already)."""
+    pinned ones and the page-aligned ones are zero already). page_aligned: its first element starts
+    on a page boundary."""
     nbytes = numel * dtype.itemsize
-    if pinned and nbytes > EXACT_ABOVE_BYTES:
+    if (pinned and nbytes > EXACT_ABOVE_BYTES) or (page_aligned and nbytes):
         pages = _LockedPages(-1, nbytes)
-        pages.lock()
+        if pinned:
+            pages.lock()
         return torch.frombuffer(pages, dtype=dtype)
     make = torch.zeros if zero else torch.empty
     return make(numel, dtype=dtype, pin_memory=pinned)

@@ -2,7 +2,9 @@
 (megapar/optimizer/nvme.py), give the bits of --optimizer-cpu-offload (losses, saved weights and
 optimizer state), checkpoints move between the two, and the state files are gone after the run."""
 import os
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,15 +20,19 @@ CHUNK = 20_000   # elements per streamed chunk in these runs: many chunks per bu
 def _body(rank, world_size, argv, cpu_offload):
     """pretrain; CPU offload is refused on a CPU-only run at the command line, so it is switched on
     after validation (as tests/test_zero_stages.py does); NVMe offload comes as its flag, streamed
-    in chunks of CHUNK elements (the tiny model would otherwise be one chunk per bucket)."""
+    in chunks of CHUNK elements (the tiny model would otherwise be one chunk per bucket). Returns
+    the losses, the last iteration and the (rank 0) log."""
+    import contextlib
+    import io
     import megapar.optimizer.distrib_optimizer as distrib
     from megapar.pretrain_gpt2 import parse
     from megapar.run.pretrain import pretrain
     distrib.CHUNK_NUMEL = CHUNK
     cfg = parse(argv, world_size)
     cfg.parallel.optimizer_cpu_offload = cpu_offload
-    state = pretrain(cfg)
-    return {"losses": [loss for _, loss in state.losses], "iteration": state.iteration}
+    with contextlib.redirect_stdout(io.StringIO()) as log:
+        state = pretrain(cfg)
+    return {"losses": [loss for _, loss in state.losses], "iteration": state.iteration, "log": log.getvalue()}
 
 
 def train(argv, nvme=None, world=2):
@@ -66,7 +72,8 @@ def nvme_dir(tmp_path):
 @pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_nvme_offload_is_bit_identical_to_cpu_offload(embedded_data, tmp_path, nvme_dir, stage):
     """dp 2: the same losses and the same saved weights, masters and moments, bit for bit; the
-    rank folders are removed at the end and the user's file stays."""
+    rank folders are removed at the end and the user's file stays. The log names the I/O (once)
+    and each iteration line the step's NVMe transfer rate."""
     base = TINY_TRAIN + embedded_data + ["--train-iters", str(ITERS), "--zero-stage", str(stage)]
     cpu = train(base + ["--save", str(tmp_path / "cpu")])
     nvme = train(base + ["--save", str(tmp_path / "nvme_ck")], nvme=nvme_dir)
@@ -75,6 +82,9 @@ def test_nvme_offload_is_bit_identical_to_cpu_offload(embedded_data, tmp_path, n
     assert a.keys() == b.keys() and any("exp_avg_sq" in k for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
     assert sorted(os.listdir(nvme_dir)) == ["users_file"] and (nvme_dir / "users_file").read_text() == "mine"
+    assert len(re.findall(r"NVMe offload to \S+ via (O_DIRECT|buffered I/O)", nvme["log"])) == 1
+    rates = [float(r) for r in re.findall(r"nvme I/O \(GB/s\): ([0-9.]+) \|", nvme["log"])]
+    assert rates and all(r > 0 for r in rates) and "nvme I/O" not in cpu["log"]
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +203,101 @@ def test_files_are_allocated_and_a_full_disk_while_making_them_is_one_line(tmp_p
     with pytest.raises(ConfigError, match="the disk filled up while this rank's optimizer state files were made"):
         NvmeState(str(tmp_path), 0, numel=10)
     assert os.listdir(tmp_path) == []
+
+
+# ---- direct I/O: unaligned ranges, shared edge blocks, the buffered fallback --------------------
+NUMEL = 12_500   # a little over 12 blocks of fp32
+# Element ranges (1024 elements per block): from a block's start to mid-block; within one block, sharing
+# it with both neighbours; across several blocks (several pieces with PIECE_BYTES at two blocks);
+# another shared edge; after an untouched gap, smaller than a block; ending at a block boundary.
+RANGES = [(0, 1500), (1500, 10), (1510, 6000), (7510, 500), (8200, 300), (8500, 3788)]
+
+
+def _stream_matches_reference(state, monkeypatch) -> None:
+    """Random state, then a stream adding (range index + 1) to each kind of each range: the files
+    and `mapped` equal the same update done in memory (untouched bytes included)."""
+    import megapar.optimizer.nvme as nvme
+    monkeypatch.setattr(nvme, "PIECE_BYTES", 2 * nvme.ALIGN)
+    g = torch.Generator().manual_seed(0)
+    expected = {k: torch.randn(NUMEL, generator=g) for k in nvme.KINDS}
+    for k in nvme.KINDS:
+        state.mapped[k].copy_(expected[k])
+    seen = []
+
+    def update(i, s):
+        off, n = RANGES[i]
+        seen.append(all(torch.equal(s[k], expected[k][off:off + n]) for k in nvme.KINDS))
+        for t in s.values():
+            t.add_(i + 1)
+    state.stream(RANGES, update)
+    for i, (off, n) in enumerate(RANGES):
+        for t in expected.values():
+            t[off:off + n] += i + 1
+    assert seen == [True] * len(RANGES)
+    for k, path in zip(nvme.KINDS, state.paths):
+        assert torch.equal(torch.from_numpy(np.fromfile(path, dtype=np.float32)), expected[k]), k
+        assert torch.equal(state.mapped[k], expected[k]), k
+    state.close()
+
+
+def test_unaligned_ranges_stream_through_direct_io(tmp_path, monkeypatch):
+    """Where the file system takes O_DIRECT, the aligned interiors go through it (the kernel refuses
+    unaligned offsets or addresses, so a misplaced slot fails here) and the edges are buffered."""
+    from megapar.optimizer.nvme import NvmeState
+    state = NvmeState(str(tmp_path), 0, numel=NUMEL)
+    if not state.direct_fds:
+        state.close()
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    assert state.io_mode.startswith("O_DIRECT")
+    _stream_matches_reference(state, monkeypatch)
+
+
+def test_a_file_system_refusing_o_direct_streams_buffered(tmp_path, monkeypatch):
+    """O_DIRECT refused at open (EINVAL, as tmpfs or some network file systems): every transfer is
+    buffered, the log text says so, and the same streams give the same bytes."""
+    import errno
+    from megapar.optimizer.nvme import NvmeState
+    real_open = os.open
+
+    def no_direct(path, flags, *mode):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *mode)
+    monkeypatch.setattr(os, "open", no_direct)
+    state = NvmeState(str(tmp_path), 0, numel=NUMEL)
+    assert state.direct_fds == [] and "refuses O_DIRECT" in state.io_mode
+    _stream_matches_reference(state, monkeypatch)
+
+
+def test_pieces_cover_the_range_exactly_with_aligned_direct_ones():
+    """In order, contiguous, no longer than PIECE_BYTES; every aligned byte inside goes directly."""
+    from megapar.optimizer.nvme import ALIGN, PIECE_BYTES, _pieces
+    for a, b in [(0, 4), (100, 200), (100, 3 * ALIGN + 8), (ALIGN, 5 * ALIGN), (10, 2 * PIECE_BYTES + ALIGN + 3)]:
+        pieces = _pieces(a, b, direct=True)
+        assert [p[1] for p in pieces] == [a] + [p[2] for p in pieces[:-1]] and pieces[-1][2] == b
+        assert all(lo % ALIGN == 0 and hi % ALIGN == 0 for d, lo, hi in pieces if d)
+        assert all(hi - lo <= PIECE_BYTES for _, lo, hi in pieces)
+        interior = b // ALIGN * ALIGN - -(-a // ALIGN) * ALIGN         # the aligned bytes inside [a, b)
+        assert sum(hi - lo for d, lo, hi in pieces if d) == max(interior, 0)
+    assert _pieces(100, 3 * ALIGN + 8, direct=False) == [(False, 100, 3 * ALIGN + 8)]
+    assert _pieces(100, 200, direct=True) == [(False, 100, 200)]
+
+
+def test_stream_stats_count_the_bytes_moved(tmp_path):
+    """last_stats: 3 kinds x 4 B x each range's elements, read and written, over positive seconds."""
+    from megapar.optimizer.nvme import NvmeState
+    state = NvmeState(str(tmp_path), 0, numel=NUMEL)
+    assert state.last_stats.nbytes == 0 and state.last_stats.gb_per_s == 0
+    state.stream(RANGES, lambda i, s: None)
+    stats = state.last_stats
+    assert stats.nbytes == 2 * 3 * 4 * sum(n for _, n in RANGES)
+    assert 0 < stats.busy_s <= stats.wall_s and stats.gb_per_s > 0
+    state.close()
+
+
+def test_page_aligned_host_buffers():
+    """O_DIRECT's memory alignment: anonymous pages, zero-filled, at any size (megapar/pinned.py)."""
+    from megapar.pinned import host_buffer
+    for numel in (1, 1000, 5000):
+        t = host_buffer(numel, torch.float32, pinned=False, page_aligned=True)
+        assert t.data_ptr() % 4096 == 0 and t.numel() == numel and t.eq(0).all()

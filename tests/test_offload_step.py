@@ -165,13 +165,14 @@ def test_delayed_update_through_training_saves_and_resumes(embedded_data, tmp_pa
     assert os.listdir(folder) == []
 
 
-def test_the_optimizer_log_line_names_the_delayed_update():
+def test_the_optimizer_log_line_names_the_delayed_update_and_the_nvme_io():
     from types import SimpleNamespace
     from megapar.run.initialize import offload_text
     cpu = SimpleNamespace(optimizer_cpu_offload=True, optimizer_nvme_offload=None, delayed_param_update=True)
     nvme = SimpleNamespace(optimizer_cpu_offload=False, optimizer_nvme_offload="/nvme", delayed_param_update=True)
     assert offload_text(cpu).startswith(", CPU offload, delayed parameter update")
     assert offload_text(nvme).startswith(", NVMe offload to /nvme, delayed parameter update")
+    assert offload_text(nvme, "buffered I/O").startswith(", NVMe offload to /nvme via buffered I/O, delayed")
     assert "delayed" not in offload_text(SimpleNamespace(**{**vars(cpu), "delayed_param_update": False}))
 
 

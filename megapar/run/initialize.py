@@ -91,18 +91,20 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
         cfg.model, topo, rank, cfg.train.seed, device, params_dtype(cfg), on_layer_built=on_layer_built,
         layer_hooks=layer_hooks))
     optimizer = zero.optimizer
+    nvme = getattr(optimizer, "nvme", None)
     log(f"> optimizer: AdamW ({'csrc fused, one launch' if optimizer.adam_impl == 'fused' else 'torch'}"
-        f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}{offload_text(p)})")
+        f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}{offload_text(p, nvme.io_mode if nvme else '')})")
     scheduler = build_scheduler(cfg, optimizer)
     saves = AsyncSaves(device) if cfg.ckpt.async_save else None
     return Run(cfg, topo, rank, device, model, zero.grad_buffer, optimizer, scheduler, saves, zero.sharded)
 
 
-def offload_text(p) -> str:
-    """Where the optimizer state lives (and whether its step is delayed), for the optimizer's log line."""
+def offload_text(p, nvme_io: str = "") -> str:
+    """Where the optimizer state lives (and whether its step is delayed), for the optimizer's log line;
+    nvme_io: how NVMe offload moves it (NvmeState.io_mode)."""
     delayed = ", delayed parameter update (the CPU step overlaps the next iteration)" if p.delayed_param_update else ""
     if p.optimizer_nvme_offload is not None:
-        return f", NVMe offload to {p.optimizer_nvme_offload}{delayed}"
+        return f", NVMe offload to {p.optimizer_nvme_offload}{f' via {nvme_io}' if nvme_io else ''}{delayed}"
     return f", CPU offload{delayed}" if p.optimizer_cpu_offload else ""
 
 

@@ -493,6 +493,9 @@ class StepLog:
                 f"{state.nan_iters:3d} | "
                 f"{throughput_fields(tokens, elapsed, self.fpt, self.run.topo.world_size, self.peak)} | "
                 f"ETA: {eta(elapsed, self.total - step.iteration)} |")
+        nvme = getattr(self.run.optimizer, "nvme", None)
+        if nvme is not None:  # the last step's state transfers, at their rate while in flight
+            line += f" nvme I/O (GB/s): {nvme.last_stats.gb_per_s:.2f} |"
         timing = self.timers.report(self.window_iters)
         return line + ("\n " + timing if timing else "")
 
