@@ -3,6 +3,7 @@
 optimizer state), checkpoints move between the two, and the state files are gone after the run."""
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -301,3 +302,15 @@ def test_page_aligned_host_buffers():
     for numel in (1, 1000, 5000):
         t = host_buffer(numel, torch.float32, pinned=False, page_aligned=True)
         assert t.data_ptr() % 4096 == 0 and t.numel() == numel and t.eq(0).all()
+
+
+def test_the_benchmark_measures_the_disk_through_o_direct(tmp_path, monkeypatch):
+    """benchmarks/bench_nvme_offload.py's O_DIRECT measurement: two positive rates (or None where
+    refused), and its file is gone after."""
+    import importlib
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    bench = importlib.import_module("bench_nvme_offload")
+    monkeypatch.setattr(bench, "PIECE_BYTES", 2**20)
+    rates = bench.direct_speed(str(tmp_path), mib=8)
+    assert rates is None or (len(rates) == 2 and min(rates) > 0)
+    assert os.listdir(tmp_path) == []
