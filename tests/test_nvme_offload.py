@@ -310,7 +310,6 @@ def test_the_benchmark_measures_the_disk_through_o_direct(tmp_path, monkeypatch)
     import importlib
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     bench = importlib.import_module("bench_nvme_offload")
-    monkeypatch.setattr(bench, "PIECE_BYTES", 2**20)
     rates = bench.direct_speed(str(tmp_path), mib=8)
     assert rates is None or (len(rates) == 2 and min(rates) > 0)
     assert os.listdir(tmp_path) == []

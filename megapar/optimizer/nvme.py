@@ -66,10 +66,11 @@ CHUNK_NUMEL = 2**23
 # logical block size of common disks (512 B or 4 KiB).
 ALIGN = 4096
 SLACK = ALIGN // 4                               # fp32 elements a host slot holds beyond its range
-# I/Os in flight: DeepSpeed's aio defaults to one thread keeping a queue of 8 libaio requests;
-# pread/pwrite block, so megapar keeps 8 in flight with 8 threads, each moving one piece at a time.
+# I/Os in flight: DeepSpeed's aio defaults to one thread keeping a queue of 8 libaio requests of
+# 1 MiB (queue_depth, block_size); pread/pwrite block, so megapar keeps 8 requests of that size in
+# flight with 8 threads, each moving one piece at a time.
 IO_THREADS = 8
-PIECE_BYTES = 8 * 2**20
+PIECE_BYTES = 2**20
 
 
 def rank_folder(root: str, rank: int) -> str:
@@ -235,9 +236,9 @@ class NvmeState:
         start, a, b = perf_counter(), 4 * off, 4 * (off + n)
         base = a - a % ALIGN                       # the file byte at the slot's first byte
         pieces = _pieces(a, b, bool(self.direct_fds))
-        jobs = [self.pool.submit(_io, op, (self.direct_fds if direct else self.fds)[j],
-                                 memoryview(self.slots[slot][k].numpy()).cast("B")[lo - base:hi - base], lo)
-                for j, k in enumerate(KINDS) for direct, lo, hi in pieces]
+        views = [memoryview(self.slots[slot][k].numpy()).cast("B") for k in KINDS]
+        jobs = [self.pool.submit(_io, op, (self.direct_fds if direct else self.fds)[j], view[lo - base:hi - base], lo)
+                for j, view in enumerate(views) for direct, lo, hi in pieces]
         for job in jobs:
             job.result()
         spans.append((start, perf_counter(), len(KINDS) * (b - a)))
