@@ -68,6 +68,7 @@ def main() -> None:
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more pretrain flags for every config")
     args = p.parse_args()
     args.vocab_file, args.merge_file = os.path.abspath(args.vocab_file), os.path.abspath(args.merge_file)
+    os.makedirs(args.log_dir, exist_ok=True)  # each config's whole log goes there, written after its run
     rows = []
     for name in args.configs:
         rows.append(run_config(name, args))
