@@ -8,6 +8,7 @@ import json
 import random
 import re
 import shlex
+from dataclasses import replace
 
 import pytest
 
@@ -301,3 +302,19 @@ def test_calibrate_writes_a_calibration_that_plans(tmp_path, monkeypatch):
     rc, stdout, _ = run_tool(["--num-layers", "4", "--hidden-size", "96", "--num-attention-heads", "4", "--seq-length",
                               "64", "--global-batch-size", "8", "--gpus", "2", "--calibration", str(out)])
     assert rc == 0 and "cost model: NVIDIA H200" in stdout and "uncalibrated" not in stdout
+
+
+def test_nvme_offload_plans_optimizer_offload_through_the_disk(tmp_path):
+    """--optimizer-nvme-offload among the kept flags: every layout offloads the optimizer to it, its step
+    pays the 24 B per owned parameter over the node's disk, and the command names NVMe, not CPU, offload."""
+    req = request(gpus=2, gpus_per_node=2, gpu_memory=80 * GiB, **GPT3_6_7B)
+    req.extra = {"optimizer_nvme_offload": str(tmp_path)}
+    plan = search.plan(req, H100)
+    assert plan.accepted and all(c.layout.nvme and c.layout.optimizer_offload for c in plan.accepted)
+    best = plan.best
+    owned = 6.6e9 / best.layout.dp if best.layout.zero else 6.6e9
+    assert best.step.optimizer > 24 * owned * 2 / (H100.disk_gbps * 1e9)
+    cpu = cost.step_time(H100, search.model_of(req, best.layout.tp), replace(best.layout, nvme=False), req.cluster)
+    assert best.step.optimizer > cpu.optimizer
+    flags = search.flags(req, best.layout)
+    assert flags["optimizer_nvme_offload"] == str(tmp_path) and "optimizer_cpu_offload" not in flags

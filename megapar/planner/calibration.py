@@ -15,6 +15,8 @@ measurement in docs/performance.md where one exists, otherwise from a datasheet:
     inter_node            not measured (only single-node machines were lent): InfiniBand NDR per GPU, datasheet
     pcie_*_gbps           pinned H2D / D2H copies measured by --calibrate
     cpu_adam_gparams_s    torch's fused CPU AdamW measured by --calibrate; shared by the GPUs of a node
+    disk_gbps             --optimizer-nvme-offload's disk, mean of O_DIRECT read and write, shared by the GPUs of
+                          a node: the virtio disk of a lent 2×H100 host, not a local NVMe array (set it for yours)
     elementwise bytes     LayerNorm/residual/dropout (replicated over TP unless sequence parallel) + GELU and the
                           rest (split over TP) per s·b·h element, forward; backward 2x; chosen so that the 345M
                           step's compiled elementwise kernels come out at their profiled time (the loss: per logit)
@@ -62,6 +64,7 @@ class Calibration:
     pcie_h2d_gbps: float
     pcie_d2h_gbps: float
     cpu_adam_gparams_s: float                 # one node's CPU, all cores
+    disk_gbps: float = 1.6                    # one node's disk for NVMe offload, GB/s
     elementwise_replicated_bytes: float = 14.0   # per s·b·h element and layer, forward
     elementwise_split_bytes: float = 16.0        # per s·b·h element and layer, forward (÷ tp)
     loss_bytes_per_logit: float = 8.0            # forward + backward of the fused cross entropy

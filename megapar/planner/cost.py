@@ -36,7 +36,8 @@ a microbatch. Every time is in seconds, for the slowest pipeline stage (the last
                      owned x 4 B to the host (gradients) over PCIe, then the larger of owned / (CPU
                      AdamW rate / ranks per node) and owned x 4 B back (fp32 masters): the step sends each
                      chunk back while it steps the next (--delayed-param-update, which changes the
-                     maths, is never picked)
+                     maths, is never picked); NVMe offload: also the larger of that and the state's
+                     24 B per owned parameter (read and written) over the node's disk, shared by its ranks
     parameter offload (ZeRO-3) every microbatch 2 x 2 B x the layer shards over PCIe, offload_overlap hidden
     step             pipeline + data parallel (exposed) + optimizer + step overhead
 """
@@ -45,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..optimizer.nvme import BYTES_PER_PARAM
 from .memory_estimate import layer_params_of
 from .calibration import Calibration, Link
 
@@ -72,10 +74,12 @@ class Layout:
     micro: int
     recompute: str          # none | selective | full
     sp: bool
+    nvme: bool = False      # the offloaded optimizer state in files (--optimizer-nvme-offload)
 
     @property
     def offload(self) -> str:
-        return " + ".join(n for n, on in (("optimizer", self.optimizer_offload), ("params", self.param_offload))
+        optimizer = "optimizer (NVMe)" if self.nvme else "optimizer"
+        return " + ".join(n for n, on in ((optimizer, self.optimizer_offload), ("params", self.param_offload))
                           if on) or "none"
 
 
@@ -274,7 +278,8 @@ def dp_step_comm(cal: Calibration, model: Model, lay: Layout, cluster: Cluster, 
 
 def optimizer_time(cal: Calibration, model: Model, lay: Layout, cluster: Cluster) -> float:
     """The optimizer step of one rank: on the GPU memory-bound over its owned shard; with
-    --optimizer-cpu-offload over PCIe and on the node's CPU cores (shared by its ranks)."""
+    --optimizer-cpu-offload over PCIe and on the node's CPU cores (shared by its ranks); with NVMe
+    offload also through the node's disk."""
     n = stage_params(model, lay, last=False)
     owned = n / lay.dp if lay.zero >= 1 else n
     local = cal.optimizer_bytes_local * n / (cal.hbm_gbps * GB)
@@ -282,7 +287,8 @@ def optimizer_time(cal: Calibration, model: Model, lay: Layout, cluster: Cluster
         return local + cal.optimizer_bytes_owned * owned / (cal.hbm_gbps * GB)
     down, up = 4 * owned / (cal.pcie_d2h_gbps * GB), 4 * owned / (cal.pcie_h2d_gbps * GB)
     cpu = owned / (cal.cpu_adam_gparams_s * 1e9 / cluster.ranks_per_node)
-    return local + down + max(cpu, up)     # each chunk's weights go up while the CPU steps the next
+    disk = 2 * BYTES_PER_PARAM * owned * cluster.ranks_per_node / (cal.disk_gbps * GB) if lay.nvme else 0.0
+    return local + down + max(cpu, up, disk)   # a chunk goes up (and to disk) while the CPU steps the next
 
 
 def step_time(cal: Calibration, model: Model, lay: Layout, cluster: Cluster) -> StepTime:

@@ -97,7 +97,9 @@ def divisors(n: int) -> list[int]:
 
 def layouts(req: Request) -> Iterator[cost.Layout]:
     """Every (tp, pp, v, dp, ZeRO, offload, micro, recompute, SP) the cluster size allows; tp and pp
-    divide the GPU count, v the layers of a stage, micro the per-rank batch (up to max_micro_batch)."""
+    divide the GPU count, v the layers of a stage, micro the per-rank batch (up to max_micro_batch). With
+    --optimizer-nvme-offload among the kept flags, only layouts that offload the optimizer (to that folder)."""
+    nvme = req.extra.get("optimizer_nvme_offload") is not None
     for tp in divisors(req.gpus):
         for pp in divisors(req.gpus // tp):
             dp = req.gpus // (tp * pp)
@@ -107,10 +109,13 @@ def layouts(req: Request) -> Iterator[cost.Layout]:
             micros = [b for b in divisors(per_rank) if b <= req.max_micro_batch]
             for v in chunks:
                 for zero, opt_off, param_off in COMBINATIONS:
+                    if nvme and not opt_off:
+                        continue                   # NVMe offload is an optimizer offload
                     for micro in micros:
                         for recompute in RECOMPUTE:
                             for sp in ((False, True) if tp > 1 else (False,)):
-                                yield cost.Layout(tp, pp, v, dp, zero, opt_off, param_off, micro, recompute, sp)
+                                yield cost.Layout(tp, pp, v, dp, zero, opt_off, param_off, micro, recompute, sp,
+                                                  nvme)
 
 
 def shape_reason(req: Request, lay: cost.Layout) -> Optional[str]:
@@ -142,7 +147,8 @@ def flags(req: Request, lay: cost.Layout) -> dict[str, Any]:
     out.setdefault("max_position_embeddings", req.seq_length)
     if lay.v > 1:
         out["virtual_pipeline_model_parallel_size"] = lay.v
-    for name, on in (("optimizer_cpu_offload", lay.optimizer_offload), ("param_cpu_offload", lay.param_offload),
+    for name, on in (("optimizer_cpu_offload", lay.optimizer_offload and not lay.nvme),
+                     ("param_cpu_offload", lay.param_offload),
                      ("sequence_parallel", lay.sp)):
         if on:
             out[name] = True
