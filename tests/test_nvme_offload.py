@@ -313,3 +313,20 @@ def test_the_benchmark_measures_the_disk_through_o_direct(tmp_path, monkeypatch)
     rates = bench.direct_speed(str(tmp_path), mib=8)
     assert rates is None or (len(rates) == 2 and min(rates) > 0)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_file_system_refusing_direct_transfers_after_open_is_probed(tmp_path, monkeypatch):
+    """Some file systems take O_DIRECT at open and refuse the transfers (EINVAL): the probe's first
+    aligned read finds it, closes the descriptor, and the state falls back to buffered I/O."""
+    import errno
+    from megapar.optimizer import nvme
+    closed = []
+    real_close = os.close
+
+    def refuse(fd, buffers, offset):
+        raise OSError(errno.EINVAL, "Invalid argument")
+    monkeypatch.setattr(os, "preadv", refuse)
+    monkeypatch.setattr(os, "close", lambda fd: (closed.append(fd), real_close(fd)))
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(2 * nvme.ALIGN))
+    assert nvme._open_direct(str(path)) is None and len(closed) == 1

@@ -44,6 +44,7 @@ code uses `mapped` between steps.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import shutil
 import weakref
@@ -139,13 +140,23 @@ def _pieces(a: int, b: int, direct: bool) -> list[tuple[bool, int, int]]:
 
 
 def _open_direct(path: str) -> Optional[int]:
-    """An O_DIRECT descriptor of `path`, or None where its file system refuses O_DIRECT."""
+    """An O_DIRECT descriptor of `path`, or None where its file system refuses O_DIRECT: at open, or
+    (some take the flag and refuse the transfers) at a first aligned read."""
     try:
-        return os.open(path, os.O_RDWR | os.O_DIRECT)
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
         return None
+    try:
+        with mmap.mmap(-1, ALIGN) as probe:       # page-aligned memory, one block
+            os.preadv(fd, [probe], 0)
+    except OSError as e:
+        os.close(fd)
+        if e.errno != errno.EINVAL:
+            raise
+        return None
+    return fd
 
 
 def _io(op: Callable, fd: int, view: memoryview, offset: int) -> None:
