@@ -44,7 +44,6 @@ code uses `mapped` between steps.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import shutil
 import weakref
@@ -149,8 +148,7 @@ def _open_direct(path: str) -> Optional[int]:
             raise
         return None
     try:
-        with mmap.mmap(-1, ALIGN) as probe:       # page-aligned memory, one block
-            os.preadv(fd, [probe], 0)
+        os.preadv(fd, [host_buffer(ALIGN, torch.uint8, pinned=False, page_aligned=True).numpy()], 0)
     except OSError as e:
         os.close(fd)
         if e.errno != errno.EINVAL:
