@@ -114,6 +114,10 @@ RECIPES: dict[str, Recipe] = {
                                           about=f"345M, data parallel 2, ZeRO-{z}, CUDA graph") for z in (1, 2, 3)},
     # GPT-3's 1.3B shape (24 layers, hidden 2048, 16 heads) at seq 1024, as measured against nanoGPT's bench.py
     "1.3b-graph": _recipe(1, GPT_1_3B, 8, 8, *GRAPH, about="1.3B shape, compiled, whole step one CUDA graph"),
+    # the same shape's layers split over two GPUs (tp 2 strong scaling against 1.3b-graph)
+    "1.3b-tp2-graph": _recipe(2, GPT_1_3B, 8, 8, *_tp(2), *GRAPH, about="1.3B shape, tensor parallel 2, CUDA graph"),
+    "1.3b-tp2-sp-graph": _recipe(2, GPT_1_3B, 8, 8, *_tp(2), "--sequence-parallel", *GRAPH,
+                                 about="1.3B shape, tensor and sequence parallel 2, CUDA graph"),
     # the same shape on two GPUs, as measured against DeepSpeed ZeRO and FSDP2 without recompute (estimate_memory at
     # micro-batch 8: 29.0 GiB per GPU at ZeRO-1, 27.1 at ZeRO-2, 26.2 at ZeRO-3)
     **{f"1.3b-dp2-zero{z}": _recipe(2, GPT_1_3B, 8, 16, *COMPILE, *_zero(z),

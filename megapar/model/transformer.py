@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config.arguments import ModelConfig
 from ..fp8 import layer_fp8
+from ..kernels import dropout as fast_dropout
 from ..kernels.softmax import scaled_masked_softmax
 from ..tensor_parallel.layers import ColumnParallelLinear, Init, RowParallelLinear, tp_rank_size
 from ..tensor_parallel.random import checkpoint, get_rng_tracker
@@ -32,13 +33,20 @@ def make_layernorm(cfg: ModelConfig, device, dtype) -> nn.Module:
     return ln
 
 
-def sp_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
+def sp_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool,
+               fast: bool = True) -> torch.Tensor:
     """Dropout on activations outside the TP region: on the default RNG stream (the same on every TP
     rank, which hold the same tokens), or, under sequence parallelism (each rank holds other
-    tokens), on the tracker's model-parallel stream, as Megatron does."""
+    tokens), on the tracker's model-parallel stream, as Megatron does.
+
+    In a compiled layer on a GPU that records gradients the mask is kernels/dropout.py's (a quarter
+    of the Philox work of Inductor's own). fast=False keeps Inductor's: full recompute runs a
+    layer's first forward without gradients and must draw the same masks when it runs it again."""
     if not (training and p > 0):
         return x
     with get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext():
+        if fast and torch.compiler.is_compiling() and torch.is_grad_enabled() and fast_dropout.available(x):
+            return fast_dropout.dropout(x, p)
         return F.dropout(x, p=p, training=True)
 
 
@@ -137,8 +145,9 @@ class TransformerLayer(nn.Module):
         self.post_attention_layernorm = make_layernorm(cfg, device, dtype)
         self.mlp = ParallelMLP(cfg, f"{prefix}.mlp", seed, tp_group, device, dtype)
         self.hidden_dropout, self.sequence_parallel = cfg.hidden_dropout, cfg.sequence_parallel
+        self.fast_dropout = cfg.recompute_granularity != "full"
 
     def forward(self, x: torch.Tensor, kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
-        p, sp = self.hidden_dropout, self.sequence_parallel
-        x = x + sp_dropout(self.self_attention(self.input_layernorm(x), kv_cache), p, self.training, sp)
-        return x + sp_dropout(self.mlp(self.post_attention_layernorm(x)), p, self.training, sp)
+        p, sp, fast = self.hidden_dropout, self.sequence_parallel, self.fast_dropout
+        x = x + sp_dropout(self.self_attention(self.input_layernorm(x), kv_cache), p, self.training, sp, fast)
+        return x + sp_dropout(self.mlp(self.post_attention_layernorm(x)), p, self.training, sp, fast)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,7 +93,8 @@ class DistributedOptimizer(BaseOptimizer):
     def __init__(self, model: nn.Module, grad_buffer, cfg, scaler, tp_rank: int,
                  dp_group: Optional[dist.ProcessGroup], norm_group: Optional[dist.ProcessGroup] = None,
                  sharded_params: Optional[ShardedParams] = None,
-                 offload: bool = False, stage: int = 1, nvme_root: Optional[str] = None, delayed: bool = False):
+                 offload: bool = False, stage: int = 1, nvme_root: Optional[str] = None, delayed: bool = False,
+                 forward_units: Sequence[tuple[nn.Module, list[nn.Parameter]]] = ()):
         """grad_buffer: built over this model's parameters with mode="reduce_scatter" and
         `dp_group` (a GradBuffer at stage 1, a ShardedGradBuffer at stages 2-3). norm_group: every
         rank whose owned shards together make up the whole model's gradient (all tp x pp x dp
@@ -102,8 +103,11 @@ class DistributedOptimizer(BaseOptimizer):
         moments and the AdamW step on the CPU; nvme_root (implies offload): masters and moments in
         files under nvme_root/rank_NNNNN/ (call `close()` at the end to delete them). delayed (needs
         offload): --delayed-param-update, the CPU step runs in the background and is published at
-        the next step. Model parameters outside the units are re-pointed into one buffer per bucket
-        (their values are kept)."""
+        the next step. forward_units: (module, the parameters its forward is the first to use), in
+        forward order; given, with dp > 1 and no offload, the all-gathers after a step wait for the
+        next forward, each bucket ahead of its first unit (`_gather_ahead`; build_zero gives them on
+        GPUs, where NCCL gathers in place: gloo's all-gather would add a temporary copy of the bucket). Model parameters
+        outside the units are re-pointed into one buffer per bucket (their values are kept)."""
         if norm_group is None and dist.is_initialized():
             norm_group = dist.group.WORLD
         self.stage, self.nvme_root = stage, nvme_root
@@ -128,6 +132,11 @@ class DistributedOptimizer(BaseOptimizer):
             self._stream_layer_grads()
             self._prepare_sends(delayed)
         self._reset_moments(step=0)
+        self.gather_order: list[int] = []       # buckets whose all-gather waits for the next forward
+        self.gathers: dict[int, object] = {}    # bucket -> its all-gather under way
+        self.gather_due = False                 # the next forward starts them
+        if forward_units and self.dp > 1 and not offload:
+            self._gather_ahead(forward_units)
 
     # ---- layout --------------------------------------------------------------------------
     def _build_buffers(self) -> None:
@@ -345,7 +354,12 @@ class DistributedOptimizer(BaseOptimizer):
 
     def finish_pending(self) -> None:
         """--delayed-param-update: the update running in the background finished, its weights sent to
-        the device and all-gathered (collective over dp)."""
+        the device and all-gathered; with the all-gathers deferred to the next forward, those done now
+        (always: a replayed CUDA graph leaves them due without telling the host). Collective over dp."""
+        if self.gather_order:
+            self.gather_due = False
+            self._start_gathers(self.gather_order)
+            self._await_gathers(self.gather_order)
         if not self.offload:
             return
         self._join()
@@ -406,21 +420,49 @@ class DistributedOptimizer(BaseOptimizer):
     @torch.no_grad()
     def _publish_params(self, params_written: bool) -> None:
         """Owned masters -> owned model-dtype shards unless the update wrote them (the fused AdamW,
-        the offloaded step's chunks), then
-        all-gather every whole bucket over the DP group (a ZeRO-3 unit is gathered by its next
-        forward instead)."""
+        the offloaded step's chunks), then all-gather every whole bucket over the DP group: now, or,
+        with `gather_order`, in the next forward (a ZeRO-3 unit is gathered by its next forward)."""
         if self.offload and self.h2d is not None:   # the chunks' copies (_send)
             torch.cuda.current_stream(self.device).wait_stream(self.h2d)
             self.h2d.synchronize()                  # the host may write the masters again from here on
-        handles = []
-        for i, (b, (lo, hi, off)) in enumerate(zip(self.buffer.buckets, self.shards)):
-            if not params_written and self.master_shard is not None:
+        if not params_written and self.master_shard is not None:
+            for i in range(len(self.buffer.buckets)):
                 self.owned_params[i].copy_(self._master_of_bucket(i))
-            full = self.bucket_params[i]
-            if full is not None and self.dp > 1:
-                handles.append(all_gather_tensor(full, self.owned_params[i], group=self.dp_group, async_op=True))
-        for h in handles:
-            h.wait()
+        if self.gather_order:
+            self.gather_due = True
+            return
+        if self.dp > 1:
+            self._start_gathers(i for i, full in enumerate(self.bucket_params) if full is not None)
+            self._await_gathers(list(self.gathers))
+
+    def _gather_ahead(self, units: Sequence[tuple[nn.Module, list[nn.Parameter]]]) -> None:
+        """Megatron's --overlap-param-gather: the step's all-gathers start in the next forward, in the
+        order of `units`, and each unit's forward pre-hook waits only for the buckets holding its
+        parameters, so the gathers travel behind the forward's compute. A captured CUDA graph holds
+        them at its start. Whatever reads the weights between steps calls `finish_pending` first."""
+        bucket_of = {id(p): i for i, b in enumerate(self.buffer.buckets) for p in b.params
+                     if self.bucket_params[i] is not None}
+        for module, params in units:
+            mine = sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of})
+            module.register_forward_pre_hook(lambda m, args, mine=mine: self._await_gathers(mine))
+            self.gather_order += [i for i in mine if i not in self.gather_order]
+        self.gather_order += [i for i in sorted(set(bucket_of.values())) if i not in self.gather_order]
+
+    def _start_gathers(self, buckets) -> None:
+        for i in buckets:
+            self.gathers[i] = all_gather_tensor(self.bucket_params[i], self.owned_params[i], group=self.dp_group,
+                                                async_op=True)
+
+    def _await_gathers(self, buckets: list[int]) -> None:
+        """Buckets `buckets` hold the last step's weights from here on (in stream order); starts the
+        step's deferred all-gathers first if they are due."""
+        if self.gather_due:
+            self.gather_due = False
+            self._start_gathers(self.gather_order)
+        for i in buckets:
+            work = self.gathers.pop(i, None)
+            if work is not None:
+                work.wait()
 
     # ---- checkpoint state (name-keyed, full over dp) ------------------------------------------
     def saved_tensors(self) -> Iterator[tuple[str, str, Optional[torch.Tensor]]]:

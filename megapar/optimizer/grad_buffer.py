@@ -66,13 +66,20 @@ class _CastBack:
 
 def reduce(op: str, out: torch.Tensor, data: torch.Tensor, group: Optional[dist.ProcessGroup], dtype: torch.dtype,
            async_op: bool):
-    """Sum `data` over `group` with `op`: all_reduce (in place; `out` is `data`) or reduce_scatter
-    (this rank's part into `out`), sent in `dtype`. Returns a handle to wait() on when `async_op`,
-    else None once `out` holds the result."""
+    """Average `data` over `group` with `op`: all_reduce (in place; `out` is `data`) or reduce_scatter
+    (this rank's part into `out`), sent in `dtype`. NCCL averages inside the collective (its
+    pre-multiplied sum: no pass of its own over `data`); other backends divide `data` in place first.
+    Returns a handle to wait() on when `async_op`, else None once `out` holds the result."""
+    if dist.get_backend(group) == "nccl":
+        how = dist.ReduceOp.AVG
+    else:
+        data.div_(dist.get_world_size(group))
+        how = dist.ReduceOp.SUM
+
     def collective(o: torch.Tensor, d: torch.Tensor):
         if op == "all_reduce":
-            return dist.all_reduce(d, group=group, async_op=async_op)
-        return reduce_scatter_tensor(o, d, group=group, async_op=async_op)
+            return dist.all_reduce(d, op=how, group=group, async_op=async_op)
+        return reduce_scatter_tensor(o, d, op=how, group=group, async_op=async_op)
 
     if dtype == data.dtype:
         return collective(out, data)
@@ -274,7 +281,6 @@ class GradBuffer(GradReduction):
             bucket.handle = bucket.handle or "done"
             return
         view = self.data[bucket.start:bucket.end]
-        view.div_(self.dp)
         out = view if self.mode == "all_reduce" else self.data[slice(*bucket.shard(self.dp_rank, self.dp))]
         bucket.handle = reduce(self.mode, out, view, self.dp_group, self.reduce_dtype, async_op) or "done"
 

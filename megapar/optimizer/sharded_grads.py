@@ -11,9 +11,10 @@ fills it; the parameters' `main_grad` are fixed views of it (the fused weight-gr
 capture them at forward time; tensor_parallel/linear.py). Per microbatch, for each layer:
     its output's gradient arrives     the bucket gets its memory back, zeroed (the fused GEMMs
                                       accumulate there, hooks add the other gradients)
-    the layer's last gradient arrives reduce-scatter the bucket (/dp, asynchronously); when that
-                                      completes, add the result into this rank's shard and free
-                                      the bucket's memory
+    the layer's last gradient arrives reduce-scatter the bucket (averaged, asynchronously) into
+                                      this rank's shard (the step's first microbatch), or into a
+                                      buffer added to the shard once it lands; then free the
+                                      bucket's memory
 So gradients are reduced every microbatch (the price of not keeping a full buffer), and at most
 `max_in_flight` buckets exist at a time besides the one backward is filling. The edge bucket is
 reduced once, in `finish()`.
@@ -75,6 +76,7 @@ class ShardedGradBuffer(GradReduction):
             layer.register_forward_hook(self._arm_on_output(i))
         self.tp_summed = [g for p in tp_summed for g in self._owned_views(p)]
         self.in_flight: list[tuple] = []
+        self.unreduced = set(range(len(layers)))   # layers whose slot this step's reductions have not written
         self.on_shard_final: Optional[Callable[[int], None]] = None
 
     # ---- layout ----------------------------------------------------------------------------------
@@ -143,22 +145,24 @@ class ShardedGradBuffer(GradReduction):
         b.add_queued()
         while len(self.in_flight) >= self.max_in_flight:
             self._complete(self.in_flight.pop(0))
+        slot, first = self._shard_slot(i), i in self.unreduced
+        self.unreduced.discard(i)
         if self.dp == 1:
-            self._shard_slot(i).add_(b.data)
+            (slot.copy_ if first else slot.add_)(b.data)
             self._free(b)
             self._shard_done(i)
-        else:
-            b.data.div_(self.dp)
-            out = torch.empty_like(self._shard_slot(i))
+        else:   # the step's first reduction of the layer lands in its slot, later ones are added to it
+            out = slot if first else torch.empty_like(slot)
             work = reduce("reduce_scatter", out, b.data, self.dp_group, self.reduce_dtype, async_op=True)
-            self.in_flight.append((work, out, i))
+            self.in_flight.append((work, None if first else out, i))
         if self.on_layer_reduced is not None:
             self.on_layer_reduced(i)
 
     def _complete(self, item: tuple) -> None:
-        work, out, i = item
+        work, out, i = item   # out: None where the reduction wrote the shard slot itself
         work.wait()
-        self._shard_slot(i).add_(out)
+        if out is not None:
+            self._shard_slot(i).add_(out)
         self._free(self.buckets[i])
         self._shard_done(i)
 
@@ -169,13 +173,18 @@ class ShardedGradBuffer(GradReduction):
             self.on_shard_final(i)
 
     def start_step(self) -> None:
-        self.shard_data.zero_()
+        """A new global batch: each layer's first reduction writes its shard slot (no zeroing pass over
+        the shard), the edge bucket accumulates from zero."""
+        self.unreduced = set(range(len(self.buckets) - (self.edge is not None)))
         self.edge_data.zero_()
 
     def finish(self, before_late: Optional[Callable[[], None]] = None) -> None:
         """Complete the layers' reductions, then reduce the edge bucket (after `before_late`)."""
         while self.in_flight:
             self._complete(self.in_flight.pop(0))
+        for i in self.unreduced:   # a layer without gradients in this step (none in GPT-2): zero
+            self._shard_slot(i).zero_()
+        self.unreduced.clear()
         if self.edge is not None:
             self.edge.add_queued()
             if before_late is not None:
@@ -184,7 +193,6 @@ class ShardedGradBuffer(GradReduction):
             if self.dp == 1:
                 slot.copy_(self.edge_data)
             else:
-                self.edge_data.div_(self.dp)
                 reduce("reduce_scatter", slot, self.edge_data, self.dp_group, self.reduce_dtype, async_op=False)
         self._sum_over_tp()
 

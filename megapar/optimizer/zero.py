@@ -34,7 +34,7 @@ from .sharded_params import ShardedParams
 GRAD_BUCKET_NUMEL = 40_000_000  # elements per DP bucket on GPU (Megatron's default)
 
 # make_model(on_layer_built, layer_hooks) -> the model: each layer handed to on_layer_built as it is
-# built (ZeRO-3 shards it there), layer_hooks: the layers take forward hooks (stages 2-3)
+# built (ZeRO-3 shards it there), layer_hooks: the layers take forward hooks (stages 1-3)
 MakeModel = Callable[[Optional[Callable[[nn.Module], None]], bool], GPT2Model]
 
 
@@ -51,7 +51,7 @@ def build_zero(cfg: Config, topo: Topology, rank: int, device: torch.device,
                make_model: MakeModel) -> tuple[GPT2Model, Zero]:
     p = cfg.parallel
     sharded = ShardedParams(topo.groups.dp, offload=p.param_cpu_offload) if p.zero_stage == 3 else None
-    model = make_model(sharded.shard_layer if sharded else None, p.zero_stage >= 2)
+    model = make_model(sharded.shard_layer if sharded else None, p.zero_stage >= 1)
     grad_buffer = build_grad_buffer(cfg, model, topo, device, sharded)
     t, tp_rank = cfg.train, topo.coord(rank).tp
     scaler = (ConstantGradScaler(t.loss_scale or 1.0, t.hysteresis) if not t.fp16 or t.loss_scale else
@@ -61,10 +61,21 @@ def build_zero(cfg: Config, topo: Topology, rank: int, device: torch.device,
         optimizer = DistributedOptimizer(model, grad_buffer, t, scaler, tp_rank, topo.groups.dp,
                                          norm_group=None, sharded_params=sharded,
                                          offload=p.optimizer_cpu_offload, stage=p.zero_stage,
-                                         nvme_root=p.optimizer_nvme_offload, delayed=p.delayed_param_update)
+                                         nvme_root=p.optimizer_nvme_offload, delayed=p.delayed_param_update,
+                                         forward_units=forward_units(model) if device.type == "cuda" else ())
     else:
         optimizer = MixedPrecisionOptimizer(model, grad_buffer, t, scaler, tp_rank, norm_group=topo.groups.mp)
     return model, Zero(sharded, grad_buffer, optimizer)
+
+
+def forward_units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Where each parameter is first used in a forward: each model chunk (its embeddings, final
+    LayerNorm and head, used from its start on), then each transformer layer, in forward order."""
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    chunks = [m for m in model.modules() if isinstance(m, GPT2Model)]
+    return ([(c, [p for p in c.parameters() if id(p) not in in_layers]) for c in chunks]
+            + [(layer, list(layer.parameters())) for layer in layers])
 
 
 def embedding_params(model: GPT2Model, topo: Topology) -> list[nn.Parameter]:
