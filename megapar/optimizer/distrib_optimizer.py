@@ -106,8 +106,9 @@ class DistributedOptimizer(BaseOptimizer):
         the next step. forward_units: (module, the parameters its forward is the first to use), in
         forward order; given, with dp > 1 and no offload, the all-gathers after a step wait for the
         next forward, each bucket ahead of its first unit (`_gather_ahead`; build_zero gives them on
-        GPUs, where NCCL gathers in place: gloo's all-gather would add a temporary copy of the bucket). Model parameters
-        outside the units are re-pointed into one buffer per bucket (their values are kept)."""
+        GPUs, where NCCL gathers in place: gloo's all-gather would add a temporary copy of the
+        bucket). Model parameters outside the units are re-pointed into one buffer per bucket (their
+        values are kept)."""
         if norm_group is None and dist.is_initialized():
             norm_group = dist.group.WORLD
         self.stage, self.nvme_root = stage, nvme_root
@@ -442,11 +443,14 @@ class DistributedOptimizer(BaseOptimizer):
         them at its start. Whatever reads the weights between steps calls `finish_pending` first."""
         bucket_of = {id(p): i for i, b in enumerate(self.buffer.buckets) for p in b.params
                      if self.bucket_params[i] is not None}
-        for module, params in units:
-            mine = sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of})
-            module.register_forward_pre_hook(lambda m, args, mine=mine: self._await_gathers(mine))
+        waits = [sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of}) for _, params in units]
+        for mine in waits:
             self.gather_order += [i for i in mine if i not in self.gather_order]
-        self.gather_order += [i for i in sorted(set(bucket_of.values())) if i not in self.gather_order]
+        unused = [i for i in sorted(set(bucket_of.values())) if i not in self.gather_order]  # no unit's: first
+        waits[0] += unused
+        self.gather_order = unused + self.gather_order
+        for (module, _), mine in zip(units, waits):
+            module.register_forward_pre_hook(lambda m, args, mine=mine: self._await_gathers(mine))
 
     def _start_gathers(self, buckets) -> None:
         for i in buckets:
