@@ -89,6 +89,17 @@ def test_flags_not_given_take_the_field_default_and_given_ones_win():
     assert parse_config(["--no-gradient-accumulation-fusion"], 1).model.gradient_accumulation_fusion is False
 
 
+def test_megatron_overlap_and_bucket_flags():
+    """Megatron's --overlap-grad-reduce / --overlap-param-gather turn on what is on here already (a Megatron
+    script runs as written); --no-... turn them off; --ddp-bucket-size sizes the ZeRO-0/1 buckets."""
+    on = parse_config(BASE + ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "1000"], 1)
+    assert on.parallel.overlap_grad_reduce and on.parallel.overlap_param_gather and on.parallel.ddp_bucket_size == 1000
+    default = parse_config(BASE, 1).parallel
+    assert default.overlap_grad_reduce and default.overlap_param_gather and default.ddp_bucket_size == 40_000_000
+    off = parse_config(BASE + ["--no-overlap-grad-reduce", "--no-overlap-param-gather"], 1).parallel
+    assert not off.overlap_grad_reduce and not off.overlap_param_gather
+
+
 def test_flag_words_render_every_setting_as_the_parser_reads_it_back():
     """The one renderer from settings to command lines (planner, next-step commands, DeepSpeed
     notes): for every flag and a value unlike its default, the words parse back to that value."""

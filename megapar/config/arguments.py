@@ -129,6 +129,17 @@ class ParallelConfig:
                "delayed parameter update); a checkpoint or evaluation first applies the pending update")
     param_cpu_offload: bool = arg(False, "--zero-stage 3: parameter shards live in CPU memory, fetched ahead "
                                          "of their layer (GPUs)")
+    overlap_grad_reduce: bool = arg(
+        True, "on GPUs, reduce each data-parallel gradient bucket as soon as backward completes it, behind the "
+              "rest of the backward (--zero-stage 0-1; stages 2-3 always reduce layer by layer); on by default "
+              "here, off in Megatron", negative="--no-overlap-grad-reduce", aliases=["--overlap-grad-reduce"])
+    overlap_param_gather: bool = arg(
+        True, "on GPUs, the all-gathers of the new weights after a step (--zero-stage 1-2) travel behind the next "
+              "forward, each bucket waited for just before its first layer; on by default here, off in Megatron",
+        negative="--no-overlap-param-gather", aliases=["--overlap-param-gather"])
+    ddp_bucket_size: int = arg(
+        40_000_000, "elements per data-parallel gradient bucket at --zero-stage 0-1 on GPUs (Megatron's default); "
+                    "one bucket on the CPU")
     grad_reduce_dtype: str = arg("fp32", "the dtype gradients are summed over data parallelism in: fp32 "
                                          "(Megatron's), or bf16 / fp16 (half the bytes on the wire; DeepSpeed's "
                                          "communication_data_type); the fp32 gradient buffers stay",
@@ -337,8 +348,10 @@ def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
     suffix = None if shown is None or isinstance(shown, bool) or shown == [] else f"default: {shown}"
     kw: dict[str, Any] = {"dest": f.name, "help": "; ".join(filter(None, (m["help"], suffix))) or None}
     if hint is bool:
-        if f.default is True:
+        if f.default is True:   # its aliases: Megatron's switch that turns on what is on already
             group.add_argument(m["negative"], action="store_false", **kw)
+            if m["aliases"]:
+                group.add_argument(*m["aliases"], action="store_true", dest=f.name, help="the default")
             return
         kw["action"] = "store_true"
     elif typing.get_origin(hint) is list:
@@ -659,7 +672,7 @@ def validate(ns: argparse.Namespace, world_size: int, assume_gpus: bool = False)
 _AT_LEAST_1 = ("micro_batch_size", "global_batch_size", "num_layers", "hidden_size", "num_attention_heads",
                "seq_length", "ffn_hidden_size", "max_position_embeddings", "make_vocab_size_divisible_by",
                "log_interval", "save_interval", "exit_interval", "lr_decay_iters", "loss_scale_window",
-               "hysteresis")
+               "hysteresis", "ddp_bucket_size")
 _AT_LEAST_0 = ("train_iters", "train_samples", "lr_warmup_iters", "eval_iters", "eval_interval",
                "profile_step_start", "profile_step_end")
 _WHY = {"train_iters": "0 builds the model and exits", "eval_interval": "0 never evaluates during training",

@@ -31,7 +31,6 @@ from .optimizer import MixedPrecisionOptimizer
 from .sharded_grads import ShardedGradBuffer
 from .sharded_params import ShardedParams
 
-GRAD_BUCKET_NUMEL = 40_000_000  # elements per DP bucket on GPU (Megatron's default)
 
 # make_model(on_layer_built, layer_hooks) -> the model: each layer handed to on_layer_built as it is
 # built (ZeRO-3 shards it there), layer_hooks: the layers take forward hooks (stages 1-3)
@@ -62,7 +61,8 @@ def build_zero(cfg: Config, topo: Topology, rank: int, device: torch.device,
                                          norm_group=None, sharded_params=sharded,
                                          offload=p.optimizer_cpu_offload, stage=p.zero_stage,
                                          nvme_root=p.optimizer_nvme_offload, delayed=p.delayed_param_update,
-                                         forward_units=forward_units(model) if device.type == "cuda" else ())
+                                         forward_units=forward_units(model)
+                                         if p.overlap_param_gather and device.type == "cuda" else ())
     else:
         optimizer = MixedPrecisionOptimizer(model, grad_buffer, t, scaler, tp_rank, norm_group=topo.groups.mp)
     return model, Zero(sharded, grad_buffer, optimizer)
@@ -102,7 +102,9 @@ def build_grad_buffer(cfg: Config, model: GPT2Model, topo: Topology, device: tor
         return ShardedGradBuffer(layers, [p for p in model.parameters() if id(p) not in in_layers], topo.groups.dp,
                                  tp_summed=tp_summed, tp_group=topo.groups.tp, on_layer_reduced=release,
                                  reduce_dtype=reduce_dtype)
+    gpu = device.type == "cuda"
     return GradBuffer(model.parameters(), topo.groups.dp, mode="reduce_scatter" if stage == 1 else "all_reduce",
-                      bucket_numel=GRAD_BUCKET_NUMEL if device.type == "cuda" else None,
-                      overlap=device.type == "cuda", late_params=embedding_params(model, topo),
+                      bucket_numel=cfg.parallel.ddp_bucket_size if gpu else None,
+                      overlap=cfg.parallel.overlap_grad_reduce and gpu,
+                      late_params=embedding_params(model, topo),
                       tp_summed=tp_summed, tp_group=topo.groups.tp, reduce_dtype=reduce_dtype)

@@ -211,6 +211,7 @@ IN_PROCESS_CASES = [  # the rest, checked without a process each
     (["--train-iters", "5", "--adam-beta1", "1.5"], "--adam-beta1 1.5 is out of range"),
     (["--train-iters", "5", "--adam-eps", "0"], "--adam-eps 0.0 is out of range"),
     (["--train-iters", "5", "--num-attention-heads", "0"], "--num-attention-heads 0 must be >= 1"),
+    (["--train-iters", "5", "--ddp-bucket-size", "0"], "--ddp-bucket-size 0 must be >= 1"),
     (["--train-iters", "5", "--seed", "-1"], "--seed -1 must be in"),
     (["--train-iters", "5", "--lr", "1e-4", "--lr-warmup-init", "1e-3"], "--lr-warmup-init 0.001 is above --lr 0.0001"),
 ]

@@ -37,6 +37,9 @@ CASES = [  # (id, flags, expected fragments)
                                             "--adam-impl", "fused"], ["steps AdamW on the CPU"]),
     ("delayed update without offload", ["--zero-stage", "2", "--delayed-param-update"],
      ["--delayed-param-update", "is not offloaded", "add --optimizer-cpu-offload"]),
+    ("a negative bucket size", ["--zero-stage", "1", "--ddp-bucket-size", "-1"], ["--ddp-bucket-size -1 must be >= 1"]),
+    ("a value for a switch", ["--zero-stage", "1", "--overlap-param-gather=yes"],
+     ["--overlap-param-gather", "ignored explicit argument"]),
 ]
 
 
