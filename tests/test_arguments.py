@@ -98,6 +98,7 @@ def test_megatron_overlap_and_bucket_flags():
     assert default.overlap_grad_reduce and default.overlap_param_gather and default.ddp_bucket_size == 40_000_000
     off = parse_config(BASE + ["--no-overlap-grad-reduce", "--no-overlap-param-gather"], 1).parallel
     assert not off.overlap_grad_reduce and not off.overlap_param_gather
+    assert parse_config(BASE + ["--optimizer-offload-fraction", "1.0"], 1).parallel.optimizer_offload_fraction == 1.0
 
 
 def test_flag_words_render_every_setting_as_the_parser_reads_it_back():

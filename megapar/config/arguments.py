@@ -119,6 +119,9 @@ class ParallelConfig:
               "layer by layer); default 0, or 1 with --use-distributed-optimizer", choices=(0, 1, 2, 3))
     optimizer_cpu_offload: bool = arg(
         False, "fp32 master weights, Adam moments and the Adam step on the CPU (GPUs; --zero-stage >= 1)")
+    optimizer_offload_fraction: float = arg(
+        1.0, "Megatron's share of the optimizer state --optimizer-cpu-offload moves to the CPU; megapar moves all "
+             "of it, so 1.0 is the one value it takes")
     optimizer_nvme_offload: Optional[str] = arg(
         None, "a folder on a fast local disk (NVMe): the fp32 master weights and Adam moments live in files under "
               "PATH/rank_NNNNN/ (made by the run, removed at its end), read and written chunk by chunk around "
@@ -687,7 +690,7 @@ _FLOAT_RANGES = {
     "adam_beta2": (0.0, 1.0, True, False), "adam_eps": (0.0, None, False, None),
     "layernorm_epsilon": (0.0, None, False, None), "init_method_std": (0.0, None, False, None),
     "lr_warmup_fraction": (0.0, 1.0, True, True), "lr_warmup_init": (0.0, None, True, None),
-    "loss_scale": (0.0, None, False, None),
+    "loss_scale": (0.0, None, False, None), "optimizer_offload_fraction": (0.0, 1.0, True, True),
     "initial_loss_scale": (0.0, None, False, None), "min_loss_scale": (0.0, None, False, None),
     "exit_duration_in_mins": (0.0, None, False, None), "distributed_timeout_minutes": (0.0, None, False, None),
 }
@@ -746,6 +749,10 @@ def _check_zero(ns: argparse.Namespace, gpus: bool) -> None:
         if on and not gpus:
             _fail(f"{opt} moves GPU state to CPU memory, but this run has no CUDA GPU (or uses gloo); "
                   f"drop {opt} on a CPU-only run")
+    if ns.optimizer_offload_fraction != 1.0:
+        _fail(f"--optimizer-offload-fraction {ns.optimizer_offload_fraction:g}: megapar offloads the whole optimizer "
+              f"state or none of it; use --optimizer-offload-fraction 1.0 (Megatron's default) with "
+              f"--optimizer-cpu-offload, or drop both to keep the state on the GPUs")
     if ns.optimizer_nvme_offload is not None:
         _check_nvme_offload(ns, stage)
     if ns.delayed_param_update and not (ns.optimizer_cpu_offload or ns.optimizer_nvme_offload):
