@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from gpu_timing import capture, cuda_us  # benchmarks/gpu_timing.py
+from gpu_timing import graphed_us  # benchmarks/gpu_timing.py
 from megapar.run.inductor import COMPILE_OPTIONS
 
 VARIANTS = ["none", "inductor", "fallback_random", "megapar"]
@@ -46,12 +46,7 @@ def time_one(variant: str, seq: int, batch: int, hidden: int, p: float, iters: i
         out, h = join(x, y, w, b)
         return (h,) + torch.autograd.grad((out, h), (x, y, w, b), (grad_out, grad_sum))
 
-    for _ in range(6):
-        step()
-    graph = capture(step)
-    for _ in range(5):
-        graph.replay()
-    us = cuda_us(graph.replay, iters)
+    us = graphed_us(step, iters)
     h, *_ = step()
     kept = ((h - x) != 0).float().mean().item()            # y's elements that survived
     print(f"| {variant} | {us:.1f} | {kept:.4f} |", flush=True)

@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from gpu_timing import capture, cuda_us  # benchmarks/gpu_timing.py
+from gpu_timing import graphed_us  # benchmarks/gpu_timing.py
 from megapar.run.inductor import COMPILE_OPTIONS
 
 SETTINGS = ["default", "16", "32", "64", "128", "off"]
@@ -45,12 +45,7 @@ def time_one(setting: str, seq: int = 1024, batch: int = 8, hidden: int = 1024, 
         return torch.autograd.grad((out, y), (x, res, w, b), (grad_out, grad_sum))
 
     grads = step()
-    for _ in range(5):
-        step()
-    graph = capture(step)
-    for _ in range(5):
-        graph.replay()
-    us = cuda_us(graph.replay, iters)
+    us = graphed_us(step, iters)
     print(f"| {setting} | {us:.1f} | {grads[2].float().norm().item():.4f} |", flush=True)
 
 

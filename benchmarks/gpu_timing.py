@@ -31,3 +31,14 @@ def cuda_us(run: Callable[[], object], iters: int, before: Callable[[], None] = 
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000 / iters
+
+
+def graphed_us(fn: Callable[[], object], iters: int, warm: int = 5) -> float:
+    """Microseconds per replay of fn captured as a CUDA graph, after `warm` eager calls (compiles,
+    autotuning) and `warm` replays."""
+    for _ in range(warm):
+        fn()
+    graph = capture(fn)
+    for _ in range(warm):
+        graph.replay()
+    return cuda_us(graph.replay, iters)
