@@ -68,11 +68,12 @@ def test_every_flag_is_one_config_field_with_no_parser_default():
     import argparse
     from dataclasses import fields
 
-    from megapar.config.arguments import ALIAS_FLAGS, DEEPSPEED_CONFIG, SECTIONS, build_parser
+    from megapar.config.arguments import ALIAS_FLAGS, DEEPSPEED_CONFIG, MEGATRON_NOTED, NOTED, SECTIONS, build_parser
     parser = build_parser()
     actions = [a for a in parser._actions if a.dest != "help"]
     cli_fields = {f.name for cls, _ in SECTIONS.values() for f in fields(cls) if f.metadata["cli"]}
     extra = set(ALIAS_FLAGS) | {"recipe", DEEPSPEED_CONFIG, "deepspeed"}  # expanded by parse_flags
+    extra |= {f"{NOTED}:{name}" for name in MEGATRON_NOTED}            # noted, not settings
     assert {a.dest for a in actions} == cli_fields | extra
     second = {a.dest: a.default for a in actions if a.default is not argparse.SUPPRESS}
     assert not second, f"flags with a parser default besides their dataclass field: {second}"
@@ -99,6 +100,29 @@ def test_megatron_overlap_and_bucket_flags():
     off = parse_config(BASE + ["--no-overlap-grad-reduce", "--no-overlap-param-gather"], 1).parallel
     assert not off.overlap_grad_reduce and not off.overlap_param_gather
     assert parse_config(BASE + ["--optimizer-offload-fraction", "1.0"], 1).parallel.optimizer_offload_fraction == 1.0
+
+
+def test_a_megatron_gpt2_script_runs_as_written():
+    """The flags of Megatron-LM's GPT-2 345M example (examples/pretrain_gpt.sh, with its kernel switches): the
+    settings apply, the switches megapar decides itself are kept to be named at start, and change nothing."""
+    from megapar.config.arguments import MEGATRON_NOTED
+    megatron = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+                "--max-position-embeddings", "1024", "--micro-batch-size", "4", "--global-batch-size", "8",
+                "--lr", "0.00015", "--train-iters", "500000", "--lr-decay-iters", "320000",
+                "--lr-decay-style", "cosine", "--min-lr", "1.0e-5", "--weight-decay", "1e-2",
+                "--lr-warmup-fraction", ".01", "--clip-grad", "1.0",
+                "--split", "949,50,1", "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
+                "--eval-iters", "10", "--distributed-backend", "gloo"]
+    switches = ["--data-impl", "mmap", "--DDP-impl", "local", "--use-flash-attn", "--no-bias-gelu-fusion",
+                "--no-masked-softmax-fusion", "--accumulate-allreduce-grads-in-fp32", "--num-workers", "2"]
+    cfg = parse_config(megatron + switches, world_size=2)
+    plain = parse_config(megatron, world_size=2)
+    assert cfg.megatron_noted == {"--data-impl": "mmap", "--DDP-impl": "local", "--use-flash-attn": True,
+                                  "--no-bias-gelu-fusion": True, "--no-masked-softmax-fusion": True,
+                                  "--accumulate-allreduce-grads-in-fp32": True, "--num-workers": 2}
+    assert set(cfg.megatron_noted) <= set(MEGATRON_NOTED) and not plain.megatron_noted
+    assert (cfg.model, cfg.parallel, cfg.train, cfg.data) == (plain.model, plain.parallel, plain.train, plain.data)
+    assert cfg.parallel.data_parallel_size == 2 and cfg.train.lr == 0.00015
 
 
 def test_flag_words_render_every_setting_as_the_parser_reads_it_back():

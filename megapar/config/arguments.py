@@ -293,6 +293,28 @@ ALIAS_FLAGS = {
                               "--recompute-num-layers 1",
 }
 
+# Megatron switches whose choice megapar makes itself: accepted, so that a Megatron script runs as
+# written, and named in one line at start. flag -> (what it takes: None a switch, int a number, else
+# its choices; why it changes nothing here)
+_KERNELS = "torch.compile (--torch-compile) and --attention-backend choose megapar's kernels"
+_ONE_IMPL = "megapar has one GPT-2 implementation"
+MEGATRON_NOTED: dict[str, tuple[Any, str]] = {
+    "--data-impl": (("mmap", "infer"), "megapar reads Megatron's memory-mapped .bin/.idx"),
+    "--DDP-impl": (("local", "torch"), "megapar's data parallelism is its own (gradient buffers, ZeRO)"),
+    "--use-flash-attn": (None, "attention is torch SDPA's flash kernel unless --attention-backend says otherwise"),
+    "--use-mcore-models": (None, _ONE_IMPL),
+    "--transformer-impl": (("local", "transformer_engine"), _ONE_IMPL + " (fp8: --fp8-format)"),
+    "--no-masked-softmax-fusion": (None, _KERNELS),
+    "--no-bias-gelu-fusion": (None, _KERNELS),
+    "--no-bias-dropout-fusion": (None, _KERNELS),
+    "--attention-softmax-in-fp32": (None, "the softmax always computes in fp32"),
+    "--accumulate-allreduce-grads-in-fp32": (None, "gradients always accumulate in fp32 (--grad-reduce-dtype sets "
+                                                   "what travels)"),
+    "--log-throughput": (None, "every log line has tokens/s, TFLOP/s per GPU and MFU"),
+    "--num-workers": (int, "the memory-mapped dataset is read in the training process"),
+}
+NOTED = "megatron_noted"   # parse_flags: {flag: value} of the MEGATRON_NOTED flags given
+
 
 @dataclass
 class Config:
@@ -303,6 +325,7 @@ class Config:
     ckpt: CheckpointConfig
     log: LogConfig
     aliases: dict[str, bool] = field(default_factory=dict)  # the ALIAS_FLAGS as given (kept in `args`)
+    megatron_noted: dict[str, Any] = field(default_factory=dict)  # the MEGATRON_NOTED flags given
     deepspeed: Any = None  # the DeepSpeedSettings of --deepspeed-config (not kept in `args`)
     origin: dict[str, Origin] = field(default_factory=dict)  # settings not typed on the command line
 
@@ -392,6 +415,11 @@ def build_parser(prog: str = TRAINING_PROG, launcher: bool = False) -> argparse.
                 _add_field(group, f, hints[f.name])
     for name, help in ALIAS_FLAGS.items():
         groups["model"].add_argument(flag(name), action="store_true", help=help)
+    noted = p.add_argument_group("Megatron switches megapar decides itself (accepted, not acted on)")
+    for name, (takes, why) in MEGATRON_NOTED.items():
+        kw: dict[str, Any] = {"action": "store_true"} if takes is None else \
+            {"type": int, "metavar": "N"} if takes is int else {"choices": takes}
+        noted.add_argument(name, dest=f"{NOTED}:{name}", help=why, **kw)
     groups["model"].add_argument("--recipe", metavar="NAME", help="start from a named run configuration "
                                  "(megapar/config/recipes.py); flags given after it override it")
     ds = p.add_argument_group("DeepSpeed users")
@@ -434,7 +462,15 @@ def parse_flags(argv: Optional[Sequence[str]], parser: Optional[argparse.Argumen
         origins.pop(dest, None)
     if origins:
         given[ORIGINS] = origins
+    _gather_noted(given)
     return apply_config_files(given)
+
+
+def _gather_noted(given: dict[str, Any]) -> None:
+    """Move the MEGATRON_NOTED flags among the parsed `given` under NOTED, as {flag: value}."""
+    noted = {dest.split(":", 1)[1]: given.pop(dest) for dest in [d for d in given if d.startswith(NOTED + ":")]}
+    if noted:
+        given[NOTED] = {**given.get(NOTED, {}), **noted}
 
 
 def apply_config_files(given: dict[str, Any]) -> dict[str, Any]:
@@ -505,6 +541,8 @@ def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: i
     a run planned for CUDA GPUs (the memory estimator) also on a machine without any."""
     given = dict(vars(ns) if isinstance(ns, argparse.Namespace) else ns)
     given.pop("recipe", None)
+    _gather_noted(given)   # (a namespace straight from build_parser())
+    noted = given.pop(NOTED, {})
     if isinstance(given.get(DEEPSPEED_CONFIG), str):  # a namespace straight from build_parser()
         apply_config_files(given)
     ds = given.pop(DEEPSPEED_CONFIG, None)
@@ -513,7 +551,7 @@ def config_from_namespace(ns: argparse.Namespace | dict[str, Any], world_size: i
         origins = {**origins, **{dest: Origin(key, ds.path) for dest, key in ds.origin.items()}}
     aliases = _resolve_aliases(given)
     cfg = Config(**{section: _pick(cls, given) for section, (cls, _) in SECTIONS.items()}, aliases=aliases,
-                 deepspeed=ds, origin=origins)
+                 megatron_noted=noted, deepspeed=ds, origin=origins)
     try:
         _resolve_and_validate(cfg, given, world_size, assume_gpus)
     except ConfigError as e:

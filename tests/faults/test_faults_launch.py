@@ -199,7 +199,10 @@ PYTHON_FLAG_CASES = [  # one process each (about 3 s): a case per class of bad n
     (["--train-iters", "5", "--clip-grad", "-1"], "--clip-grad -1.0 is out of range"),
     (["--train-iters", "5", "--adam-beta2", "1"], "--adam-beta2 1.0 is out of range"),
     (["--train-iters", "5", "--recipe", "6.7b-offload"], "(--optimizer-cpu-offload set by --recipe 6.7b-offload)"),
-    (["--train-iters", "five"], "invalid int value"),   # last: argparse's, not ConfigError (in-process cases below)
+]
+ARGPARSE_CASES = [  # argparse's refusals, not ConfigError: through python only (not in-process below)
+    (["--train-iters", "five"], "invalid int value"),
+    (["--train-iters", "5", "--data-impl", "lazy"], "--data-impl: invalid choice: 'lazy'"),  # a Megatron switch
 ]
 IN_PROCESS_CASES = [  # the rest, checked without a process each
     (["--train-iters", "5", "--global-batch-size", "0"], "--global-batch-size 0 must be >= 1"),
@@ -228,7 +231,7 @@ def test_bad_number_through_the_launcher(data, tmp_path, flags, expect):
 def test_bad_numbers_through_python(data, tmp_path):
     """One process per case (each is a real start of the entry point)."""
     (tmp_path / "keep.txt").write_text("user data")
-    for flags, expect in PYTHON_FLAG_CASES:
+    for flags, expect in PYTHON_FLAG_CASES + ARGPARSE_CASES:
         out = refused([*PYTHON, *data, *flags, "--save", tmp_path / "ck"], fault_class="flags",
                       case=f"{' '.join(flags)} (python -m megapar.pretrain_gpt2)", expect=expect, watch=[tmp_path])
         assert out.rc == 2
@@ -237,7 +240,7 @@ def test_bad_numbers_through_python(data, tmp_path):
 def test_every_range_check_in_process():
     """The same checks without a process each: every range class, and the edge values that stay legal."""
     from megapar.config.arguments import ConfigError, parse_config
-    for flags, expect in LAUNCHER_FLAG_CASES + PYTHON_FLAG_CASES[:-1] + IN_PROCESS_CASES:
+    for flags, expect in LAUNCHER_FLAG_CASES + PYTHON_FLAG_CASES + IN_PROCESS_CASES:
         with pytest.raises(ConfigError) as e:
             parse_config(flags, 1)
         assert expect in str(e.value)
