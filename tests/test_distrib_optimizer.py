@@ -80,7 +80,7 @@ class Reference:
 
 def _train_step(model, buf, opt, it, dp, dp_rank, group) -> tuple[float, float]:
     """One global batch split over dp ranks; returns (global mean loss, grad norm)."""
-    ids, labels = (t.to(buf.data.device) for t in batch(b=GLOBAL_BATCH, seed=100 + it))
+    ids, labels = (t.to(next(model.parameters()).device) for t in batch(b=GLOBAL_BATCH, seed=100 + it))
     rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
     buf.start_step()
     loss = model(ids[rows], labels=labels[rows]).mean()
@@ -335,16 +335,23 @@ def test_zero1_cuda_dp1_fused_matches_adamw():
     assert losses[-1] < losses[0]
 
 
-def _deferred_gather_body(rank, world_size):
-    """ZeRO-1 at dp 2 with the all-gathers deferred to the next forward (forward_units, as build_zero gives on
-    GPUs): each forward sees the last step's weights (the losses equal AdamW's on the whole batch), the weights
+def _deferred_gather_body(rank, world_size, stage):
+    """ZeRO-1 or -2 at dp 2 with the all-gathers deferred to the next forward (forward_units, as build_zero gives
+    on GPUs): each forward sees the last step's weights (the losses equal AdamW's on the whole batch), the weights
     a rank does not own stay old until a forward or `finish_pending` gathers them."""
+    from megapar.model.transformer import TransformerLayer
+    from megapar.optimizer.sharded_grads import ShardedGradBuffer
     from megapar.optimizer.zero import forward_units
     group = dist.group.WORLD
     model = _model()
-    buf = GradBuffer(model.parameters(), group, mode="reduce_scatter", bucket_numel=3000)
+    if stage == 1:
+        buf = GradBuffer(model.parameters(), group, mode="reduce_scatter", bucket_numel=3000)
+    else:
+        layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        buf = ShardedGradBuffer(layers, [p for p in model.parameters() if id(p) not in in_layers], group)
     opt = DistributedOptimizer(model, buf, TrainConfig(**TRAIN), ConstantGradScaler(), tp_rank=0, dp_group=group,
-                               norm_group=group, forward_units=forward_units(model))
+                               norm_group=group, stage=stage, forward_units=forward_units(model))
     ref = Reference()
     res = {"losses": [], "ref_losses": [], "stale": [], "diffs": [], "buckets": len(buf.buckets)}
     for it in range(4):
@@ -356,8 +363,9 @@ def _deferred_gather_body(rank, world_size):
     return res
 
 
-def test_zero1_gathers_deferred_to_the_next_forward_match_adamw():
-    for res in run_distributed(_deferred_gather_body, world_size=2):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gathers_deferred_to_the_next_forward_match_adamw(stage):
+    for res in run_distributed(_deferred_gather_body, world_size=2, args=(stage,)):
         assert res["buckets"] > 2
         for a, b in zip(res["losses"], res["ref_losses"]):
             assert math.isclose(a, b, rel_tol=1e-5), (a, b)
