@@ -105,7 +105,7 @@ def test_megatron_overlap_and_bucket_flags():
 def test_a_megatron_gpt2_script_runs_as_written():
     """The flags of Megatron-LM's GPT-2 345M example (examples/pretrain_gpt.sh, with its kernel switches): the
     settings apply, the switches megapar decides itself are kept to be named at start, and change nothing."""
-    from megapar.config.arguments import MEGATRON_NOTED
+    from megapar.config.arguments import MEGATRON_NOTED, noted_line
     megatron = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
                 "--max-position-embeddings", "1024", "--micro-batch-size", "4", "--global-batch-size", "8",
                 "--lr", "0.00015", "--train-iters", "500000", "--lr-decay-iters", "320000",
@@ -123,6 +123,8 @@ def test_a_megatron_gpt2_script_runs_as_written():
     assert set(cfg.megatron_noted) <= set(MEGATRON_NOTED) and not plain.megatron_noted
     assert (cfg.model, cfg.parallel, cfg.train, cfg.data) == (plain.model, plain.parallel, plain.train, plain.data)
     assert cfg.parallel.data_parallel_size == 2 and cfg.train.lr == 0.00015
+    line = noted_line(cfg.megatron_noted)
+    assert "--data-impl mmap (megapar reads" in line and "--use-flash-attn (" in line and "--num-workers 2 (" in line
 
 
 def test_flag_words_render_every_setting_as_the_parser_reads_it_back():

@@ -466,6 +466,12 @@ def parse_flags(argv: Optional[Sequence[str]], parser: Optional[argparse.Argumen
     return apply_config_files(given)
 
 
+def noted_line(noted: dict[str, Any]) -> str:
+    """The start-up line naming the MEGATRON_NOTED flags given ({flag: value}) and why each changes nothing."""
+    return "> Megatron flags accepted, not acted on: " + "; ".join(
+        f"{name}{'' if value is True else f' {value}'} ({MEGATRON_NOTED[name][1]})" for name, value in noted.items())
+
+
 def _gather_noted(given: dict[str, Any]) -> None:
     """Move the MEGATRON_NOTED flags among the parsed `given` under NOTED, as {flag: value}."""
     noted = {dest.split(":", 1)[1]: given.pop(dest) for dest in [d for d in given if d.startswith(NOTED + ":")]}

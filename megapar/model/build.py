@@ -26,7 +26,7 @@ def build_model(cfg: ModelConfig, topo: Topology, rank: int, seed: int, device: 
     """This rank's stage on `device` in `dtype` (with --virtual-pipeline-model-parallel-size v > 1:
     its v model chunks as one VirtualStages). cfg.vocab_size must be set (set_vocab).
     Data-parallel rank 0 of each (tensor, pipeline) position prints its parameter count.
-    on_layer_built: see GPT2Model. layer_hooks: the layers carry module hooks (ZeRO-1-3), so
+    on_layer_built: see GPT2Model. layer_hooks: the layers carry module hooks (zero.py's build_zero), so
     --torch-compile compiles each layer's forward and leaves its hooks outside the graph."""
     c = topo.coord(rank)
     v = cfg.virtual_pipeline_model_parallel_size

@@ -76,7 +76,7 @@ class ShardedGradBuffer(GradReduction):
             layer.register_forward_hook(self._arm_on_output(i))
         self.tp_summed = [g for p in tp_summed for g in self._owned_views(p)]
         self.in_flight: list[tuple] = []
-        self.unreduced = set(range(len(layers)))   # layers whose slot this step's reductions have not written
+        self.unreduced = self._layer_indices()   # layers whose slot this step's reductions have not written
         self.on_shard_final: Optional[Callable[[int], None]] = None
 
     # ---- layout ----------------------------------------------------------------------------------
@@ -175,8 +175,11 @@ class ShardedGradBuffer(GradReduction):
     def start_step(self) -> None:
         """A new global batch: each layer's first reduction writes its shard slot (no zeroing pass over
         the shard), the edge bucket accumulates from zero."""
-        self.unreduced = set(range(len(self.buckets) - (self.edge is not None)))
+        self.unreduced = self._layer_indices()
         self.edge_data.zero_()
+
+    def _layer_indices(self) -> set[int]:
+        return set(range(len(self.buckets) - (self.edge is not None)))
 
     def finish(self, before_late: Optional[Callable[[], None]] = None) -> None:
         """Complete the layers' reductions, then reduce the edge bucket (after `before_late`)."""

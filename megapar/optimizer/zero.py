@@ -33,7 +33,8 @@ from .sharded_params import ShardedParams
 
 
 # make_model(on_layer_built, layer_hooks) -> the model: each layer handed to on_layer_built as it is
-# built (ZeRO-3 shards it there), layer_hooks: the layers take forward hooks (stages 1-3)
+# built (ZeRO-3 shards it there), layer_hooks: the layers take forward hooks (stages 2-3, and 1 when its
+# all-gathers wait for the next forward)
 MakeModel = Callable[[Optional[Callable[[nn.Module], None]], bool], GPT2Model]
 
 
@@ -50,7 +51,10 @@ def build_zero(cfg: Config, topo: Topology, rank: int, device: torch.device,
                make_model: MakeModel) -> tuple[GPT2Model, Zero]:
     p = cfg.parallel
     sharded = ShardedParams(topo.groups.dp, offload=p.param_cpu_offload) if p.zero_stage == 3 else None
-    model = make_model(sharded.shard_layer if sharded else None, p.zero_stage >= 1)
+    # ZeRO-1/2's all-gathers wait for the next forward (layer pre-hooks) where NCCL gathers in place
+    defer_gathers = p.overlap_param_gather and device.type == "cuda" and p.zero_stage >= 1 \
+        and not (p.optimizer_cpu_offload or p.optimizer_nvme_offload)
+    model = make_model(sharded.shard_layer if sharded else None, p.zero_stage >= 2 or defer_gathers)
     grad_buffer = build_grad_buffer(cfg, model, topo, device, sharded)
     t, tp_rank = cfg.train, topo.coord(rank).tp
     scaler = (ConstantGradScaler(t.loss_scale or 1.0, t.hysteresis) if not t.fp16 or t.loss_scale else
@@ -61,8 +65,7 @@ def build_zero(cfg: Config, topo: Topology, rank: int, device: torch.device,
                                          norm_group=None, sharded_params=sharded,
                                          offload=p.optimizer_cpu_offload, stage=p.zero_stage,
                                          nvme_root=p.optimizer_nvme_offload, delayed=p.delayed_param_update,
-                                         forward_units=forward_units(model)
-                                         if p.overlap_param_gather and device.type == "cuda" else ())
+                                         forward_units=forward_units(model) if defer_gathers else ())
     else:
         optimizer = MixedPrecisionOptimizer(model, grad_buffer, t, scaler, tp_rank, norm_group=topo.groups.mp)
     return model, Zero(sharded, grad_buffer, optimizer)

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch.distributed as dist
 
 from ..checkpoint import SaveDirLock, check_save_space
-from ..config.arguments import MEGATRON_NOTED, Config
+from ..config.arguments import Config, noted_line
 from ..errors import MegaparError
 from ..launch import Processes, command_line, training_command
 from ..optimizer.nvme import check_nvme_offload
@@ -151,9 +151,7 @@ def _pretrain(cfg: Config, topo: Topology, rank: int, device, argv: Optional[Seq
     for line in cfg.deepspeed.summary(cfg) if cfg.deepspeed is not None else ():
         print_rank0(line)
     if cfg.megatron_noted:
-        print_rank0("> Megatron flags accepted, not acted on: " + "; ".join(
-            f"{name}{'' if value is True else f' {value}'} ({MEGATRON_NOTED[name][1]})"
-            for name, value in cfg.megatron_noted.items()))
+        print_rank0(noted_line(cfg.megatron_noted))
     if "fused" in (cfg.model.attention_backend, cfg.model.layernorm_impl, cfg.train.adam_impl):
         from ..kernels import fused_kernels_source, load_fused_kernels
         load_fused_kernels()  # an explicit request never falls back: this raises without CUDA/nvcc
