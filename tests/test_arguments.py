@@ -114,12 +114,14 @@ def test_a_megatron_gpt2_script_runs_as_written():
                 "--split", "949,50,1", "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
                 "--eval-iters", "10", "--distributed-backend", "gloo"]
     switches = ["--data-impl", "mmap", "--DDP-impl", "local", "--use-flash-attn", "--no-bias-gelu-fusion",
-                "--no-masked-softmax-fusion", "--accumulate-allreduce-grads-in-fp32", "--num-workers", "2"]
+                "--no-masked-softmax-fusion", "--accumulate-allreduce-grads-in-fp32", "--num-workers", "2",
+                "--use-cpu-initialization", "--fp16-lm-cross-entropy"]
     cfg = parse_config(megatron + switches, world_size=2)
     plain = parse_config(megatron, world_size=2)
     assert cfg.megatron_noted == {"--data-impl": "mmap", "--DDP-impl": "local", "--use-flash-attn": True,
                                   "--no-bias-gelu-fusion": True, "--no-masked-softmax-fusion": True,
-                                  "--accumulate-allreduce-grads-in-fp32": True, "--num-workers": 2}
+                                  "--accumulate-allreduce-grads-in-fp32": True, "--num-workers": 2,
+                                  "--use-cpu-initialization": True, "--fp16-lm-cross-entropy": True}
     assert set(cfg.megatron_noted) <= set(MEGATRON_NOTED) and not plain.megatron_noted
     assert (cfg.model, cfg.parallel, cfg.train, cfg.data) == (plain.model, plain.parallel, plain.train, plain.data)
     assert cfg.parallel.data_parallel_size == 2 and cfg.train.lr == 0.00015

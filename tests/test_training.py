@@ -223,3 +223,29 @@ def test_embedded_default_evaluation_size(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert parse([], 1).log.eval_iters == 4                        # its own size at 300 iterations
     assert parse(["--train-iters", "20"], 1).log.eval_iters == 2   # a tenth of a shorter run
+
+
+@pytest.mark.parametrize("level, emptied_at", [(0, []), (1, [1]), (2, [1, 2])])
+def test_empty_unused_memory_level_picks_megatrons_places(monkeypatch, level, emptied_at):
+    """--empty-unused-memory-level: the cache goes back after forward-backward and each evaluation
+    batch (place 1) from level 1, after the optimizer too (place 2) at level 2; on GPUs only, and
+    never inside a CUDA graph capture."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megapar.config.arguments import parse_config
+    from megapar.run.training import empty_unused_memory
+    cfg = parse_config(["--empty-unused-memory-level", str(level)], world_size=1)
+    assert cfg.train.empty_unused_memory_level == level
+    emptied, capturing = [], [False]
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(place))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    gpu, cpu = (SimpleNamespace(cfg=cfg, device=torch.device(d)) for d in ("cuda", "cpu"))
+    for place in (1, 2):
+        empty_unused_memory(gpu, place)
+        empty_unused_memory(cpu, place)
+    assert emptied == emptied_at
+    capturing[0] = True
+    empty_unused_memory(gpu, 1)
+    assert emptied == emptied_at

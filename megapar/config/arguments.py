@@ -217,6 +217,10 @@ class TrainConfig:
                "offload, nor recompute together with dropout)")
     cuda_graph_warmup_steps: int = arg(3, "eager steps before the capture (compilation, cuBLAS autotuning, "
                                           "optimizer state)")
+    empty_unused_memory_level: int = arg(
+        0, "GPUs: hand the allocator's unused cached memory back (torch.cuda.empty_cache) after each step's "
+           "forward-backward and each evaluation batch (1), and after the optimizer too (2); against "
+           "fragmentation, at some speed (each call waits for the GPU)", choices=(0, 1, 2))
 
     @property
     def params_dtype_name(self) -> str:
@@ -312,6 +316,9 @@ MEGATRON_NOTED: dict[str, tuple[Any, str]] = {
                                                    "what travels)"),
     "--log-throughput": (None, "every log line has tokens/s, TFLOP/s per GPU and MFU"),
     "--num-workers": (int, "the memory-mapped dataset is read in the training process"),
+    "--use-cpu-initialization": (None, "every weight is drawn on the CPU at its full shape, then sliced"),
+    "--fp16-lm-cross-entropy": (None, "the loss reads the logits in their own dtype and computes in fp32, with no "
+                                      "fp32 copy of them"),
 }
 NOTED = "megatron_noted"   # parse_flags: {flag: value} of the MEGATRON_NOTED flags given
 

@@ -203,6 +203,7 @@ PYTHON_FLAG_CASES = [  # one process each (about 3 s): a case per class of bad n
 ARGPARSE_CASES = [  # argparse's refusals, not ConfigError: through python only (not in-process below)
     (["--train-iters", "five"], "invalid int value"),
     (["--train-iters", "5", "--data-impl", "lazy"], "--data-impl: invalid choice: 'lazy'"),  # a Megatron switch
+    (["--train-iters", "5", "--empty-unused-memory-level", "3"], "--empty-unused-memory-level: invalid choice: 3"),
 ]
 IN_PROCESS_CASES = [  # the rest, checked without a process each
     (["--train-iters", "5", "--global-batch-size", "0"], "--global-batch-size 0 must be >= 1"),
