@@ -130,15 +130,17 @@ def test_accepted_not_acted_on_keys_are_listed_once(tmp_path):
         "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8, "contiguous_gradients": True,
                               "offload_optimizer": {"device": "cpu", "pin_memory": True, "buffer_count": 4}}})])
     s = given[DEEPSPEED_CONFIG]
-    assert list(s.noted) == ["zero_allow_untested_optimizer", "zero_optimization.overlap_comm",
-                             "zero_optimization.reduce_bucket_size", "zero_optimization.contiguous_gradients",
+    assert list(s.noted) == ["zero_allow_untested_optimizer", "zero_optimization.contiguous_gradients",
                              "zero_optimization.offload_optimizer.pin_memory",
                              "zero_optimization.offload_optimizer.buffer_count"]
     lines = s.summary()
     assert len(lines) == 2
     assert "--zero-stage 2" in lines[0] and "--optimizer-cpu-offload" in lines[0]
+    assert "--ddp-bucket-size 500000000" in lines[0] and "--overlap-grad-reduce" in lines[0]
     assert "accepted, not acted on:" in lines[1]
-    assert "zero_optimization.overlap_comm, zero_optimization.reduce_bucket_size (megapar schedules" in lines[1]
+    assert "zero_optimization.contiguous_gradients (megapar's gradients always live in contiguous" in lines[1]
+    off = parse_flags([*BASE, "--deepspeed-config", write(tmp_path, {"zero_optimization": {"overlap_comm": False}})])
+    assert off["overlap_grad_reduce"] is False and "--no-overlap-grad-reduce" in off[DEEPSPEED_CONFIG].summary()[0]
 
 
 def test_nvme_offload_keys_that_tune_io_are_noted(tmp_path):

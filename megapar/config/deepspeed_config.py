@@ -38,7 +38,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .arguments import flag
+from .arguments import flag, flag_words
 from ..topology import _fail
 
 AUTO = "auto"
@@ -57,6 +57,8 @@ KEY_TO_FLAG: dict[str, tuple[str, type]] = {
     "optimizer.params.lr": ("lr", float),
     "optimizer.params.eps": ("adam_eps", float),
     "optimizer.params.weight_decay": ("weight_decay", float),
+    "zero_optimization.reduce_bucket_size": ("ddp_bucket_size", int),
+    "zero_optimization.overlap_comm": ("overlap_grad_reduce", bool),
 }
 
 # Keys that set megapar flags: key path -> what they become (the docs table's text).
@@ -94,6 +96,10 @@ HONOURED: dict[str, str] = {
     "scheduler.params.last_batch_iteration": "-1 (others refused: megapar resumes the schedule from its checkpoint)",
     "zero_optimization": "true: `--zero-stage 1`, false: `--zero-stage 0` (DeepSpeed's legacy boolean)",
     "zero_optimization.stage": "`--zero-stage`",
+    "zero_optimization.reduce_bucket_size": "`--ddp-bucket-size` (the gradient buckets of stages 0-1 on GPUs; stages "
+                                            "2-3 reduce a layer at a time; absent: megapar's 40,000,000)",
+    "zero_optimization.overlap_comm": "`--overlap-grad-reduce` (true) or `--no-overlap-grad-reduce` (false); absent: "
+                                      "megapar's overlap",
     "zero_optimization.offload_optimizer.device": "cpu: `--optimizer-cpu-offload`; nvme: `--optimizer-nvme-offload "
                                                   "nvme_path`; none: neither",
     "zero_optimization.offload_optimizer.nvme_path": "with device nvme: `--optimizer-nvme-offload` (the state files go "
@@ -174,10 +180,8 @@ NOTED: dict[str, str] = {
     "flops_profiler.*": "megapar's --profile prints the top kernels and writes a Chrome trace instead",
     "pipeline.*": "megapar splits layers evenly over --pipeline-model-parallel-size stages",
     "tensor_parallel.*": "megapar's tensor parallelism is Megatron's, fixed by --tensor-model-parallel-size",
-    "zero_optimization.overlap_comm": _OWN_COMMS,
     "zero_optimization.contiguous_gradients": "megapar's gradients always live in contiguous fp32 buffers",
     "zero_optimization.reduce_scatter": "megapar reduce-scatters gradients at --zero-stage >= 1, all-reduces at 0",
-    "zero_optimization.reduce_bucket_size": _OWN_COMMS,
     "zero_optimization.allgather_partitions": "megapar all-gathers updated parameters at --zero-stage 1-2",
     "zero_optimization.allgather_bucket_size": _OWN_COMMS,
     "zero_optimization.use_multi_rank_bucket_allreduce": _OWN_COMMS,
@@ -365,9 +369,12 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _as_flag(dest: str, v: Any) -> str:
-    """A flag and its value as a user would type it: `--zero-stage 3`, `--bf16`, `no --fp16`."""
+    """A flag and its value as a user would type it: `--zero-stage 3`, `--bf16`, `no --fp16`, and a
+    default-on switch turned off as its negative flag, `--no-overlap-grad-reduce`."""
     if v is True:
         return flag(dest)
+    if v is False and flag_words(dest, False):
+        return flag_words(dest, False)[0]
     return f"no {flag(dest)}" if v is False or v is None else f"{flag(dest)} {v if isinstance(v, str) else _show(v)}"
 
 

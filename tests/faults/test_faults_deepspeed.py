@@ -54,11 +54,15 @@ LAUNCHER_CASES = [  # (id, config or text, extra flags, expected fragments)
     ("every problem at once (1-bit optimizer, curriculum learning, aio, misspelt key, warmup type)",
      {"train_batch_sise": 8, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}},
       "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}, "aio": {"block_sise": 1048576},
-      "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "exp"}}}, [],
+      "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "exp"}},
+      "zero_optimization": {"overlap_comm": "yes"}}, [],
      ["unknown key train_batch_sise: did you mean train_batch_size?; ",
       'optimizer.type: "OneBitAdam" is not supported (1-bit Adam', 'use "AdamW"',
       'scheduler.params.warmup_type: "exp" is not a warmup DeepSpeed knows',
-      "curriculum_learning.enabled: true is not supported", "did you mean aio.block_size?"]),
+      "curriculum_learning.enabled: true is not supported", "did you mean aio.block_size?",
+      'zero_optimization.overlap_comm "yes" must be true or false']),
+    ("reduce bucket size 0", {"zero_optimization": {"stage": 1, "reduce_bucket_size": 0}}, [],
+     ["--ddp-bucket-size 0 must be >= 1", "set by zero_optimization.reduce_bucket_size"]),
 ]
 
 
