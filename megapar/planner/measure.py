@@ -145,7 +145,8 @@ def _nccl_worker(rank: int, world: int, port: int, out_path: str, backend: str, 
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)  # the parent's (nccl() below)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
     def seconds_of(fn, n):
         return cuda_seconds(fn, reps=n) if device.type == "cuda" else cpu_seconds(fn, reps=n)
@@ -186,17 +187,21 @@ def nccl(gpus: int, backend: str = "nccl", sizes: Optional[list[int]] = None, re
     """The intra-node Link from spawned workers over 2 and `gpus` GPUs: bus bandwidth = the slowest
     collective at the largest size over the most GPUs, latency = the slowest smallest all-reduce,
     p2p = the send/recv rate between two."""
-    from ..run.initialize import free_port
+    import torch.distributed as dist
     import torch.multiprocessing as mp
     sizes, reps = sizes or NCCL_SIZES, reps or NCCL_REPS
     results = []
     for world in sorted({2, gpus}):
+        # the rendezvous store listens here, on a port the OS picked, before any worker starts: no
+        # port is chosen first and bound later (another process could take it in between)
+        store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "nccl.json")
-            mp.spawn(_nccl_worker, args=(world, free_port(), path, backend, sizes, reps, p2p_bytes), nprocs=world,
+            mp.spawn(_nccl_worker, args=(world, store.port, path, backend, sizes, reps, p2p_bytes), nprocs=world,
                      join=True)
             with open(path) as f:
                 results += json.load(f)
+        del store
     largest = [r for r in results if r["bytes"] == sizes[-1] and r["op"] != "p2p"]
     bus = min(r["bus_gbps"] for r in largest if r["group"] == max(x["group"] for x in largest))
     small = [r for r in results if r["bytes"] == sizes[0] and r["op"] == "all_reduce"]
