@@ -26,6 +26,8 @@ def test_cuda_graph_needs_a_gpu(monkeypatch):
     (["--pipeline-model-parallel-size", "2", "--pipeline-hang-diagnostics"], 2, "drop it"),
     (["--cuda-graph-warmup-steps", "0"], 1, "--cuda-graph-warmup-steps must be >= 1"),
     (["--distributed-backend", "gloo"], 1, "needs CUDA GPUs and NCCL"),
+    (["--train-samples", "64", "--rampup-batch-size", "4", "4", "32", "--global-batch-size", "8"], 1,
+     "the graph captures one batch size, which --rampup-batch-size changes"),
 ])
 def test_cuda_graph_refuses_what_it_cannot_capture(monkeypatch, flags, world, why):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,4 +1,5 @@
 """Training loop: layout invariance, exact resume, SIGTERM, evaluation, iteration times, errors."""
+import math
 import os
 import signal
 import subprocess
@@ -249,3 +250,64 @@ def test_empty_unused_memory_level_picks_megatrons_places(monkeypatch, level, em
     capturing[0] = True
     empty_unused_memory(gpu, 1)
     assert emptied == emptied_at
+
+
+# Megatron's batch ramp-up over --train-samples: 4 up to 16 in steps of 4 over the first 24 samples
+# (one increment per 8 samples consumed), the LR schedule in samples (warmup 16, cosine to 80).
+RAMP = ["--train-samples", "80", "--global-batch-size", "16", "--rampup-batch-size", "4", "4", "24",
+        "--lr-warmup-samples", "16", "--log-interval", "1"]
+TINY_SAMPLES = [f for i, f in enumerate(TINY_TRAIN) if "--lr-warmup-iters" not in TINY_TRAIN[max(0, i - 1):i + 1]]
+
+
+def _logged(out: str, field: str) -> list[float]:
+    return [float(line.split(f"{field}: ")[1].split(" |")[0]) for line in out.splitlines()
+            if line.startswith(" iteration") and "consumed samples" in line]
+
+
+def test_batch_rampup_takes_megatrons_steps_and_schedule(embedded_data, capfd):
+    """Megatron's calculator: batches 4, 4, 8, 12 while at most 24 samples are consumed, then 16 x 3
+    (the partial rest of the 80 dropped): 7 steps, 76 samples. The LR counts samples: warmup
+    0, 4/16, 8/16, 16/16 of --lr, then cosine from sample 16 to 80. The first step is a batch-4 run's
+    first step."""
+    ramp = run_training(TINY_SAMPLES + embedded_data + RAMP)
+    out = capfd.readouterr().out
+    assert ramp["iteration"] == 7 and ramp["consumed"] == 76
+    assert _logged(out, "global batch size") == [4, 4, 8, 12, 16, 16, 16]
+    assert _logged(out, "consumed samples") == [4, 8, 16, 28, 44, 60, 76]
+    cosine = [0.5 * (math.cos(math.pi * (n - 16) / 64) + 1) * 1e-3 for n in (28, 44, 60)]
+    assert _logged(out, "learning rate") == pytest.approx([0, 2.5e-4, 5e-4, 1e-3, *cosine], rel=1e-3)
+    plain = run_training(TINY_SAMPLES + embedded_data + ["--train-iters", "1", "--global-batch-size", "4"])
+    assert losses(ramp)[0] == pytest.approx(losses(plain)[0], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_batch_rampup_is_layout_invariant_and_resumes_exactly(embedded_data, tmp_path):
+    """dp 2 gives dp 1's losses along the ramp; stopped inside the ramp and resumed, the run takes
+    the same batches and LR (both follow the consumed samples in the checkpoint)."""
+    base = TINY_SAMPLES + embedded_data + RAMP
+    full = run_training(base)
+    assert losses(run_training(base, 2)) == pytest.approx(losses(full), rel=2e-5)
+    first = run_training(base + ["--exit-interval", "3", "--save", str(tmp_path)])
+    assert first["iteration"] == 3 and first["consumed"] == 16
+    second = run_training(base + ["--load", str(tmp_path), "--save", str(tmp_path)])
+    assert second["consumed"] == 76
+    assert losses(first) + losses(second) == losses(full)                    # bitwise on CPU
+
+
+@pytest.mark.parametrize("min_lr, expect", [("1e-5", "--train-samples 160 --lr-decay-samples 80"),
+                                            ("0", "--train-samples 160 --override-opt_param-scheduler")])
+def test_train_longer_command_of_a_schedule_in_samples(min_lr, expect):
+    """The printed "train longer" command of a sample-based run doubles --train-samples and keeps the
+    saved horizon as --lr-decay-samples (or stretches a schedule that ended at LR 0), never mixing in
+    the iteration flags that sample-based flags refuse."""
+    from types import SimpleNamespace
+
+    from megapar.config.arguments import parse_config
+    from megapar.run.initialize import build_scheduler
+    from megapar.run.pretrain import train_longer_command
+    argv = [*RAMP, "--min-lr", min_lr, "--save", "ck"]
+    cfg = parse_config(argv, world_size=1)
+    scheduler = build_scheduler(cfg, SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.0}]))
+    command = train_longer_command(cfg, scheduler, argv)
+    assert expect in command and "--lr-decay-iters" not in command and "--train-iters" not in command
+    parse_config(command.split("pretrain_gpt2.sh", 1)[1].split("#")[0].split()[2:], world_size=1)  # it parses

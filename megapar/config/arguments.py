@@ -166,11 +166,17 @@ class TrainConfig:
     train_iters: Optional[int] = arg(None, "optimizer steps to train to (counted from 0: a resume trains up to "
                                              "it); this or --train-samples is required with --data-path")
     train_samples: Optional[int] = arg(None, "samples to train on, instead of --train-iters")
+    rampup_batch_size: Optional[list[int]] = arg(
+        None, "START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT at equal steps over "
+              "the first SAMPLES samples up to --global-batch-size (Megatron's; with --train-samples)")
     lr: float = arg(6e-4, "peak learning rate (after warmup)")
     min_lr: float = arg(0.0, "learning rate at the end of the decay, and after it")
     lr_decay_style: str = arg("cosine", "shape of the decay from --lr to --min-lr",
                               choices=("constant", "linear", "cosine"))
     lr_decay_iters: Optional[int] = arg(None, "iteration where the decay reaches --min-lr; default --train-iters")
+    lr_decay_samples: Optional[int] = arg(None, "sample where the decay reaches --min-lr (the schedule then counts "
+                                                "samples; with --train-samples, its default)")
+    lr_warmup_samples: int = arg(0, "samples of warmup (the schedule then counts samples; with --train-samples)")
     lr_warmup_fraction: Optional[float] = arg(None, "warmup as a fraction of --lr-decay-iters, instead of "
                                                         "--lr-warmup-iters")
     lr_warmup_iters: int = arg(0, "iterations of warmup from --lr-warmup-init to --lr")
@@ -340,6 +346,31 @@ class Config:
     def num_microbatches(self) -> int:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.data_parallel_size)
 
+    def global_batch_at(self, consumed_samples: int) -> int:
+        """The global batch of the step that starts once `consumed_samples` samples are trained on:
+        --global-batch-size, or while --rampup-batch-size START INCREMENT SAMPLES ramps it, START plus
+        INCREMENT for each SAMPLES / increments samples consumed (Megatron's ramp-up calculator)."""
+        t = self.train
+        if t.rampup_batch_size is None:
+            return t.global_batch_size
+        start, increment, ramp_samples = t.rampup_batch_size
+        increments = (t.global_batch_size - start) // increment
+        if increments == 0 or consumed_samples > ramp_samples:
+            return t.global_batch_size
+        return start + int(consumed_samples / (ramp_samples / increments)) * increment
+
+    def microbatches_at(self, consumed_samples: int) -> int:
+        """The number of microbatches of that step (global_batch_at over micro-batch x dp)."""
+        return self.global_batch_at(consumed_samples) // (self.train.micro_batch_size *
+                                                           self.parallel.data_parallel_size)
+
+    @property
+    def schedule_in_samples(self) -> bool:
+        """Whether the LR schedule counts samples (Megatron's sample-based flags: --lr-decay-samples,
+        --lr-warmup-samples, a batch ramp-up), stepped by each step's global batch, or iterations."""
+        t = self.train
+        return t.rampup_batch_size is not None or t.lr_decay_samples is not None or t.lr_warmup_samples > 0
+
     def namespace(self) -> argparse.Namespace:
         """The flat Megatron-style `args` (every setting, one attribute each), as checkpoints store it."""
         flat = {name: self.aliases.get(name, False) for name in ALIAS_FLAGS}
@@ -387,14 +418,15 @@ def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
                 group.add_argument(*m["aliases"], action="store_true", dest=f.name, help="the default")
             return
         kw["action"] = "store_true"
-    elif typing.get_origin(hint) is list:
-        kw.update(nargs="*", type=typing.get_args(hint)[0])
     else:
-        inner = [a for a in typing.get_args(hint) if a is not type(None)]  # Optional[X] -> X
-        kind = inner[0] if inner else hint
-        kw.update(type=kind, choices=m["choices"])
-        if m["choices"] is None and kind in (int, float):
-            kw["metavar"] = "N" if kind is int else "X"
+        optional = typing.get_origin(hint) is typing.Union
+        kind = next(a for a in typing.get_args(hint) if a is not type(None)) if optional else hint  # Optional[X]: X
+        if typing.get_origin(kind) is list:
+            kw.update(nargs="*", type=typing.get_args(kind)[0])
+        else:
+            kw.update(type=kind, choices=m["choices"])
+            if m["choices"] is None and kind in (int, float):
+                kw["metavar"] = "N" if kind is int else "X"
     group.add_argument(flag(f.name), *m["aliases"], **kw)
 
 
@@ -589,6 +621,7 @@ def _resolve_and_validate(cfg: Config, given: dict[str, Any], world_size: int, a
             default_of("micro_batch_size"), p.data_parallel_size)
     t.global_batch_size = t.global_batch_size or t.micro_batch_size * p.data_parallel_size
     _check_batch(t.global_batch_size, t.micro_batch_size, p.data_parallel_size)
+    _check_rampup(t, p.data_parallel_size)
     _resolve_virtual_stages(cfg)
 
 
@@ -639,6 +672,12 @@ def _resolve_virtual_stages(cfg: Config) -> None:
         _fail(f"{opt} {v} runs the interleaved 1F1B schedule; --pipeline-schedule "
               f"{cfg.parallel.pipeline_schedule} has no interleaved form: drop --pipeline-schedule or the "
               f"virtual-pipeline flags")
+    if cfg.train.rampup_batch_size is not None and any(
+            (n // (cfg.train.micro_batch_size * cfg.parallel.data_parallel_size)) % pp
+            for n in cfg.train.rampup_batch_size[:2]):
+        _fail(f"{opt} {v}: every batch of --rampup-batch-size {' '.join(map(str, cfg.train.rampup_batch_size))} "
+              f"must be a multiple of --pipeline-model-parallel-size {pp} microbatches; make START and INCREMENT "
+              f"multiples of {cfg.train.micro_batch_size * cfg.parallel.data_parallel_size * pp}")
     if cfg.num_microbatches % pp:
         _fail(f"{opt} {v}: the number of microbatches ({cfg.num_microbatches} = --global-batch-size "
               f"{cfg.train.global_batch_size} / (--micro-batch-size {cfg.train.micro_batch_size} x data-parallel "
@@ -696,6 +735,7 @@ def validate(ns: argparse.Namespace, world_size: int, assume_gpus: bool = False)
         _fail("--train-iters and --train-samples were both given; choose one")
     if ns.lr_warmup_fraction is not None and ns.lr_warmup_iters:
         _fail("--lr-warmup-fraction and --lr-warmup-iters were both given; choose one")
+    _check_sample_based(ns)
     if ns.lr_warmup_init > ns.lr:
         _fail(f"--lr-warmup-init {ns.lr_warmup_init:g} is above --lr {ns.lr:g}: the warmup rises from it to --lr; "
               f"lower it")
@@ -726,8 +766,8 @@ def validate(ns: argparse.Namespace, world_size: int, assume_gpus: bool = False)
 _AT_LEAST_1 = ("micro_batch_size", "global_batch_size", "num_layers", "hidden_size", "num_attention_heads",
                "seq_length", "ffn_hidden_size", "max_position_embeddings", "make_vocab_size_divisible_by",
                "log_interval", "save_interval", "exit_interval", "lr_decay_iters", "loss_scale_window",
-               "hysteresis", "ddp_bucket_size")
-_AT_LEAST_0 = ("train_iters", "train_samples", "lr_warmup_iters", "eval_iters", "eval_interval",
+               "hysteresis", "ddp_bucket_size", "lr_decay_samples")
+_AT_LEAST_0 = ("train_iters", "train_samples", "lr_warmup_iters", "lr_warmup_samples", "eval_iters", "eval_interval",
                "profile_step_start", "profile_step_end")
 _WHY = {"train_iters": "0 builds the model and exits", "eval_interval": "0 never evaluates during training",
         "eval_iters": "0 skips evaluation", "save_interval": "leave it out to save only at the end",
@@ -914,10 +954,51 @@ def _check_cuda_graph(ns: argparse.Namespace, gpus: bool) -> None:
          "the offloaded optimizer steps on the CPU, outside any graph; drop the optimizer offload flags"),
         (ns.param_cpu_offload, "--param-cpu-offload fetches each layer's shard from host memory, which the "
                                "graph does not capture; drop --param-cpu-offload"),
+        (ns.rampup_batch_size is not None, "the graph captures one batch size, which --rampup-batch-size changes; "
+                                           "drop --rampup-batch-size"),
     ]
     for blocked, why in blockers:
         if blocked:
             _fail(f"--enable-cuda-graph: {why} (or drop --enable-cuda-graph)")
+
+
+def _check_sample_based(ns: argparse.Namespace) -> None:
+    """Megatron's sample-based flags need sample-based training, and count the schedule in samples
+    alone."""
+    by_samples = [f for f, on in (("--rampup-batch-size", ns.rampup_batch_size is not None),
+                                  ("--lr-decay-samples", ns.lr_decay_samples is not None),
+                                  ("--lr-warmup-samples", ns.lr_warmup_samples > 0)) if on]
+    if not by_samples:
+        return
+    if ns.train_samples is None:
+        _fail(f"{by_samples[0]} counts in samples: it needs sample-based training; give --train-samples instead of "
+              f"--train-iters")
+    for opt, given in (("--lr-decay-iters", ns.lr_decay_iters is not None), ("--lr-warmup-iters", ns.lr_warmup_iters)):
+        if given:
+            _fail(f"{opt} counts the LR schedule in iterations, {by_samples[0]} in samples; use --lr-decay-samples "
+                  f"and --lr-warmup-samples (or --lr-warmup-fraction)")
+    if ns.lr_warmup_fraction is not None and ns.lr_warmup_samples:
+        _fail("--lr-warmup-fraction and --lr-warmup-samples were both given; choose one")
+    ramp = ns.rampup_batch_size
+    if ramp is not None and (len(ramp) != 3 or min(ramp) < 1):
+        _fail(f"--rampup-batch-size {' '.join(map(str, ramp))}: give three numbers >= 1, START INCREMENT SAMPLES "
+              f"(e.g. --rampup-batch-size 16 16 5859375)")
+
+
+def _check_rampup(t: TrainConfig, dp: int) -> None:
+    """Every batch of the ramp is whole microbatches on every data-parallel rank, and it ends at
+    --global-batch-size."""
+    if t.rampup_batch_size is None:
+        return
+    start, increment, _ = t.rampup_batch_size
+    given = f"--rampup-batch-size {' '.join(map(str, t.rampup_batch_size))}"
+    if start > t.global_batch_size or (t.global_batch_size - start) % increment:
+        _fail(f"{given}: the ramp from {start} in steps of {increment} must end at --global-batch-size "
+              f"{t.global_batch_size}; pick a START at most it, whose distance to it is a multiple of INCREMENT")
+    per_step = t.micro_batch_size * dp
+    if start % per_step or increment % per_step:
+        _fail(f"{given}: START and INCREMENT must be multiples of --micro-batch-size {t.micro_batch_size} x "
+              f"data-parallel size {dp} = {per_step}, so that every batch of the ramp is whole microbatches")
 
 
 def _check_batch(global_batch: int, micro_batch: int, dp: int) -> None:

@@ -109,14 +109,31 @@ def offload_text(p, nvme_io: str = "") -> str:
 
 
 def train_iters(cfg: Config) -> int:
+    """--train-iters, or the steps --train-samples makes: whole global batches, and with a batch
+    ramp-up its steps as Megatron counts them (the ramp's batches while at most its samples are
+    consumed, then whole --global-batch-size batches of the rest; a partial last batch is dropped)."""
     t = cfg.train
-    return t.train_iters if t.train_iters is not None else (t.train_samples or 0) // t.global_batch_size
+    if t.train_iters is not None:
+        return t.train_iters
+    samples = t.train_samples or 0
+    iterations = consumed = 0
+    if t.rampup_batch_size is not None:
+        while consumed <= t.rampup_batch_size[2] and consumed <= samples:
+            consumed += cfg.global_batch_at(consumed)
+            iterations += 1
+    return iterations + max(0, samples - consumed) // t.global_batch_size
 
 
 def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
+    """The LR schedule in iterations, or with Megatron's sample-based flags in samples
+    (`Config.schedule_in_samples`: the training loop then steps it by each step's global batch)."""
     t = cfg.train
-    decay = t.lr_decay_iters or train_iters(cfg)
-    warmup = int(t.lr_warmup_fraction * decay) if t.lr_warmup_fraction is not None else t.lr_warmup_iters
+    if cfg.schedule_in_samples:
+        decay, warmup = t.lr_decay_samples or t.train_samples, t.lr_warmup_samples
+    else:
+        decay, warmup = t.lr_decay_iters or train_iters(cfg), t.lr_warmup_iters
+    if t.lr_warmup_fraction is not None:
+        warmup = int(t.lr_warmup_fraction * decay)
     return OptimizerParamScheduler(optimizer, t.lr, t.min_lr, warmup, decay, t.lr_decay_style, t.weight_decay,
                                    override_opt_param_scheduler=t.override_opt_param_scheduler,
                                    use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,

@@ -270,21 +270,24 @@ def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]],
     resume keeps the saved LR schedule (a changed one is refused) by passing --lr-decay-iters at the
     old horizon: past it the LR stays at --min-lr. A schedule that ends at LR 0 would train nothing
     more, so then the schedule is stretched over the longer run instead
-    (--override-opt_param-scheduler: the LR rises again)."""
-    valued = {"--train-iters", "--train-samples", "--lr-decay-iters"}
-    ends_at_zero = (scheduler.min_lr == 0 and scheduler.decay_style != "constant"
-                    and scheduler.decay_steps <= train_iters(cfg))
+    (--override-opt_param-scheduler: the LR rises again). A schedule in samples (Megatron's
+    sample-based flags) does the same with --train-samples and --lr-decay-samples."""
+    unit, length, decay = (("sample", "--train-samples", "--lr-decay-samples") if cfg.schedule_in_samples else
+                           ("iteration", "--train-iters", "--lr-decay-iters"))
+    horizon = cfg.train.train_samples if cfg.schedule_in_samples else train_iters(cfg)
+    valued = {"--train-iters", "--train-samples", "--lr-decay-iters", "--lr-decay-samples"}
+    ends_at_zero = scheduler.min_lr == 0 and scheduler.decay_style != "constant" and scheduler.decay_steps <= horizon
     switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler"}
     if ends_at_zero:
         switches |= {"--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"}
-    total = 2 * max(1, train_iters(cfg))
-    kept = _continued(cfg, argv, valued, switches) + ["--train-iters", str(total)]
+    total = 2 * max(1, horizon)
+    kept = _continued(cfg, argv, valued, switches) + [length, str(total)]
     if ends_at_zero:
         kept.append("--override-opt_param-scheduler")
-        why = f"train longer: the LR schedule stretched over {total} iterations (it ended at LR 0)"
+        why = f"train longer: the LR schedule stretched over {total} {unit}s (it ended at LR 0)"
     else:
-        kept += ["--lr-decay-iters", str(scheduler.decay_steps)]
-        why = f"train longer at the saved LR schedule (--min-lr {scheduler.min_lr} after iteration " \
+        kept += [decay, str(scheduler.decay_steps)]
+        why = f"train longer at the saved LR schedule (--min-lr {scheduler.min_lr} after {unit} " \
               f"{scheduler.decay_steps})"
     return training_command(kept, procs or Processes.of_this_run(), why)
 

@@ -26,7 +26,7 @@ def device_peak_tflops(device: torch.device) -> tuple[Optional[float], str]:
     return None, f"unknown peak for {name}"
 
 
-def throughput_fields(tokens_per_iter: int, seconds_per_iter: float, fpt: float, world_size: int,
+def throughput_fields(tokens_per_iter: float, seconds_per_iter: float, fpt: float, world_size: int,
                       peak: Optional[float]) -> str:
     tokens_per_s = tokens_per_iter / seconds_per_iter
     tflops_per_gpu = fpt * tokens_per_s / world_size / 1e12

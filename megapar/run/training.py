@@ -40,14 +40,15 @@ class TrainState:
 
 
 # ---- data -----------------------------------------------------------------------------------
-def microbatches(run: Run, dataset, first_sample: int, stage=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(tokens [b, s], labels [b, s]) for each microbatch of one global batch, Megatron-style:
-    microbatch m of dp rank d holds samples first + m*micro*dp + d*micro + [0, micro).
+def microbatches(run: Run, dataset, first_sample: int, count: int,
+                 stage=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens [b, s], labels [b, s]) for each of the `count` microbatches of one global batch,
+    Megatron-style: microbatch m of dp rank d holds samples first + m*micro*dp + d*micro + [0, micro).
     Middle pipeline stages use neither and get (None, None) without touching the data.
     `stage`: the model chunk's stage (interleaved schedule), default the rank's."""
     micro, dp, device = run.cfg.train.micro_batch_size, run.topo.dp, run.device
     stage = stage or run.model.stage
-    for m in range(run.cfg.num_microbatches):
+    for m in range(count):
         if not (stage.is_first or stage.is_last):
             yield None, None
             continue
@@ -59,12 +60,12 @@ def microbatches(run: Run, dataset, first_sample: int, stage=None) -> Iterator[t
         yield sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
 
 
-def data_iterators(run: Run, dataset, first_sample: int):
-    """The microbatches of one global batch: one iterator, or with model chunks (interleaved
+def data_iterators(run: Run, dataset, first_sample: int, count: int):
+    """The `count` microbatches of one global batch: one iterator, or with model chunks (interleaved
     1F1B) one per chunk, each reading data only where its chunk is the first or last stage."""
     if isinstance(run.model, VirtualStages):
-        return [microbatches(run, dataset, first_sample, chunk.stage) for chunk in run.model]
-    return microbatches(run, dataset, first_sample)
+        return [microbatches(run, dataset, first_sample, count, chunk.stage) for chunk in run.model]
+    return microbatches(run, dataset, first_sample, count)
 
 
 def schedule_func(run: Run):
@@ -114,15 +115,15 @@ def average_loss(run: Run, logs: list[dict], sched: ScheduleConfig) -> torch.Ten
 
 
 # ---- one step ---------------------------------------------------------------------------------
-def queue_step(run: Run, data: Iterator, label: str, timers: Timers) -> tuple[bool, torch.Tensor]:
-    """Queue one global batch: zero the gradient buffer, forward/backward of every microbatch,
-    gradient reduction, clipping, optimizer. Returns (applied, [lm loss, grad norm] as a float64
-    device tensor). Nothing is read back to the host (except fp16's overflow check), so the whole
-    step can be queued ahead of the GPU, or captured as a CUDA graph."""
+def queue_step(run: Run, data: Iterator, count: int, label: str, timers: Timers) -> tuple[bool, torch.Tensor]:
+    """Queue one global batch of `count` microbatches: zero the gradient buffer, forward/backward of
+    every microbatch, gradient reduction, clipping, optimizer. Returns (applied, [lm loss, grad norm]
+    as a float64 device tensor). Nothing is read back to the host (except fp16's overflow check), so
+    the whole step can be queued ahead of the GPU, or captured as a CUDA graph."""
     run.grad_buffer.start_step()
     timers.start("forward-backward")
     schedule = schedule_func(run)
-    sched = schedule_config(run, run.cfg.num_microbatches, label)
+    sched = schedule_config(run, count, label)
     logs = schedule(forward_step, data, run.model, sched)
     timers.stop("forward-backward")
     empty_unused_memory(run, 1)
@@ -151,7 +152,8 @@ def graphed_step(run: Run) -> Optional[GraphedStep]:
         return None
     use_gemv_bias_grads(p for p in run.model.parameters() if p.ndim == 1)  # faster when graphed (linear.py)
     untimed = Timers(0, run.device)  # timers synchronise the device, which a capture forbids
-    return GraphedStep(lambda batches: queue_step(run, _iterators(batches), "cuda graph", untimed)[1],
+    return GraphedStep(lambda batches: queue_step(run, _iterators(batches), run.cfg.num_microbatches, "cuda graph",
+                                                  untimed)[1],
                        run.cfg.train.cuda_graph_warmup_steps, run.device, get_rng_tracker().generators())
 
 
@@ -170,16 +172,17 @@ def train_step(run: Run, dataset, state: TrainState, timers: Timers,
     """Queue one global batch (eagerly or as a graph replay). Returns (applied, [lm loss, grad
     norm] on the device); nothing waits for the GPU."""
     run.model.train()
-    data = data_iterators(run, dataset, state.consumed_samples)
+    count = run.cfg.microbatches_at(state.consumed_samples)  # --global-batch-size, or its ramp-up's
+    data = data_iterators(run, dataset, state.consumed_samples, count)
     if graph is None:
-        return queue_step(run, data, f"iteration {state.iteration + 1}", timers)
+        return queue_step(run, data, count, f"iteration {state.iteration + 1}", timers)
     timers.start("step (cuda graph)")
     out = graph(None if graph.prefetched == state.consumed_samples else _lists(data))
     timers.stop("step (cuda graph)")
     if run.cfg.train.fp16:  # an overflow skipped the update on the device; the loss scale moves on the host
         following = state.consumed_samples + run.cfg.train.global_batch_size
         if state.iteration + 1 < train_iters(run.cfg):  # load the next batch while this step runs
-            graph.prefetch(_lists(data_iterators(run, dataset, following)), key=following)
+            graph.prefetch(_lists(data_iterators(run, dataset, following, count)), key=following)
         return run.optimizer.settle_overflow(out[1].item()), out
     return True, out
 
@@ -205,7 +208,7 @@ def evaluate(run: Run, dataset, iters: int, split: str = "val") -> float:
     start = time.time()
     with torch.no_grad():
         for i in range(iters):
-            data = data_iterators(run, dataset, i * cfg.train.global_batch_size)
+            data = data_iterators(run, dataset, i * cfg.train.global_batch_size, cfg.num_microbatches)
             sched = schedule_config(run, cfg.num_microbatches, f"evaluation batch {i}")
             logs = schedule(forward_step, data, run.model, sched, forward_only=True)
             losses.append(average_loss(run, logs, sched).item())
@@ -414,6 +417,7 @@ class LaunchedStep:
     """A queued step whose results are on their way to the host."""
     iteration: int
     consumed_samples: int
+    global_batch: int                  # its samples (--global-batch-size, or its ramp-up's)
     out: torch.Tensor                  # [lm loss, grad norm], float64, on the host once `ready`
     ready: Optional[torch.cuda.Event]  # None on CPU
     applied: bool
@@ -435,7 +439,7 @@ class StepLog:
                                    cfg.model.padded_vocab_size)
         self.peak, self.peak_desc = device_peak_tflops(run.device)
         self.excluded_s = 0.0
-        self.window_start, self.window_iters, self.window_loss = self.clock(), 0, 0.0
+        self.window_start, self.window_iters, self.window_loss, self.window_samples = self.clock(), 0, 0.0, 0
         # the completion event of the step that closed the last window, and excluded_s then
         self.window_event: Optional[torch.cuda.Event] = None
         self.window_excluded = 0.0
@@ -462,6 +466,7 @@ class StepLog:
         check_finite(state, step.iteration, loss, step.applied, grad_norm, self.run.optimizer.scaler)
         state.losses.append((step.iteration, loss))
         self.window_iters, self.window_loss = self.window_iters + 1, self.window_loss + loss
+        self.window_samples += step.global_batch
         if self.writer is not None:
             self.writer.add_scalar("lm loss", loss, step.iteration)
             self.writer.add_scalar("learning rate", step.lr, step.iteration)
@@ -470,7 +475,7 @@ class StepLog:
             print_rank0(self._line(step, elapsed, self.window_loss / self.window_iters, grad_norm))
             if step.iteration == min(self.total, log.log_interval):
                 _print_memory(self.run)
-            self.window_start, self.window_iters, self.window_loss = done, 0, 0.0
+            self.window_start, self.window_iters, self.window_loss, self.window_samples = done, 0, 0.0, 0
             self.window_event, self.window_excluded = step.ready, self.excluded_s
         elif step.iteration == self.first:  # a first sign of life (the window goes on: Megatron's lines stay)
             print_rank0(self._first_line(step, done - self.window_start, loss))
@@ -496,10 +501,10 @@ class StepLog:
 
     def _line(self, step: LaunchedStep, elapsed: float, loss: float, grad_norm: float) -> str:
         cfg, state = self.run.cfg, self.state
-        tokens = cfg.train.global_batch_size * cfg.model.seq_length
+        tokens = self.window_samples / self.window_iters * cfg.model.seq_length  # per iteration of the window
         line = (f" iteration {step.iteration:8d}/{self.total:8d} | consumed samples: {step.consumed_samples:12d} | "
                 f"elapsed time per iteration (ms): {elapsed * 1000:.1f} | learning rate: {step.lr:.3E} | "
-                f"global batch size: {cfg.train.global_batch_size:5d} | lm loss: {loss:.6E} | "
+                f"global batch size: {step.global_batch:5d} | lm loss: {loss:.6E} | "
                 f"loss scale: {self.run.optimizer.scaler.scale:.1f} | grad norm: {grad_norm:.3f} | "
                 f"number of skipped iterations: {state.skipped_iters:3d} | number of nan iterations: "
                 f"{state.nan_iters:3d} | "
@@ -572,12 +577,13 @@ def _train_loop(run: Run, train_ds, valid_ds, state: TrainState, writer, handler
             raise
         if profiler:
             profiler.after(state.iteration + 1, steps.excluded)
+        batch = cfg.global_batch_at(state.consumed_samples)
         state.iteration += 1
-        state.consumed_samples += cfg.train.global_batch_size
-        launched = LaunchedStep(state.iteration, state.consumed_samples, *to_host(out), applied,
+        state.consumed_samples += batch
+        launched = LaunchedStep(state.iteration, state.consumed_samples, batch, *to_host(out), applied,
                                 run.scheduler.get_lr(), steps.clock())
         if applied:  # Megatron: a skipped (fp16 overflow) step does not advance the LR schedule
-            run.scheduler.step()
+            run.scheduler.step(batch if cfg.schedule_in_samples else 1)
         if pending is not None:
             steps.record(pending)
         pending = launched

@@ -218,6 +218,18 @@ IN_PROCESS_CASES = [  # the rest, checked without a process each
     (["--train-iters", "5", "--ddp-bucket-size", "0"], "--ddp-bucket-size 0 must be >= 1"),
     (["--train-iters", "5", "--seed", "-1"], "--seed -1 must be in"),
     (["--train-iters", "5", "--lr", "1e-4", "--lr-warmup-init", "1e-3"], "--lr-warmup-init 0.001 is above --lr 0.0001"),
+    # Megatron's sample-based training: the ramp-up and the schedule in samples
+    (["--train-iters", "5", "--rampup-batch-size", "4", "4", "100"],
+     "--rampup-batch-size counts in samples: it needs sample-based training; give --train-samples"),
+    (["--train-samples", "80", "--rampup-batch-size", "4", "4"], "give three numbers >= 1, START INCREMENT SAMPLES"),
+    (["--train-samples", "80", "--global-batch-size", "16", "--rampup-batch-size", "6", "4", "100"],
+     "must end at --global-batch-size 16"),
+    (["--train-samples", "80", "--global-batch-size", "16", "--micro-batch-size", "4", "--rampup-batch-size", "2",
+      "2", "100"], "START and INCREMENT must be multiples of --micro-batch-size 4 x data-parallel size 1 = 4"),
+    (["--train-samples", "80", "--lr-decay-samples", "0"], "--lr-decay-samples 0 must be >= 1"),
+    (["--train-samples", "80", "--lr-warmup-samples", "8", "--lr-warmup-iters", "2"],
+     "--lr-warmup-iters counts the LR schedule in iterations, --lr-warmup-samples in samples"),
+    (["--train-iters", "5", "--lr-decay-samples", "100"], "--lr-decay-samples counts in samples"),
 ]
 
 
