@@ -28,6 +28,8 @@ def test_cuda_graph_needs_a_gpu(monkeypatch):
     (["--distributed-backend", "gloo"], 1, "needs CUDA GPUs and NCCL"),
     (["--train-samples", "64", "--rampup-batch-size", "4", "4", "32", "--global-batch-size", "8"], 1,
      "the graph captures one batch size, which --rampup-batch-size changes"),
+    (["--weight-decay-incr-style", "linear", "--start-weight-decay", "0", "--end-weight-decay", "0.1"], 1,
+     "the graph captures the weight decay as a constant"),
 ])
 def test_cuda_graph_refuses_what_it_cannot_capture(monkeypatch, flags, world, why):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -90,9 +90,10 @@ def test_kernel_matches_reference(param_dtype, offset, lr_tensor):
     lrs = [torch.tensor(1e-3, device="cuda"), torch.tensor(2e-3, device="cuda")] if lr_tensor else [1e-3, 2e-3]
     for it in range(3):
         scale = torch.tensor(2.0 + it, device="cuda") if it != 1 else None
-        fused.step(lrs, scale)
+        wds = [wd * (it + 1) for wd in WDS]  # --weight-decay-incr-style: a new decay each step
+        fused.step(lrs, scale, weight_decays=wds)
         ref_step += 1
-        adamw_reference(list(zip(ref, WDS)), lrs, ref_step, scale, *BETAS, EPS)
+        adamw_reference(list(zip(ref, wds)), lrs, ref_step, scale, *BETAS, EPS)
     assert fused.step_count.item() == 3
     for g, r in zip(groups, ref):
         for e, f in zip(g, r):
@@ -163,7 +164,9 @@ class _ReferenceKernel:
     def __init__(self, groups, betas, eps, step):
         self.groups, self.betas, self.eps, self.step_count = groups, betas, eps, step
 
-    def step(self, lrs, grad_scale=None, found_inf=None):
+    def step(self, lrs, grad_scale=None, found_inf=None, weight_decays=None):
+        if weight_decays is not None:
+            self.groups = [(entries, wd) for (entries, _), wd in zip(self.groups, weight_decays)]
         if found_inf is not None and found_inf.item():
             return
         self.step_count.add_(1)
@@ -198,6 +201,7 @@ def test_optimizers_route_fused_updates(monkeypatch, zero1):
         grads = torch.randn(runs[0][1].data.numel(), generator=torch.Generator().manual_seed(it))
         for model, buf, opt in runs:
             buf.data.copy_(grads)
+            opt.param_groups[0]["weight_decay"] = 0.1 * (it + 1)  # as --weight-decay-incr-style moves it
             applied, _ = opt.step()
             assert applied
     (m_torch, _, o_torch), (m_fused, _, o_fused) = runs

@@ -312,3 +312,18 @@ def test_train_longer_command_of_a_schedule_in_samples(min_lr, expect):
     command = train_longer_command(cfg, scheduler, argv)
     assert expect in command and "--lr-decay-iters" not in command and "--train-iters" not in command
     parse_config(command.split("pretrain_gpt2.sh", 1)[1].split("#")[0].split()[2:], world_size=1)  # it parses
+
+
+def test_weight_decay_increment_reaches_adamw(embedded_data):
+    """The scheduler's weight decay is what AdamW applies: a linear increment from 0.05 to 0.05
+    trains as a constant --weight-decay 0.05, bitwise; one from 0 to 2 parts from a constant 0 once
+    the decay is above 0 (step 2 on: the first step decays with 0)."""
+    base = TINY_TRAIN + embedded_data + ["--train-iters", "4"]
+    constant = losses(run_training(base + ["--weight-decay", "0.05"]))
+    flat = losses(run_training(base + ["--weight-decay-incr-style", "linear", "--start-weight-decay", "0.05",
+                                       "--end-weight-decay", "0.05"]))
+    assert flat == constant
+    none = losses(run_training(base + ["--weight-decay", "0"]))
+    rising = losses(run_training(base + ["--weight-decay-incr-style", "linear", "--start-weight-decay", "0",
+                                         "--end-weight-decay", "2"]))
+    assert rising[:2] == none[:2] and rising[2] != none[2]

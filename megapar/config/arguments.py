@@ -185,6 +185,13 @@ class TrainConfig:
                                          "(linear, Megatron's) or ln(n) / ln(warmup) of it (log, DeepSpeed's "
                                          "WarmupLR default)", choices=("linear", "log"))
     weight_decay: float = arg(0.01, "AdamW weight decay (not on biases and LayerNorm weights)")
+    weight_decay_incr_style: str = arg("constant", "constant: --weight-decay throughout; linear or cosine: from "
+                                                   "--start-weight-decay to --end-weight-decay over the run "
+                                                   "(Megatron's)", choices=("constant", "linear", "cosine"))
+    start_weight_decay: Optional[float] = arg(None, "the weight decay at the start of a linear or cosine "
+                                                    "--weight-decay-incr-style")
+    end_weight_decay: Optional[float] = arg(None, "the weight decay at the end of a linear or cosine "
+                                                  "--weight-decay-incr-style")
     override_opt_param_scheduler: bool = arg(
         False, "on resume, take the LR schedule (--lr, --min-lr, warmup, decay iterations and style, "
                "--weight-decay) from these flags, not from the checkpoint", aliases=["--override-opt_param-scheduler"])
@@ -736,6 +743,14 @@ def validate(ns: argparse.Namespace, world_size: int, assume_gpus: bool = False)
     if ns.lr_warmup_fraction is not None and ns.lr_warmup_iters:
         _fail("--lr-warmup-fraction and --lr-warmup-iters were both given; choose one")
     _check_sample_based(ns)
+    given_wd = [f for f, v in (("--start-weight-decay", ns.start_weight_decay),
+                               ("--end-weight-decay", ns.end_weight_decay)) if v is not None]
+    if ns.weight_decay_incr_style == "constant" and given_wd:
+        _fail(f"{given_wd[0]} sets where a changing weight decay starts or ends: add --weight-decay-incr-style "
+              f"linear or cosine, or give --weight-decay alone for a constant one")
+    if ns.weight_decay_incr_style != "constant" and len(given_wd) < 2:
+        _fail(f"--weight-decay-incr-style {ns.weight_decay_incr_style} moves the weight decay from "
+              f"--start-weight-decay to --end-weight-decay; give both")
     if ns.lr_warmup_init > ns.lr:
         _fail(f"--lr-warmup-init {ns.lr_warmup_init:g} is above --lr {ns.lr:g}: the warmup rises from it to --lr; "
               f"lower it")
@@ -776,6 +791,7 @@ _WHY = {"train_iters": "0 builds the model and exits", "eval_interval": "0 never
 # Floats: (low, high, low included, high included); every one must also be finite.
 _FLOAT_RANGES = {
     "lr": (0.0, None, True, None), "min_lr": (0.0, None, True, None), "weight_decay": (0.0, None, True, None),
+    "start_weight_decay": (0.0, None, True, None), "end_weight_decay": (0.0, None, True, None),
     "clip_grad": (0.0, None, True, None), "hidden_dropout": (0.0, 1.0, True, False),
     "attention_dropout": (0.0, 1.0, True, False), "adam_beta1": (0.0, 1.0, True, False),
     "adam_beta2": (0.0, 1.0, True, False), "adam_eps": (0.0, None, False, None),
@@ -956,6 +972,9 @@ def _check_cuda_graph(ns: argparse.Namespace, gpus: bool) -> None:
                                "graph does not capture; drop --param-cpu-offload"),
         (ns.rampup_batch_size is not None, "the graph captures one batch size, which --rampup-batch-size changes; "
                                            "drop --rampup-batch-size"),
+        (ns.weight_decay_incr_style != "constant", "the graph captures the weight decay as a constant, which "
+                                                   f"--weight-decay-incr-style {ns.weight_decay_incr_style} changes; "
+                                                   "use a constant --weight-decay"),
     ]
     for blocked, why in blockers:
         if blocked:

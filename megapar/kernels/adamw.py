@@ -89,19 +89,27 @@ class MultiTensorAdamW:
         self.tensors = torch.tensor(rows, dtype=torch.int64).reshape(-1, self.kernels.adamw_table_cols).to(device)
         self.chunks = torch.tensor(chunks, dtype=torch.int64).reshape(-1, 2).to(device)
         self.hyper = torch.tensor([[0.0, wd] for _, wd in groups], dtype=torch.float32, device=device)
+        self.weight_decays = [wd for _, wd in groups]  # what `hyper` holds (step() rewrites a changed one)
         self._keep = entries  # the tables point into these tensors
 
     @torch.no_grad()
-    def step(self, lrs: Sequence[LR], grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+    def step(self, lrs: Sequence[LR], grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
+             weight_decays: Optional[Sequence[float]] = None) -> None:
         """One AdamW update with these learning rates (per group: a float, or a device tensor that
-        a captured step reads at replay). found_inf: a one-element fp32 device tensor, nonzero when
-        an fp16 overflow skips this update (torch's fused AdamW's argument of that name): nothing is
-        written and the step number stays, decided on the device."""
+        a captured step reads at replay) and, when given, weight decays (per group; a changed one
+        is written before the launch: --weight-decay-incr-style, never inside a capture). found_inf:
+        a one-element fp32 device tensor, nonzero when an fp16 overflow skips this update (torch's
+        fused AdamW's argument of that name): nothing is written and the step number stays, decided
+        on the device."""
         for i, lr in enumerate(lrs):
             if torch.is_tensor(lr):
                 self.hyper[i, 0].copy_(lr)
             else:
                 self.hyper[i, 0].fill_(lr)
+        for i, wd in enumerate(weight_decays or ()):
+            if wd != self.weight_decays[i]:
+                self.hyper[i, 1].fill_(wd)
+                self.weight_decays[i] = wd
         self.step_count.add_(1)
         if found_inf is not None:
             self.step_count.sub_(found_inf.reshape(self.step_count.shape))

@@ -117,7 +117,7 @@ def adamw_update(adam: torch.optim.AdamW, impl: str, fused, masters: list[torch.
         if fused is None:
             fused = fused_adamw(adam, {id(m): (g, p) for m, g, p in zip(masters, grads, params)})
         fused.step([g["lr"] for g in adam.param_groups], getattr(adam, "grad_scale", None),
-                   getattr(adam, "found_inf", None))
+                   getattr(adam, "found_inf", None), [g["weight_decay"] for g in adam.param_groups])
         return fused
     for m, g in zip(masters, grads):
         m.grad = g

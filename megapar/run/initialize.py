@@ -134,10 +134,15 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
         decay, warmup = t.lr_decay_iters or train_iters(cfg), t.lr_warmup_iters
     if t.lr_warmup_fraction is not None:
         warmup = int(t.lr_warmup_fraction * decay)
-    return OptimizerParamScheduler(optimizer, t.lr, t.min_lr, warmup, decay, t.lr_decay_style, t.weight_decay,
+    changing = t.weight_decay_incr_style != "constant"  # then from --start- to --end-weight-decay over the run
+    return OptimizerParamScheduler(optimizer, t.lr, t.min_lr, warmup, decay, t.lr_decay_style,
+                                   t.start_weight_decay if changing else t.weight_decay,
                                    override_opt_param_scheduler=t.override_opt_param_scheduler,
                                    use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
-                                   warmup_style=t.lr_warmup_style, warmup_init=t.lr_warmup_init)
+                                   warmup_style=t.lr_warmup_style, warmup_init=t.lr_warmup_init,
+                                   end_weight_decay=t.end_weight_decay if changing else None,
+                                   wd_incr_style=t.weight_decay_incr_style,
+                                   wd_incr_steps=t.train_samples if cfg.schedule_in_samples else train_iters(cfg))
 
 
 def checkpoint_args(run: Run, consumed_samples: int) -> argparse.Namespace:

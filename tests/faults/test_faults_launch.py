@@ -230,6 +230,12 @@ IN_PROCESS_CASES = [  # the rest, checked without a process each
     (["--train-samples", "80", "--lr-warmup-samples", "8", "--lr-warmup-iters", "2"],
      "--lr-warmup-iters counts the LR schedule in iterations, --lr-warmup-samples in samples"),
     (["--train-iters", "5", "--lr-decay-samples", "100"], "--lr-decay-samples counts in samples"),
+    # Megatron's weight-decay increment
+    (["--train-iters", "5", "--start-weight-decay", "0.1"], "add --weight-decay-incr-style linear or cosine"),
+    (["--train-iters", "5", "--weight-decay-incr-style", "cosine", "--end-weight-decay", "0.1"],
+     "from --start-weight-decay to --end-weight-decay; give both"),
+    (["--train-iters", "5", "--weight-decay-incr-style", "linear", "--start-weight-decay", "-0.1",
+      "--end-weight-decay", "0.1"], "--start-weight-decay -0.1 is out of range"),
 ]
 
 
