@@ -327,3 +327,24 @@ def test_weight_decay_increment_reaches_adamw(embedded_data):
     rising = losses(run_training(base + ["--weight-decay-incr-style", "linear", "--start-weight-decay", "0",
                                          "--end-weight-decay", "2"]))
     assert rising[:2] == none[:2] and rising[2] != none[2]
+
+
+@pytest.mark.slow
+def test_params_norm_is_layout_invariant(embedded_data):
+    """--log-params-norm (Megatron's): the weights' norm on each iteration line counts every distinct
+    weight once, whether it is whole on one rank, split over tp 2 (its replicated LayerNorms and
+    biases counted on one rank), split over two pipeline stages (the tied embedding counted on the
+    first), or sharded over dp 2 by ZeRO-3. Vocabulary padding held equal (divisible by 128 in all)."""
+    base = [*TINY_TRAIN, *embedded_data, "--train-iters", "3", "--log-interval", "1", "--log-params-norm"]
+
+    def norms(procs: int, *flags: str) -> list[float]:
+        run = subprocess.run(["bash", "scripts/pretrain_gpt2.sh", "--nproc-per-node", str(procs), *base, *flags],
+                             capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        return _logged(run.stdout, "params norm")
+
+    serial = norms(1)
+    assert len(serial) == 3 and serial[0] > 0 and len(set(serial)) == 3   # a value per step; the weights move
+    for procs, flags in ((2, ["--tensor-parallel", "2", "--make-vocab-size-divisible-by", "64"]),
+                         (2, ["--pipeline-parallel", "2"]), (2, ["--zero-stage", "3"])):
+        assert norms(procs, *flags) == pytest.approx(serial, rel=1e-5), flags

@@ -278,6 +278,9 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     log_interval: int = arg(10, "print a training line every this many iterations")
+    log_params_norm: bool = arg(False, "add the L2 norm of the weights (the fp32 masters, each counted once) to "
+                                       "each training line (Megatron's); a delayed update is waited for at those "
+                                       "iterations")
     eval_interval: int = arg(1000, "evaluate on the validation split every this many iterations (0 = only "
                                     "at the end), and at the end")
     eval_iters: int = arg(10, "batches per evaluation (0 = no evaluation)")

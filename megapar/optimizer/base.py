@@ -156,8 +156,8 @@ def global_norm(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup],
     """L2 norm of all `tensors` of every rank of `group` (one multi-tensor kernel locally), as a
     0-dim fp32 device tensor (no host sync)."""
     total = torch.zeros(1, dtype=torch.float32, device=device)
-    if tensors:
-        total += torch.stack(torch._foreach_norm(tensors)).float().square().sum()
+    if tensors:  # (host tensors, such as offloaded masters, are summed where they are)
+        total += torch.stack(torch._foreach_norm(tensors)).float().square().sum().to(device)
     if group is not None:
         dist.all_reduce(total, group=group)
     return total.sqrt().reshape(())
@@ -248,6 +248,7 @@ class BaseOptimizer(ABC):
         self.step_grads = self.grads  # what AdamW reads (offload: CPU copies, see _stage_grads)
         self.params = [o.model_tensor for o in owned]
         self.norm_grads = [o.grad for o in owned if counts_for_norm(o.name, self.tp_rank)]
+        self.norm_masters = [o.master for o in owned if counts_for_norm(o.name, self.tp_rank)]
         decay = [{"params": [o.master for o in owned if not no_weight_decay(o.name, o.param)],
                   "weight_decay": self.cfg.weight_decay},
                  {"params": [o.master for o in owned if no_weight_decay(o.name, o.param)], "weight_decay": 0.0}]
@@ -316,6 +317,13 @@ class BaseOptimizer(ABC):
         """Steps 5 and 6 (the offloaded optimizer steps and publishes chunk by chunk, or in the
         background with --delayed-param-update)."""
         self._publish_params(params_written=self._update())
+
+    def params_norm(self) -> torch.Tensor:
+        """--log-params-norm: the L2 norm of the fp32 master weights after the last step, each
+        distinct weight counted once over norm_group as the gradient norm counts it (Megatron's
+        params norm), as a 0-dim device tensor. Collective (over norm_group, and finish_pending's)."""
+        self.finish_pending()
+        return global_norm(self.norm_masters, self.norm_group, self.device)
 
     def finish_pending(self) -> None:
         """Make the model's weights those of the last step (the delayed update publishes the step

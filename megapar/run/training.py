@@ -460,7 +460,7 @@ class StepLog:
             self.excluded_s += time.perf_counter() - start
 
     def record(self, step: LaunchedStep) -> None:
-        loss, grad_norm = wait_host(step.out, step.ready).tolist()  # this step only: the next may still run
+        loss, grad_norm, *params_norm = wait_host(step.out, step.ready).tolist()  # this step only
         done = step.launched_at if step.ready is None else self.clock()
         state, log = self.state, self.run.cfg.log
         check_finite(state, step.iteration, loss, step.applied, grad_norm, self.run.optimizer.scaler)
@@ -470,15 +470,21 @@ class StepLog:
         if self.writer is not None:
             self.writer.add_scalar("lm loss", loss, step.iteration)
             self.writer.add_scalar("learning rate", step.lr, step.iteration)
-        if step.iteration % log.log_interval == 0 or step.iteration == self.total:
+        if self.logs_at(step.iteration):
             elapsed = self._window_seconds(step, done) / self.window_iters
-            print_rank0(self._line(step, elapsed, self.window_loss / self.window_iters, grad_norm))
+            print_rank0(self._line(step, elapsed, self.window_loss / self.window_iters, grad_norm, *params_norm))
+            if self.writer is not None and params_norm:
+                self.writer.add_scalar("params-norm", params_norm[0], step.iteration)
             if step.iteration == min(self.total, log.log_interval):
                 _print_memory(self.run)
             self.window_start, self.window_iters, self.window_loss, self.window_samples = done, 0, 0.0, 0
             self.window_event, self.window_excluded = step.ready, self.excluded_s
         elif step.iteration == self.first:  # a first sign of life (the window goes on: Megatron's lines stay)
             print_rank0(self._first_line(step, done - self.window_start, loss))
+
+    def logs_at(self, iteration: int) -> bool:
+        """Whether `iteration` gets an iteration line (every --log-interval, and the last)."""
+        return iteration % self.run.cfg.log.log_interval == 0 or iteration == self.total
 
     def _window_seconds(self, step: LaunchedStep, done: float) -> float:
         """Seconds from the completion of the step that closed the last window to this step's, less the
@@ -499,13 +505,15 @@ class StepLog:
                 f"ETA: {eta(elapsed, self.total - step.iteration)} "
                 f"| next line at iteration {next_line} (--log-interval {interval})")
 
-    def _line(self, step: LaunchedStep, elapsed: float, loss: float, grad_norm: float) -> str:
+    def _line(self, step: LaunchedStep, elapsed: float, loss: float, grad_norm: float,
+              params_norm: Optional[float] = None) -> str:
         cfg, state = self.run.cfg, self.state
         tokens = self.window_samples / self.window_iters * cfg.model.seq_length  # per iteration of the window
         line = (f" iteration {step.iteration:8d}/{self.total:8d} | consumed samples: {step.consumed_samples:12d} | "
                 f"elapsed time per iteration (ms): {elapsed * 1000:.1f} | learning rate: {step.lr:.3E} | "
                 f"global batch size: {step.global_batch:5d} | lm loss: {loss:.6E} | "
                 f"loss scale: {self.run.optimizer.scaler.scale:.1f} | grad norm: {grad_norm:.3f} | "
+                f"{'' if params_norm is None else f'params norm: {params_norm:.3f} | '}"
                 f"number of skipped iterations: {state.skipped_iters:3d} | number of nan iterations: "
                 f"{state.nan_iters:3d} | "
                 f"{throughput_fields(tokens, elapsed, self.fpt, self.run.topo.world_size, self.peak)} | "
@@ -580,6 +588,8 @@ def _train_loop(run: Run, train_ds, valid_ds, state: TrainState, writer, handler
         batch = cfg.global_batch_at(state.consumed_samples)
         state.iteration += 1
         state.consumed_samples += batch
+        if cfg.log.log_params_norm and steps.logs_at(state.iteration):  # read back with the loss
+            out = torch.cat([out, run.optimizer.params_norm().double().reshape(1)])
         launched = LaunchedStep(state.iteration, state.consumed_samples, batch, *to_host(out), applied,
                                 run.scheduler.get_lr(), steps.clock())
         if applied:  # Megatron: a skipped (fp16 overflow) step does not advance the LR schedule
