@@ -418,7 +418,7 @@ class LaunchedStep:
     iteration: int
     consumed_samples: int
     global_batch: int                  # its samples (--global-batch-size, or its ramp-up's)
-    out: torch.Tensor                  # [lm loss, grad norm], float64, on the host once `ready`
+    out: torch.Tensor                  # [lm loss, grad norm(, params norm)], float64, on the host once `ready`
     ready: Optional[torch.cuda.Event]  # None on CPU
     applied: bool
     lr: float
