@@ -339,21 +339,24 @@ def _deferred_gather_body(rank, world_size, stage):
     """ZeRO-1 or -2 at dp 2 with the all-gathers deferred to the next forward (forward_units, as build_zero gives
     on GPUs): each forward sees the last step's weights (the losses equal AdamW's on the whole batch), the weights
     a rank does not own stay old until a forward or `finish_pending` gathers them."""
-    from megapar.model.transformer import TransformerLayer
     from megapar.optimizer.sharded_grads import ShardedGradBuffer
-    from megapar.optimizer.zero import forward_units
+    from megapar.optimizer.zero import forward_units, layers_and_rest
     group = dist.group.WORLD
     model = _model()
     if stage == 1:
         buf = GradBuffer(model.parameters(), group, mode="reduce_scatter", bucket_numel=3000)
     else:
-        layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
-        in_layers = {id(p) for layer in layers for p in layer.parameters()}
-        buf = ShardedGradBuffer(layers, [p for p in model.parameters() if id(p) not in in_layers], group)
+        buf = ShardedGradBuffer(*layers_and_rest(model), group)
     opt = DistributedOptimizer(model, buf, TrainConfig(**TRAIN), ConstantGradScaler(), tp_rank=0, dp_group=group,
                                norm_group=group, stage=stage, forward_units=forward_units(model))
     ref = Reference()
-    res = {"losses": [], "ref_losses": [], "stale": [], "diffs": [], "buckets": len(buf.buckets)}
+    res = {"losses": [], "ref_losses": [], "stale": [], "diffs": [], "buckets": len(buf.buckets), "gathers": 0}
+    start_gathers = opt._start_gathers
+
+    def counted(buckets):
+        res["gathers"] += 1
+        start_gathers(buckets)
+    opt._start_gathers = counted
     for it in range(4):
         res["losses"].append(_train_step(model, buf, opt, it, world_size, rank, group)[0])
         res["ref_losses"].append(ref.step(it)[0])
@@ -367,6 +370,7 @@ def _deferred_gather_body(rank, world_size, stage):
 def test_gathers_deferred_to_the_next_forward_match_adamw(stage):
     for res in run_distributed(_deferred_gather_body, world_size=2, args=(stage,)):
         assert res["buckets"] > 2
+        assert res["gathers"] == 3 + 1   # in each forward after a step (not again in the step), finish_pending
         for a, b in zip(res["losses"], res["ref_losses"]):
             assert math.isclose(a, b, rel_tol=1e-5), (a, b)
         assert min(res["stale"]) > 10 * PARAM_ATOL, res["stale"]

@@ -321,9 +321,12 @@ class BaseOptimizer(ABC):
     def params_norm(self) -> torch.Tensor:
         """--log-params-norm: the L2 norm of the fp32 master weights after the last step, each
         distinct weight counted once over norm_group as the gradient norm counts it (Megatron's
-        params norm), as a 0-dim device tensor. Collective (over norm_group, and finish_pending's)."""
-        self.finish_pending()
+        params norm), as a 0-dim device tensor. Collective over norm_group."""
+        self.settle_masters()
         return global_norm(self.norm_masters, self.norm_group, self.device)
+
+    def settle_masters(self) -> None:
+        """Make the masters hold the last step's values (an update still running is waited for)."""
 
     def finish_pending(self) -> None:
         """Make the model's weights those of the last step (the delayed update publishes the step

@@ -356,11 +356,22 @@ class DistributedOptimizer(BaseOptimizer):
     def finish_pending(self) -> None:
         """--delayed-param-update: the update running in the background finished, its weights sent to
         the device and all-gathered; with the all-gathers deferred to the next forward, those done now
-        (always: a replayed CUDA graph leaves them due without telling the host). Collective over dp."""
+        (always: a replayed CUDA graph leaves them due without telling the host), and still due for
+        the next forward, so that a graph captured after this call captures them. Collective over dp."""
         if self.gather_order:
-            self.gather_due = False
             self._start_gathers(self.gather_order)
-            self._await_gathers(self.gather_order)
+            self._wait_gathers(self.gather_order)
+        self._publish_delayed()
+
+    def settle_masters(self) -> None:
+        """The masters hold the last step's values: a delayed update running in the background is
+        waited for (it is published at the next step, as without the wait)."""
+        if self.offload:
+            self._join()
+
+    def _publish_delayed(self) -> None:
+        """--delayed-param-update: wait for the background update and send its weights to the model
+        (collective over dp); nothing otherwise."""
         if not self.offload:
             return
         self._join()
@@ -374,8 +385,9 @@ class DistributedOptimizer(BaseOptimizer):
 
     def step(self) -> tuple[bool, torch.Tensor]:
         """BaseOptimizer's step, after publishing a delayed update still pending: step N's gradients
-        were computed with the weights of step N - 2 (the ZeRO-Offload paper's one-step delay)."""
-        self.finish_pending()
+        were computed with the weights of step N - 2 (the ZeRO-Offload paper's one-step delay). The
+        deferred all-gathers are not redone here: this step's forward already waited for them."""
+        self._publish_delayed()
         return super().step()
 
     # ---- offload: gradients to the CPU, weights back -------------------------------------------
@@ -463,6 +475,9 @@ class DistributedOptimizer(BaseOptimizer):
         if self.gather_due:
             self.gather_due = False
             self._start_gathers(self.gather_order)
+        self._wait_gathers(buckets)
+
+    def _wait_gathers(self, buckets: list[int]) -> None:
         for i in buckets:
             work = self.gathers.pop(i, None)
             if work is not None:

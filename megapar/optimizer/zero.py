@@ -71,14 +71,20 @@ def build_zero(cfg: Config, topo: Topology, rank: int, device: torch.device,
     return model, Zero(sharded, grad_buffer, optimizer)
 
 
+def layers_and_rest(module: nn.Module) -> tuple[list[TransformerLayer], list[nn.Parameter]]:
+    """The transformer layers inside `module` (every model chunk's, in forward order) and its
+    parameters outside them (embeddings, final LayerNorm, head)."""
+    layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    return layers, [p for p in module.parameters() if id(p) not in in_layers]
+
+
 def forward_units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """Where each parameter is first used in a forward: each model chunk (its embeddings, final
     LayerNorm and head, used from its start on), then each transformer layer, in forward order."""
-    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
     chunks = [m for m in model.modules() if isinstance(m, GPT2Model)]
-    return ([(c, [p for p in c.parameters() if id(p) not in in_layers]) for c in chunks]
-            + [(layer, list(layer.parameters())) for layer in layers])
+    return ([(c, layers_and_rest(c)[1]) for c in chunks]
+            + [(layer, list(layer.parameters())) for layer in layers_and_rest(model)[0]])
 
 
 def embedding_params(model: GPT2Model, topo: Topology) -> list[nn.Parameter]:
@@ -99,10 +105,9 @@ def build_grad_buffer(cfg: Config, model: GPT2Model, topo: Topology, device: tor
     stage = cfg.parallel.zero_stage
     reduce_dtype = REDUCE_DTYPES[cfg.parallel.grad_reduce_dtype]
     if stage >= 2:
-        layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]  # every chunk's, in order
-        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        layers, rest = layers_and_rest(model)
         release = (lambda i: sharded.units[i].release()) if sharded else None
-        return ShardedGradBuffer(layers, [p for p in model.parameters() if id(p) not in in_layers], topo.groups.dp,
+        return ShardedGradBuffer(layers, rest, topo.groups.dp,
                                  tp_summed=tp_summed, tp_group=topo.groups.tp, on_layer_reduced=release,
                                  reduce_dtype=reduce_dtype)
     gpu = device.type == "cuda"

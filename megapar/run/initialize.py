@@ -124,14 +124,21 @@ def train_iters(cfg: Config) -> int:
     return iterations + max(0, samples - consumed) // t.global_batch_size
 
 
+def schedule_horizon(cfg: Config) -> int:
+    """The run's length in the LR schedule's unit: --train-samples for a schedule in samples
+    (`Config.schedule_in_samples`), else the iterations (train_iters)."""
+    return cfg.train.train_samples if cfg.schedule_in_samples else train_iters(cfg)
+
+
 def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
     """The LR schedule in iterations, or with Megatron's sample-based flags in samples
-    (`Config.schedule_in_samples`: the training loop then steps it by each step's global batch)."""
-    t = cfg.train
+    (`Config.schedule_in_samples`: the training loop then steps it by each step's global batch);
+    the decay and a changing weight decay span the run (schedule_horizon) unless told otherwise."""
+    t, horizon = cfg.train, schedule_horizon(cfg)
     if cfg.schedule_in_samples:
-        decay, warmup = t.lr_decay_samples or t.train_samples, t.lr_warmup_samples
+        decay, warmup = t.lr_decay_samples or horizon, t.lr_warmup_samples
     else:
-        decay, warmup = t.lr_decay_iters or train_iters(cfg), t.lr_warmup_iters
+        decay, warmup = t.lr_decay_iters or horizon, t.lr_warmup_iters
     if t.lr_warmup_fraction is not None:
         warmup = int(t.lr_warmup_fraction * decay)
     changing = t.weight_decay_incr_style != "constant"  # then from --start- to --end-weight-decay over the run
@@ -142,7 +149,7 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
                                    warmup_style=t.lr_warmup_style, warmup_init=t.lr_warmup_init,
                                    end_weight_decay=t.end_weight_decay if changing else None,
                                    wd_incr_style=t.weight_decay_incr_style,
-                                   wd_incr_steps=t.train_samples if cfg.schedule_in_samples else train_iters(cfg))
+                                   wd_incr_steps=horizon)
 
 
 def checkpoint_args(run: Run, consumed_samples: int) -> argparse.Namespace:

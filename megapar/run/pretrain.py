@@ -22,7 +22,7 @@ from ..optimizer.nvme import check_nvme_offload
 from ..pipeline.p2p import current_step
 from ..topology import Topology
 from .heartbeat import Heartbeat, is_timeout, timeout_error
-from .initialize import build_run, init_distributed, print_rank0, train_iters
+from .initialize import build_run, init_distributed, print_rank0, schedule_horizon, train_iters
 from .scalar_writer import build_writer
 from .training import TrainState, evaluate, finish_saves, load, log_eval, reserve_saves, save, train
 
@@ -274,7 +274,7 @@ def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]],
     sample-based flags) does the same with --train-samples and --lr-decay-samples."""
     unit, length, decay = (("sample", "--train-samples", "--lr-decay-samples") if cfg.schedule_in_samples else
                            ("iteration", "--train-iters", "--lr-decay-iters"))
-    horizon = cfg.train.train_samples if cfg.schedule_in_samples else train_iters(cfg)
+    horizon = schedule_horizon(cfg)
     valued = {"--train-iters", "--train-samples", "--lr-decay-iters", "--lr-decay-samples"}
     ends_at_zero = scheduler.min_lr == 0 and scheduler.decay_style != "constant" and scheduler.decay_steps <= horizon
     switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler"}
