@@ -1,6 +1,7 @@
 """Training loop: layout invariance, exact resume, SIGTERM, evaluation, iteration times, errors."""
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -338,10 +339,12 @@ def test_params_norm_is_layout_invariant(embedded_data):
     base = [*TINY_TRAIN, *embedded_data, "--train-iters", "3", "--log-interval", "1", "--log-params-norm"]
 
     def norms(procs: int, *flags: str) -> list[float]:
+        # unbuffered: the ranks share the pipe, and block-buffered writes would cut each other's lines
         run = subprocess.run(["bash", "scripts/pretrain_gpt2.sh", "--nproc-per-node", str(procs), *base, *flags],
-                             capture_output=True, text=True, cwd=ROOT, timeout=600)
+                             capture_output=True, text=True, cwd=ROOT, timeout=600,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        return _logged(run.stdout, "params norm")
+        return [float(v) for v in re.findall(r"params norm: ([\d.]+) \|", run.stdout)]  # only iteration lines
 
     serial = norms(1)
     assert len(serial) == 3 and serial[0] > 0 and len(set(serial)) == 3   # a value per step; the weights move
