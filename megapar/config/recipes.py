@@ -77,6 +77,10 @@ RECIPES: dict[str, Recipe] = {
                                   "--micro-batch-size", "8", "--global-batch-size", "8", *GRAPH),
                               "345M in fp16 with loss scaling, compiled, whole step one CUDA graph"),
     "345m-m8": _recipe(1, GPT2_345M, 8, 64, about="345M, 8 microbatches per step"),
+    # the baseline of the pipelines at equal microbatches per step (the optimizer steps once per 8 microbatches)
+    "345m-m8-graph": _recipe(1, GPT2_345M, 8, 64, *GRAPH, about="345M, 8 microbatches per step, CUDA graph"),
+    "345m-graph-ce": _recipe(1, GPT2_345M, 8, 8, *GRAPH, "--cross-entropy-loss-fusion",
+                             about="345m-graph with the LM head and loss fused in chunks"),
     "345m-recompute": _recipe(1, GPT2_345M, 8, 8, *FULL_RECOMPUTE, about="345M, full activation recompute"),
     "345m-recompute-graph": _recipe(1, GPT2_345M, 8, 8, *FULL_RECOMPUTE, *GRAPH, "--hidden-dropout", "0",
                                     "--attention-dropout", "0", about="345M, full activation recompute, CUDA graph"),
@@ -114,6 +118,8 @@ RECIPES: dict[str, Recipe] = {
                                           about=f"345M, data parallel 2, ZeRO-{z}, CUDA graph") for z in (1, 2, 3)},
     # GPT-3's 1.3B shape (24 layers, hidden 2048, 16 heads) at seq 1024, as measured against nanoGPT's bench.py
     "1.3b-graph": _recipe(1, GPT_1_3B, 8, 8, *GRAPH, about="1.3B shape, compiled, whole step one CUDA graph"),
+    "1.3b-graph-ce": _recipe(1, GPT_1_3B, 8, 8, *GRAPH, "--cross-entropy-loss-fusion",
+                             about="1.3b-graph with the LM head and loss fused in chunks"),
     # the same shape's layers split over two GPUs (tp 2 strong scaling against 1.3b-graph)
     "1.3b-tp2-graph": _recipe(2, GPT_1_3B, 8, 8, *_tp(2), *GRAPH, about="1.3B shape, tensor parallel 2, CUDA graph"),
     "1.3b-tp2-sp-graph": _recipe(2, GPT_1_3B, 8, 8, *_tp(2), "--sequence-parallel", *GRAPH,

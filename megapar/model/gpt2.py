@@ -25,8 +25,9 @@ import torch.nn as nn
 from ..config.arguments import ModelConfig
 from ..topology import layer_counts, pipeline_layer_counts
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..tensor_parallel.fused_cross_entropy import linear_cross_entropy_mean
 from ..tensor_parallel.layers import Init, VocabParallelEmbedding, full_normal, parallel_lm_logits
-from ..tensor_parallel.mappings import scatter_to_sp
+from ..tensor_parallel.mappings import scatter_to_sp, to_tp_region
 from ..tensor_parallel.random import checkpoint
 from .kv_cache import KVCache
 from .transformer import TransformerLayer, make_layernorm, sp_dropout
@@ -170,7 +171,8 @@ class GPT2Model(nn.Module):
     forward(input_ids [b, s], position_ids [b, s], labels [b, s] | None):
       first stage reads input_ids; later stages read the tensor given to `set_input_tensor`
       ([s, b, h], or [s/tp, b, h] under sequence parallelism).
-      last stage returns per-token loss [b, s] (fp32) with labels, else vocab-parallel logits
+      last stage returns per-token loss [b, s] (fp32) with labels (with cfg.cross_entropy_loss_fusion: the
+      mean loss over the microbatch's tokens, a scalar, from the fused chunked head), else vocab-parallel logits
       [b, s, V_padded/tp]; other stages return hidden states [s, b, h].
     """
 
@@ -208,6 +210,10 @@ class GPT2Model(nn.Module):
         x = self.language_model.encoder(x, kv_cache)
         if not self.stage.is_last:
             return x
+        if labels is not None and self.cfg.cross_entropy_loss_fusion:
+            x = to_tp_region(x, self.tp_group, self.cfg.sequence_parallel)                 # [s, b, h]
+            return linear_cross_entropy_mean(x, self.output_embedding_weight(), labels.transpose(0, 1),
+                                             self.cfg.vocab_size, self.tp_group)           # []
         logits = parallel_lm_logits(x, self.output_embedding_weight(), self.tp_group,
                                     sequence_parallel=self.cfg.sequence_parallel)          # [s, b, V/tp]
         if labels is None:
