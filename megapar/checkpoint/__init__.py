@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from . import legacy
 from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, SHAPE_FIELDS, TRACKER, CheckpointError,
-                     SavedConfig, atomic_torch_save, check_compatible, check_load_dir, flatten_model_state,
-                     flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, nest_model_state,
-                     nest_model_states, read_saved_config, read_tracker, restore_scheduler, saved_layout_flags,
-                     set_rng_state, shard_dir_name)
+                     SavedConfig, atomic_torch_save, check_compatible, check_load_dir, check_tracked_iteration,
+                     flatten_model_state, flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file,
+                     nest_model_state, nest_model_states, read_saved_config, read_tracker, restore_scheduler,
+                     saved_layout_flags, set_rng_state, shard_dir_name)
 from .common import OPTIM_KINDS, parse_shard_dir, shard_dirs
 from .legacy import load_model_state
 from .guard import SaveDirLock, check_finetune_dirs, check_save_space
@@ -67,7 +67,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config, topo, 
     `sharded`: as for save_checkpoint."""
     from . import dist
     iteration = read_tracker(root)
-    if iteration is not None and dist.is_dist_checkpoint(iter_dir(root, iteration)):
+    if iteration is not None:
+        check_tracked_iteration(root, iteration, published_dir(root, iteration))
+    if iteration is not None and dist.is_dist_checkpoint(published_dir(root, iteration)):
         return dist.load_checkpoint(root, model, optimizer, scheduler, model_config, topo, rank, load_optim,
                                     load_rng, finetune, sharded)
     return legacy.load_checkpoint(root, model, optimizer, scheduler, model_config, topo, rank, load_optim,

@@ -216,8 +216,15 @@ def same_dir(a: str, b: str) -> bool:
 
 def check_load_dir(load: Optional[str], save: Optional[str]) -> None:
     """Before any work: `--load` must name a checkpoint directory, unless it is also `--save`
-    (the first run of a resumable job, which starts from scratch). Raises ConfigError."""
-    if not load or (save and same_dir(load, save)):
+    (the first run of a resumable job, which starts from scratch -- never over saved iterations
+    that lost their tracker). Raises ConfigError."""
+    if not load:
+        return
+    if os.path.isdir(load) and not os.path.isfile(os.path.join(load, TRACKER)):
+        line = untracked_line(load, "--load")
+        if line:
+            raise ConfigError(line)
+    if save and same_dir(load, save):
         return
     fix = (f"give the directory a run saved into (the one holding {TRACKER}), the same directory as --save "
            f"for a job that resumes itself, or drop --load to start from scratch")
@@ -226,7 +233,46 @@ def check_load_dir(load: Optional[str], save: Optional[str]) -> None:
     if not os.path.isdir(load):
         raise ConfigError(f"--load {load} is not a directory; {fix}")
     if not os.path.isfile(os.path.join(load, TRACKER)):
+        if os.path.isfile(os.path.join(load, "config.json")):
+            raise ConfigError(f"--load {load} is a Hugging Face model folder, not a megapar checkpoint; convert it "
+                              f"first: python tools/convert_from_hf.py --load-dir {load} --save-dir <ckpt>, then "
+                              f"--load <ckpt> (with --finetune to start a new run from it)")
         raise ConfigError(f"--load {load} holds no checkpoint (no {TRACKER}); {fix}")
+
+
+_SAVED = re.compile(r"^(iter_(\d{7})|release)(\.old)?$")
+
+
+def saved_iterations(root: str) -> list[str]:
+    """The published iteration folders of `root` (iter_NNNNNNN, release, and copies a re-save set
+    aside), sorted; staging folders (.partial) are not saved iterations."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(n for n in names if _SAVED.match(n) and os.path.isdir(os.path.join(root, n)))
+
+
+def untracked_line(root: str, what: str) -> Optional[str]:
+    """The refusal for a checkpoint directory that holds saved iterations but no tracker (a resume
+    would otherwise start from scratch over them), or None when it holds none."""
+    saved = saved_iterations(root)
+    if not saved:
+        return None
+    numbers = [int(m.group(2)) for m in map(_SAVED.match, saved) if m.group(2)]
+    latest = str(max(numbers)) if numbers else "release"
+    shown = ", ".join(saved[-3:]) + (f" ({len(saved)} in all)" if len(saved) > 3 else "")
+    return (f"{what} {root} holds saved iterations ({shown}) but no {TRACKER}, so a resume would start from "
+            f"scratch over them; name the one to resume from (echo {latest} > {os.path.join(root, TRACKER)}), "
+            f"or give a new directory")
+
+
+def check_tracked_iteration(root: str, iteration: int | str, published: str) -> None:
+    """The tracker's iteration must have its folder (`published`); else name the saved ones."""
+    if os.path.isdir(published):
+        return
+    saved = [n for n in saved_iterations(root) if not n.endswith(".old")]
+    others = f"saved iterations: {', '.join(saved[-3:])}" if saved else "no iteration folder is there"
+    raise CheckpointError(f"{os.path.join(root, TRACKER)} names iteration {iteration}, but {published} is missing "
+                          f"({others}); write the iteration to resume from into {TRACKER}, or load another "
+                          f"checkpoint")
 
 
 def loaded_line(root: str, iteration: int | str, finetune: bool) -> str:

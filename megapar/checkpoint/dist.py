@@ -57,8 +57,11 @@ FORMAT = "torch_dist"
 
 
 def is_dist_checkpoint(folder: str) -> bool:
-    """Is the iteration folder `folder` a torch_dist checkpoint (else: the legacy layout)?"""
-    return os.path.isfile(os.path.join(folder, COMMON_FILE))
+    """Is the iteration folder `folder` a torch_dist checkpoint (else: the legacy layout)? Any of its
+    files says so (common.pt, DCP's .metadata or a .distcp data file), so a torch_dist folder that
+    lost one of them is reported as an incomplete torch_dist checkpoint, not as a legacy one."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return any(n in (COMMON_FILE, ".metadata") or n.endswith(".distcp") for n in names)
 
 
 # ---- a rank's pieces of the global tensors -------------------------------------------------------
@@ -324,7 +327,8 @@ def save_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
             dcp.save({}, storage_writer=writer, planner=_SavePlanner(entries),
                      process_group=process_group, no_dist=process_group is None)
         except DCPException as e:   # a BaseException: hand the rank's own error (ENOSPC, ...) to the publisher
-            raise _cause(e) from None
+            cause = _cause(e)
+            raise cause if isinstance(cause, Exception) else RuntimeError(str(cause)) from None
 
 
 @contextlib.contextmanager
@@ -334,16 +338,23 @@ def _quiet(process_group) -> Iterator[None]:
     from torch.distributed.checkpoint import logger as dcp_logging
     log = getattr(dcp_logging, "_dcp_logger", None)
     level = log.level if log is not None else None
+    root = logging.getLogger()      # DCP's loader logs its fallbacks, with tracebacks, on the root logger
     with warnings.catch_warnings():
         if process_group is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         if log is not None:
             log.setLevel(logging.CRITICAL)
+        root.addFilter(_not_dcp)
         try:
             yield
         finally:
+            root.removeFilter(_not_dcp)
             if log is not None:
                 log.setLevel(level)
+
+
+def _not_dcp(record: logging.LogRecord) -> bool:
+    return "distributed/checkpoint" not in record.pathname.replace(os.sep, "/")
 
 
 def load_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
@@ -361,15 +372,44 @@ def load_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
         if isinstance(cause, CheckpointError):
             raise cause from None
         lines = [line for line in str(cause).strip().splitlines() if line.strip()]
-        raise CheckpointError(f"torch_dist checkpoint {folder} could not be read ({type(cause).__name__}: "
-                              f"{lines[-1] if lines else ''}); it is incomplete or corrupt: load an earlier "
+        why = f"{type(cause).__name__}: {lines[-1][:200] if lines else ''}"
+        bad = damaged_file(folder)
+        what = bad or f"checkpoint {folder} could not be read ({why})"
+        raise CheckpointError(f"torch_dist {what}; the checkpoint is incomplete or corrupt: load an earlier "
                               f"iteration") from None
 
 
+def damaged_file(folder: str) -> Optional[str]:
+    """What is wrong with the first damaged file of the torch_dist checkpoint in `folder` -- "file
+    PATH is missing", "... is truncated (N of M bytes)", or its index unreadable -- or None when
+    every file is there at the size its .metadata says."""
+    meta = os.path.join(folder, ".metadata")
+    if not os.path.isfile(meta):
+        return f"file {meta} is missing"
+    try:
+        storage = dcp.FileSystemReader(folder).read_metadata().storage_data or {}
+    except Exception as e:  # truncated or not DCP's
+        return f"file {meta} could not be read ({type(e).__name__})"
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name in sorted(need):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"file {path} is missing"
+        if os.path.getsize(path) < need[name]:
+            return f"file {path} is truncated ({os.path.getsize(path)} of {need[name]} bytes)"
+    return None
+
+
 def _cause(e: BaseException) -> BaseException:
-    """The underlying error of a DCP failure (DCP wraps each rank's exception in CheckpointException)."""
+    """The underlying error of a DCP failure. DCP wraps each rank's failure in CheckpointException:
+    {rank: (exception, its frames)} (torch 2.4+), or {rank: exception} (older)."""
     failures = getattr(e, "failures", None)
-    return next(iter(failures.values())) if failures else e
+    if not failures:
+        return e
+    first = next(iter(failures.values()))
+    return first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) else first
 
 
 def _write(root: str, iteration: int, entries: dict[str, Entry], common: dict, group, rank: int,
@@ -478,13 +518,15 @@ class AsyncSaves:
             e, self.error = self.error, None
             if isinstance(e, CheckpointError):
                 raise e
-            raise CheckpointError(f"the background checkpoint save failed ({type(e).__name__}: {e}); the previous "
-                                  f"checkpoint is intact") from e
+            raise CheckpointError(f"the background checkpoint save failed ({type(e).__name__}: {e})") from e
 
 
 # ---- load ---------------------------------------------------------------------------------------
 def read_common(folder: str) -> dict:
     path = os.path.join(folder, COMMON_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"torch_dist checkpoint file {path} is missing; the checkpoint is incomplete: "
+                              f"load an earlier iteration")
     common = load_file(path)
     if common.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a megapar torch_dist record (format={common.get('format')!r})")

@@ -35,7 +35,7 @@ from ..config.arguments import ModelConfig
 from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, OPTIM_KINDS, CheckpointError, check_compatible,
                      flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, loaded_line,
                      nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
-                     shard_dir_name, shard_dirs)
+                     shard_dir_name, shard_dirs, untracked_line)
 from .stream import LazyTensor, StreamingSaver
 from .publish import published_dir, staged_iteration
 
@@ -231,6 +231,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
     the parts it takes."""
     iteration = read_tracker(root)
     if iteration is None:
+        untracked = untracked_line(root, "checkpoint directory")
+        if untracked:
+            raise CheckpointError(untracked)
         if rank == 0:
             print(f"> no checkpoint in {root} yet: starting from scratch", flush=True)
         return 0, 0

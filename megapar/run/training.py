@@ -13,7 +13,7 @@ from typing import Callable, ContextManager, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointError, load_checkpoint, read_tracker, save_checkpoint
 from ..checkpoint.dist import model_pieces
 from .cuda_graph import GraphedStep
 from ..errors import MegaparError
@@ -319,6 +319,8 @@ class Profiler:
 # ---- the loop ------------------------------------------------------------------------------------
 def save(run: Run, state: TrainState) -> None:
     run.optimizer.finish_pending()  # --delayed-param-update: the weights of the step being saved
+    if run.saves is not None:
+        run.saves.wait()            # the previous save is published before this one may be refused
     refuse_non_finite_weights(run, state.iteration)
     ck = run.cfg.ckpt
     print_rank0(f" saving checkpoint at iteration {state.iteration:7d} to {ck.save}")
@@ -354,6 +356,18 @@ def finish_saves(run: Run) -> None:
         print_rank0(f"  successfully saved checkpoint to {run.cfg.ckpt.save}")
 
 
+def settle_saves(run: Run) -> None:
+    """Before an error ends the run: finish the save in flight (--async-save), so that it is either
+    published or (failing) removed, never cut off by the exit. Its own failure is a note here: the
+    error that ends the run is the one the user reads."""
+    if run.saves is None or not run.saves.in_flight:
+        return
+    try:
+        finish_saves(run)
+    except CheckpointError as e:
+        print_rank0(f"> {e}")
+
+
 def load(run: Run, state: TrainState) -> None:
     ck = run.cfg.ckpt
     state.iteration, state.consumed_samples = load_checkpoint(
@@ -382,9 +396,11 @@ def refuse_non_finite_weights(run: Run, iteration: int) -> None:
     if flag.item() == 0:
         return
     where = f"{local} on rank {run.rank}" if local is not None else f"rank {int(flag.item()) - 1}"
+    kept = read_tracker(run.cfg.ckpt.save)
+    then = (f"the checkpoint already there (iteration {kept}) is kept; lower --lr, use --bf16, or resume from it"
+            if kept is not None else "no checkpoint was saved before it; lower --lr or use --bf16, and start again")
     raise NonFiniteLossError(f"refusing to save iteration {iteration} to {run.cfg.ckpt.save}: the weights hold "
-                             f"NaN/Inf ({where}); the checkpoint already there is kept; lower --lr, use --bf16, "
-                             f"or resume from that checkpoint")
+                             f"NaN/Inf ({where}); {then}")
 
 
 def _all_finite(t: torch.Tensor) -> torch.Tensor:
@@ -561,6 +577,9 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
     handler, start_time = SignalHandler(run.cfg.train.exit_signal_handler, run.rank), time.time()
     try:
         return _train_loop(run, train_ds, valid_ds, state, writer, handler, start_time)
+    except Exception:
+        settle_saves(run)       # a background save is published (or removed) before the error ends the run
+        raise
     finally:
         handler.close()
 

@@ -360,7 +360,52 @@ def test_truncated_torch_dist_file_is_named(data, dist_trained, tmp_path):
     data_file.write_bytes(data_file.read_bytes()[:200])
     refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--load", ck, "--train-iters", "2"],
             fault_class="load", case="torch_dist checkpoint with a truncated data file",
-            expect=["torch_dist checkpoint", "iter_0000001", "load an earlier iteration"], watch=[ck])
+            expect=["torch_dist file", "iter_0000001/__0_0.distcp is truncated", "load an earlier iteration"],
+            watch=[ck])
+
+
+@pytest.mark.parametrize("name, expect", [("__0_0.distcp", "iter_0000001/__0_0.distcp is missing"),
+                                          ("common.pt", "torch_dist checkpoint file"),
+                                          (".metadata", "iter_0000001/.metadata is missing")])
+def test_missing_torch_dist_file_is_named(data, dist_trained, tmp_path, name, expect):
+    """One line naming the file (not DCP's frame listing, not a 'missing legacy file')."""
+    ck = tmp_path / "ck"
+    shutil.copytree(dist_trained, ck)
+    (ck / "iter_0000001" / name).unlink()
+    out = refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--load", ck, "--train-iters", "2"],
+                  fault_class="load", case=f"torch_dist checkpoint without its {name}",
+                  expect=[expect, "load an earlier iteration"], watch=[ck])
+    assert "model_optim_rng.pt" not in out.output and "File \"" not in out.output
+
+
+def test_load_of_a_hugging_face_folder_points_to_the_converter(data, tmp_path):
+    hf = tmp_path / "gpt2_hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (hf / "model.safetensors").write_bytes(b"\0" * 16)
+    refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--load", hf, "--train-iters", "2"],
+            fault_class="load", case="--load names a Hugging Face folder",
+            expect=["is a Hugging Face model folder", "tools/convert_from_hf.py --load-dir"], watch=[tmp_path])
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("tracker", ["deleted", "names a missing iteration"])
+def test_saved_iterations_are_never_trained_over_from_scratch(data, trained, dist_trained, tmp_path, fmt, tracker):
+    """--load = --save over saved iterations whose tracker is gone (or names a folder that is not
+    there): refused, naming the iterations and the fix, nothing changed."""
+    ck = tmp_path / "ck"
+    shutil.copytree(trained if fmt == "torch" else dist_trained, ck)
+    if tracker == "deleted":
+        (ck / "latest_checkpointed_iteration.txt").unlink()
+        expect = ["holds saved iterations (iter_0000001) but no latest_checkpointed_iteration.txt",
+                  "start from scratch over them", "echo 1 >"]
+    else:
+        (ck / "latest_checkpointed_iteration.txt").write_text("7")
+        expect = ["names iteration 7", "iter_0000007 is missing", "saved iterations: iter_0000001"]
+    refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--load", ck, "--save", ck, "--train-iters", "2",
+             "--ckpt-format", fmt, "--data-cache-path", ck.parent / "nocache"], fault_class="load",
+            case=f"{fmt} --load = --save, tracker {tracker}", expect=expect, watch=[ck],
+            allow_new=[ck / "megapar.lock", ck.parent / "nocache"])
 
 
 def test_torch_dist_checkpoint_of_another_model_is_refused(data, dist_trained):
