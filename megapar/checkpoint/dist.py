@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import threading
+import traceback
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Optional
@@ -322,13 +323,38 @@ def save_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
     (None: this process alone), in up to WRITE_THREADS files per rank written by as many threads.
     Each file is synced before DCP writes its .metadata."""
     writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=WRITE_THREADS)
-    with _quiet(process_group):
+    with _quiet(process_group), _writer_thread_errors() as thread_errors:
         try:
             dcp.save({}, storage_writer=writer, planner=_SavePlanner(entries),
                      process_group=process_group, no_dist=process_group is None)
         except DCPException as e:   # a BaseException: hand the rank's own error (ENOSPC, ...) to the publisher
             cause = _cause(e)
             raise cause if isinstance(cause, Exception) else RuntimeError(str(cause)) from None
+    if thread_errors:               # a file of DCP's extra writer threads failed: the save is incomplete
+        raise thread_errors[0]
+
+
+@contextlib.contextmanager
+def _writer_thread_errors() -> Iterator[list[BaseException]]:
+    """The errors of DCP's extra writer threads (they write files beside the calling thread and
+    end on an uncaught exception: Python would print its traceback, and DCP would go on to write an
+    index of an incomplete save). Collected here instead; other threads' errors go to the hook
+    they had."""
+    errors: list[BaseException] = []
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        frames = traceback.extract_tb(args.exc_traceback) if args.exc_traceback else []
+        if any(f.name == "_write_files_from_queue" for f in frames) and args.exc_value is not None:
+            errors.append(args.exc_value)
+        else:
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield errors
+    finally:
+        threading.excepthook = previous
 
 
 @contextlib.contextmanager
