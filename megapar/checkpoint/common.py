@@ -8,9 +8,12 @@ Megatron's files, RNG state, and the checks a load makes against the run that lo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
+import secrets
+import zlib
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -102,6 +105,95 @@ def read_tracker(root: str) -> Optional[int | str]:
     if not text.isdigit():
         raise CheckpointError(f"{path} should hold an iteration number or 'release', found {text[:40]!r}")
     return int(text)
+
+
+# ---- identity: whose files these are ------------------------------------------------------------
+# Every checkpoint file carries its identity -- the run id (drawn at a run's first save, kept across
+# resumes) and the iteration -- and a manifest beside the files (a legacy shard's identity.json, a
+# torch_dist iteration's common.pt) holds the identity and each file's size and CRC-32, computed
+# while the file is written. A load checks every file against it before using it: a file of another
+# run or iteration, a truncated one and flipped bytes are refused, naming the file. Checkpoints saved
+# before identities load unchecked.
+IDENTITY_FILE = "identity.json"
+_CHUNK_BYTES = 16 * 2**20
+
+
+def new_run_id() -> str:
+    return secrets.token_hex(8)
+
+
+def identity(run_id: Optional[str], iteration: int | str) -> dict:
+    return {"run_id": run_id, "iteration": iteration}
+
+
+def file_checksum(path: str) -> tuple[int, int]:
+    """(bytes, CRC-32) of the file at `path`, read in chunks (zlib releases the GIL on each)."""
+    n, crc = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK_BYTES)
+        view = memoryview(buf)
+        while True:
+            got = f.readinto(buf)
+            if not got:
+                return n, crc
+            n, crc = n + got, zlib.crc32(view[:got], crc)
+
+
+def write_manifest(folder: str, ident: dict, files: dict[str, tuple[int, int]]) -> None:
+    """`folder`/identity.json: the identity of the files written there and each one's (bytes, CRC-32)."""
+    record = {**ident, "files": {name: {"bytes": n, "crc32": crc} for name, (n, crc) in files.items()}}
+    with atomic_write(os.path.join(folder, IDENTITY_FILE), "w") as f:
+        f.write(json.dumps(record, indent=1))
+
+
+def read_manifest(folder: str) -> Optional[dict]:
+    """`folder`'s identity.json, or None for a checkpoint saved before identities."""
+    path = os.path.join(folder, IDENTITY_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        assert isinstance(record.get("files"), dict) and "run_id" in record and "iteration" in record
+        return record
+    except (OSError, ValueError, AssertionError, AttributeError):
+        raise CheckpointError(f"checkpoint file {path} is corrupt (it should hold the identity and checksums of "
+                              f"the files beside it); load an earlier iteration") from None
+
+
+def check_file(folder: str, name: str, saved: Optional[dict], verify: bool = True) -> None:
+    """The file `name` of `folder` is the one the manifest entry `saved` ({bytes, crc32}) describes:
+    its size always, its CRC-32 when `verify` (a pass over its bytes)."""
+    path = os.path.join(folder, name)
+    if saved is None:
+        raise CheckpointError(f"checkpoint file {path} is not one of the files saved with this checkpoint; remove "
+                              f"it, or load an earlier iteration")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete: load an earlier "
+                              f"iteration")
+    size = os.path.getsize(path)
+    if size < saved["bytes"]:
+        raise CheckpointError(f"checkpoint file {path} is truncated ({size} of {saved['bytes']} bytes); the "
+                              f"checkpoint is incomplete: load an earlier iteration")
+    if size != saved["bytes"]:
+        raise CheckpointError(f"checkpoint file {path} is not the file saved with this checkpoint ({size} bytes, "
+                              f"saved: {saved['bytes']}; truncated, or copied from another checkpoint); put back "
+                              f"the file saved with it, or load an earlier iteration")
+    if verify and file_checksum(path)[1] != saved["crc32"]:
+        raise CheckpointError(f"checkpoint file {path} is corrupt or not the file saved with this checkpoint (its "
+                              f"CRC-32 differs from the one saved with it); put back the file saved with it, or "
+                              f"load an earlier iteration")
+
+
+def check_identity(path: str, found: Optional[dict], expected: dict) -> None:
+    """A loaded file's own identity (`found`) must be the checkpoint's (`expected`)."""
+    if found == expected:
+        return
+    whose = (f"run {found.get('run_id')}, iteration {found.get('iteration')}" if isinstance(found, dict)
+             else "a checkpoint without identities")
+    raise CheckpointError(f"checkpoint file {path} belongs to another checkpoint ({whose}; this one: run "
+                          f"{expected['run_id']}, iteration {expected['iteration']}); put back the file saved "
+                          f"with it, or load an earlier iteration")
 
 
 # ---- what a checkpoint says about its run --------------------------------------------------------

@@ -48,8 +48,9 @@ from ..config.arguments import ModelConfig
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from ..pinned import host_buffer
 from .layout import HEAD, WORD, canonical_key, chunk_layout
-from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_same_model, get_rng_state, load_file,
-                     loaded_line, read_saved_config, read_tracker, restore_scheduler, set_rng_state)
+from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_file, check_same_model,
+                     file_checksum, get_rng_state, identity, load_file, loaded_line, read_saved_config, read_tracker,
+                     restore_scheduler, set_rng_state)
 from .publish import published_dir, staged_iteration
 from .stream import exact_storage
 
@@ -440,19 +441,30 @@ def _cause(e: BaseException) -> BaseException:
 
 def _write(root: str, iteration: int, entries: dict[str, Entry], common: dict, group, rank: int,
            announce: bool = False) -> None:
-    """Collective over `group`: every rank's chunks into the staging folder, published by rank 0
-    (folder, then tracker) once every rank's files are complete and synced (publish.py)."""
+    """Collective over `group`: every rank's chunks into the staging folder, then common.pt (rank 0)
+    with each file's size and CRC-32 (every rank sums its own files); published by rank 0 (folder,
+    then tracker) once every rank's files are complete and synced (publish.py)."""
     with staged_iteration(root, iteration, rank, group) as staging:
+        error, sums = None, {}
+        try:
+            save_entries(entries, staging, group)
+            sums = _own_files(staging, dist.get_rank(group))
+        except Exception as e:  # raised after the gather below, which every rank must join
+            error = e
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, sums, group=group)
+        if error is not None:
+            raise error
         if rank == 0:
-            atomic_torch_save(common, os.path.join(staging, COMMON_FILE))
-        save_entries(entries, staging, group)
+            files = {name: n_crc for mine in every for name, n_crc in mine.items()}
+            atomic_torch_save({**common, "files": files}, os.path.join(staging, COMMON_FILE))
     if rank == 0 and announce:
         print(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} (in the background)", flush=True)
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
                     model_config: ModelConfig, topo, rank: int, save_optim: bool = True, save_rng: bool = True,
-                    saves: Optional["AsyncSaves"] = None, sharded=None) -> None:
+                    saves: Optional["AsyncSaves"] = None, sharded=None, run_id: Optional[str] = None) -> None:
     """Collective: every rank writes what it owns. With `saves` (--async-save) the state is copied to
     host memory and written in the background; the call returns once the copy is made. `sharded`:
     the ZeRO-3 ShardedParams holding the layers' weights."""
@@ -467,6 +479,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     layout = {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "virtual": model_config.virtual_pipeline_model_parallel_size}
     common = common_record(args, model_config, iteration, layout, scheduler.state_dict() if scheduler else None,
                            optim, _gather_rng(group, save_rng))
+    common["identity"] = identity(run_id, iteration)
     if saves is None:
         _write(root, iteration, entries, common, group, rank)
     else:
@@ -547,6 +560,46 @@ class AsyncSaves:
             raise CheckpointError(f"the background checkpoint save failed ({type(e).__name__}: {e})") from e
 
 
+def _own_files(folder: str, group_rank: int) -> dict[str, tuple[int, int]]:
+    """(bytes, CRC-32) of the files this rank wrote into `folder`: DCP's __{rank}_{i}.distcp, and
+    its .metadata on the coordinator (group rank 0). Read back once they are synced."""
+    names = [n for n in os.listdir(folder) if n.startswith(f"__{group_rank}_") and n.endswith(".distcp")]
+    names += [".metadata"] if group_rank == 0 else []
+    return {n: file_checksum(os.path.join(folder, n)) for n in sorted(names)}
+
+
+def check_files(folder: str, common: dict, iteration, group, rank: int) -> None:
+    """Collective over `group`: every file of the torch_dist checkpoint in `folder` is the one saved
+    with its common.pt -- the identity of this iteration, each file's size (every rank), each file's
+    CRC-32 (the files split among the ranks: one pass over each) -- or every rank raises the first
+    problem's line. Checkpoints saved before identities are not checked."""
+    ident, files = common.get("identity"), common.get("files")
+    if ident is None or files is None:
+        return
+    path = os.path.join(folder, COMMON_FILE)
+    line = None
+    world, me = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
+    try:
+        if iteration != "release" and (ident["iteration"], common["iteration"]) != (iteration, iteration):
+            raise CheckpointError(f"checkpoint file {path} is of iteration {ident['iteration']}, its folder of "
+                                  f"{iteration}: it was copied from another iteration; put back the file saved "
+                                  f"with it, or load an earlier iteration")
+        present = {n for n in os.listdir(folder) if n == ".metadata" or n.endswith(".distcp")}
+        for i, name in enumerate(sorted(set(files) | present)):
+            saved = files.get(name)
+            check_file(folder, name, None if saved is None else {"bytes": saved[0], "crc32": saved[1]},
+                       verify=i % world == me)
+    except CheckpointError as e:
+        line = str(e)
+    lines = [line]
+    if world > 1:
+        lines = [None] * world
+        dist.all_gather_object(lines, line, group=group)
+    first = next((x for x in lines if x is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
 # ---- load ---------------------------------------------------------------------------------------
 def read_common(folder: str) -> dict:
     path = os.path.join(folder, COMMON_FILE)
@@ -561,9 +614,10 @@ def read_common(folder: str) -> dict:
 
 def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelConfig, topo, rank: int,
                     load_optim: bool = True, load_rng: bool = True, finetune: bool = False,
-                    sharded=None) -> tuple[int, int]:
-    """Collective: every rank reads what it owns at this run's layout, whatever the saved layout.
-    Returns (iteration, consumed_train_samples); (0, 0) with `finetune`. `sharded`: as for a save."""
+                    sharded=None, found: Optional[dict] = None) -> tuple[int, int]:
+    """Collective: every rank reads what it owns at this run's layout, whatever the saved layout,
+    once every file is checked against common.pt (check_files). Returns (iteration,
+    consumed_train_samples); (0, 0) with `finetune`. `sharded`: as for a save; `found`: as legacy's."""
     iteration = read_tracker(root)
     folder = published_dir(root, iteration)
     common = read_common(folder)
@@ -575,7 +629,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
                               f"load it with --no-load-optim or --finetune")
     entries = StateMap(model, optimizer, model_config, topo, rank, sharded).entries(for_save=False,
                                                                                     with_optim=restore_optim)
+    check_files(folder, common, iteration, topo.groups.ckpt, rank)
     load_entries(entries, folder, topo.groups.ckpt)
+    if found is not None and common.get("identity") is not None:
+        found["run_id"] = common["identity"]["run_id"]
     if restore_optim:
         optimizer.finish_load(int(common["optimizer"]["step"]), common["optimizer"]["grad_scaler"])
         if scheduler is not None and common["opt_param_scheduler"] is not None:

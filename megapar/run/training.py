@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointError, load_checkpoint, read_tracker, save_checkpoint
+from ..checkpoint.common import new_run_id
 from ..checkpoint.dist import model_pieces
 from .cuda_graph import GraphedStep
 from ..errors import MegaparError
@@ -37,6 +38,7 @@ class TrainState:
     losses: list[tuple[int, float]] = field(default_factory=list)   # (iteration, lm loss) on every rank
     valid_losses: list[tuple[int, float]] = field(default_factory=list)
     exit_reason: Optional[str] = None
+    run_id: Optional[str] = None    # the checkpoints' identity: drawn at the first save, kept from a resume's load
 
 
 # ---- data -----------------------------------------------------------------------------------
@@ -324,10 +326,14 @@ def save(run: Run, state: TrainState) -> None:
     refuse_non_finite_weights(run, state.iteration)
     ck = run.cfg.ckpt
     print_rank0(f" saving checkpoint at iteration {state.iteration:7d} to {ck.save}")
+    if state.run_id is None:        # this run's first save: one id for every rank
+        drawn = [new_run_id() if run.rank == 0 else None]
+        dist.broadcast_object_list(drawn, src=0)
+        state.run_id = drawn[0]
     save_checkpoint(ck.save, state.iteration, run.model, run.optimizer, run.scheduler,
                     checkpoint_args(run, state.consumed_samples), run.cfg.model, run.topo, run.rank,
                     save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng, fmt=ck.ckpt_format,
-                    saves=run.saves, sharded=run.sharded)
+                    saves=run.saves, sharded=run.sharded, run_id=state.run_id)
     if run.saves is None:
         print_rank0(f"  successfully saved checkpoint at iteration {state.iteration:7d} to {ck.save}")
     else:
@@ -369,10 +375,13 @@ def settle_saves(run: Run) -> None:
 
 
 def load(run: Run, state: TrainState) -> None:
-    ck = run.cfg.ckpt
+    ck, found = run.cfg.ckpt, {}
     state.iteration, state.consumed_samples = load_checkpoint(
         ck.load, run.model, run.optimizer, run.scheduler, run.cfg.model, run.topo, run.rank,
-        load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune, sharded=run.sharded)
+        load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune, sharded=run.sharded,
+        found=found)
+    if not ck.finetune:             # a resume continues the run it loads; a fine-tune is a new run
+        state.run_id = found.get("run_id")
 
 
 class NonFiniteLossError(MegaparError, FloatingPointError):
