@@ -179,7 +179,14 @@ def check_file(folder: str, name: str, saved: Optional[dict], verify: bool = Tru
         raise CheckpointError(f"checkpoint file {path} is not the file saved with this checkpoint ({size} bytes, "
                               f"saved: {saved['bytes']}; truncated, or copied from another checkpoint); put back "
                               f"the file saved with it, or load an earlier iteration")
-    if verify and file_checksum(path)[1] != saved["crc32"]:
+    if verify:
+        check_crc(path, saved["crc32"])
+
+
+def check_crc(path: str, crc32: int) -> None:
+    """The file's CRC-32 is the one saved with it (a pass over its bytes; callers run it beside the
+    read that needs the file, on a thread: zlib releases the GIL)."""
+    if file_checksum(path)[1] != crc32:
         raise CheckpointError(f"checkpoint file {path} is corrupt or not the file saved with this checkpoint (its "
                               f"CRC-32 differs from the one saved with it); put back the file saved with it, or "
                               f"load an earlier iteration")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict
 from typing import Iterator, Optional
@@ -36,7 +37,7 @@ from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, OPTIM_K
                      flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, loaded_line,
                      nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
                      shard_dir_name, shard_dirs, untracked_line, identity,
-                     write_manifest, read_manifest, check_file, check_identity, IDENTITY_FILE)
+                     write_manifest, read_manifest, check_crc, check_file, check_identity, IDENTITY_FILE)
 from .stream import LazyTensor, StreamingSaver
 from .publish import published_dir, staged_iteration
 
@@ -260,8 +261,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
     path = os.path.join(shard, MODEL_FILE)
     if not os.path.isfile(path):
         _explain_missing_shard(root, iteration, path, topo, model_config)
-    ident = _check_files(folder, shard, iteration, topo, c.dp == 0)
-    state = read_shard(path)
+    with ThreadPoolExecutor(max_workers=2) as pool:     # the files' CRC-32s are computed while the shard is read
+        ident, crcs = _check_files(folder, shard, iteration, topo, c.dp == 0, pool)
+        try:
+            state = read_shard(path)
+        finally:
+            for done in crcs:
+                done.result()                            # a changed file is named as such, not as unreadable
     if ident is not None:
         check_identity(path, state.get("identity"), ident)
         if found is not None:
@@ -282,13 +288,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
     return it, int(getattr(state["args"], "consumed_train_samples", 0))
 
 
-def _check_files(folder: str, shard: str, iteration: int | str, topo, verify_all: bool) -> Optional[dict]:
-    """This shard's files against its manifest: their sizes, the model file's CRC-32, and (when
-    `verify_all`: one data-parallel rank per shard) every file's; its identity must be of this
-    iteration and of the run of the first shard. Returns that identity (None: saved before identities)."""
+def _check_files(folder: str, shard: str, iteration: int | str, topo, verify_all: bool,
+                 pool: ThreadPoolExecutor) -> tuple[Optional[dict], list[Future]]:
+    """This shard's files against its manifest: their sizes now; the model file's CRC-32 and (when
+    `verify_all`: one data-parallel rank per shard) every file's on `pool` (the futures returned
+    raise a mismatch); its identity must be of this iteration and of the run of the first shard.
+    Returns that identity (None: saved before identities)."""
     manifest = read_manifest(shard)
     if manifest is None:
-        return None
+        return None, []
     ident = identity(manifest["run_id"], manifest["iteration"])
     where = os.path.join(shard, IDENTITY_FILE)
     if iteration != "release" and manifest["iteration"] != iteration:
@@ -301,9 +309,13 @@ def _check_files(folder: str, shard: str, iteration: int | str, topo, verify_all
                               f"{first['run_id']}: the shard was copied from another run; put back the shard saved "
                               f"with it, or load an earlier iteration")
     present = [n for n in (MODEL_FILE, DISTRIB_OPTIM_FILE) if os.path.exists(os.path.join(shard, n))]
+    crcs = []
     for name in sorted(set(manifest["files"]) | set(present)):
-        check_file(shard, name, manifest["files"].get(name), verify=verify_all or name == MODEL_FILE)
-    return ident
+        saved = manifest["files"].get(name)
+        check_file(shard, name, saved, verify=False)
+        if verify_all or name == MODEL_FILE:
+            crcs.append(pool.submit(check_crc, os.path.join(shard, name), saved["crc32"]))
+    return ident, crcs
 
 
 def _load_optimizer(state: dict, path: str, optimizer, ident: Optional[dict]) -> None:
