@@ -261,6 +261,12 @@ def test_another_models_optimizer_file_is_refused(data, tmp_path):
     refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--use-distributed-optimizer", "--load", one,
              "--save", one, "--train-iters", "2", "--data-cache-path", tmp_path / "cache"],
             fault_class="load", case="--load a checkpoint holding another model's distrib_optim.pt",
+            expect=[f"checkpoint file {one / optim} is not the file saved with this checkpoint",
+                    "put back the file saved with it"], watch=[one], allow_new=[tmp_path / "cache"])
+    (one / "iter_0000001" / "mp_rank_00" / "identity.json").unlink()      # saved before identities: the shapes
+    refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--use-distributed-optimizer", "--load", one,
+             "--save", one, "--train-iters", "2", "--data-cache-path", tmp_path / "cache"],
+            fault_class="load", case="the same, in a checkpoint saved before identities",
             expect=expect + ["--no-load-optim"], watch=[one], allow_new=[tmp_path / "cache"])
     refused(reshard(one, tmp_path / "out"), fault_class="load",
             case="checkpoint_util on a checkpoint holding another model's distrib_optim.pt",
