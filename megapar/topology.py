@@ -52,7 +52,6 @@ class Groups:
                                                     # run them on a background thread beside training's)
 
 
-CHECKPOINT_TIMEOUT = timedelta(minutes=30)
 
 
 @dataclass
@@ -141,10 +140,9 @@ class Topology:
                 group = dist.new_group(members, timeout=timeout)
                 if rank in members:
                     setattr(mine, kind, group)
-        # Checkpoint collectives wait for the slowest rank's writes (minutes at scale): never less than
-        # torch's 30-minute default, whatever a short --distributed-timeout-minutes says.
-        slow_io = max(timeout, CHECKPOINT_TIMEOUT) if timeout is not None else None
-        mine.ckpt = dist.new_group(list(range(self.world_size)), timeout=slow_io, backend="gloo")
+        # Checkpoint collectives (a save's agreement, an async save's writer) honour the same timeout: a
+        # rank frozen mid-save ends the job within --distributed-timeout-minutes, as during training.
+        mine.ckpt = dist.new_group(list(range(self.world_size)), timeout=timeout, backend="gloo")
         self.groups = mine
         return mine
 

@@ -184,3 +184,27 @@ def test_async_saves_that_overlap_wait_for_each_other(embedded_data, tmp_path):
     resumed = run_training(TINY_TRAIN + embedded_data + ["--train-iters", "5", "--load", ck,
                                                          "--use-checkpoint-opt_param-scheduler"], 2)
     assert resumed["iteration"] == 5
+
+
+def _frozen_rank_during_a_save(rank, world, root):
+    """Rank 1 freezes inside a save (a hung file system); rank 0's checkpoint collective must end
+    within the groups' timeout (--distributed-timeout-minutes), not torch's 30-minute default."""
+    import time
+    from datetime import timedelta
+    from megapar.checkpoint import staged_iteration
+    from megapar.topology import Topology
+    topo = Topology(tp=1, pp=1, dp=world)
+    groups = topo.create_groups(rank, timeout=timedelta(seconds=3))
+    start = time.monotonic()
+    try:
+        with staged_iteration(root, 1, rank, groups.ckpt):
+            if rank == 1:
+                time.sleep(15)
+    except Exception as e:   # rank 0: the timeout; rank 1: its peer gone
+        return time.monotonic() - start, type(e).__name__
+    return time.monotonic() - start, None
+
+
+def test_a_rank_frozen_during_a_save_ends_within_the_timeout(tmp_path):
+    (waited, error), _ = run_distributed(_frozen_rank_during_a_save, 2, args=(str(tmp_path / "ck"),))
+    assert error is not None and waited < 12, (waited, error)

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from megapar.checkpoint.common import IDENTITY_FILE
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from train_helpers import run_training  # noqa: E402
@@ -74,14 +76,16 @@ def _tensors(obj, prefix=""):
 
 def _checkpoint_contents(root: str) -> dict:
     """Every file of the saved iteration, loaded and flattened (the `args` namespace aside: its
-    Megatron fields are compared separately, rng states are machine-dependent and skipped)."""
+    Megatron fields are compared separately; rng states are machine-dependent and the identity
+    (run id, checksums) run-dependent: skipped)."""
     out = {}
     it_dir = os.path.join(root, "iter_0000004")
     for shard in sorted(os.listdir(it_dir)):
-        for name in sorted(os.listdir(os.path.join(it_dir, shard))):
+        for name in sorted(set(os.listdir(os.path.join(it_dir, shard))) - {IDENTITY_FILE}):
             state = torch.load(os.path.join(it_dir, shard, name), map_location="cpu", weights_only=False)
             args = state.pop("args", None)
             state.pop("rng_state", None)
+            state.pop("identity", None)
             for k, v in _tensors(state).items():
                 out[f"{shard}/{name}/{k}"] = v
             if args is not None:

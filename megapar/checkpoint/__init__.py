@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from . import legacy
 from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, SHAPE_FIELDS, TRACKER, CheckpointError,
-                     SavedConfig, atomic_torch_save, check_compatible, check_load_dir, flatten_model_state,
-                     flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, nest_model_state,
-                     nest_model_states, read_saved_config, read_tracker, restore_scheduler, saved_layout_flags,
-                     set_rng_state, shard_dir_name)
+                     SavedConfig, atomic_torch_save, check_compatible, check_load_dir, check_tracked_iteration,
+                     flatten_model_state, flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file,
+                     nest_model_state, nest_model_states, read_saved_config, read_tracker, restore_scheduler,
+                     saved_layout_flags, set_rng_state, shard_dir_name)
 from .common import OPTIM_KINDS, parse_shard_dir, shard_dirs
 from .legacy import load_model_state
 from .guard import SaveDirLock, check_finetune_dirs, check_save_space
@@ -45,30 +45,36 @@ def __getattr__(name: str) -> Any:
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args, model_config, topo, rank: int,
                     save_optim: bool = True, save_rng: bool = True, fmt: str = "torch",
-                    saves: Optional[AsyncSaves] = None, sharded=None) -> None:
+                    saves: Optional[AsyncSaves] = None, sharded=None, run_id: Optional[str] = None) -> None:
     """Collective: save in format `fmt` ("torch": legacy, "torch_dist"); `saves`: write in the
     background (torch_dist only); `sharded`: the ZeRO-3 parameter store (ShardedParams) holding the
-    model's layer weights, None without ZeRO-3."""
+    model's layer weights, None without ZeRO-3; `run_id`: the run's identity, written into every file
+    (the same on every rank)."""
     from . import dist
     if fmt == "torch_dist":
         dist.save_checkpoint(root, iteration, model, optimizer, scheduler, args, model_config, topo, rank,
-                             save_optim, save_rng, saves, sharded)
+                             save_optim, save_rng, saves, sharded, run_id)
     elif fmt == "torch" and saves is None:
         legacy.save_checkpoint(root, iteration, model, optimizer, scheduler, args, model_config, topo, rank,
-                               save_optim, save_rng, sharded)
+                               save_optim, save_rng, sharded, run_id)
     else:
         raise ValueError(f"checkpoint format {fmt!r} (async: {saves is not None}) is not one of {FORMATS}")
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, model_config, topo, rank: int, load_optim: bool = True,
-                    load_rng: bool = True, finetune: bool = False, sharded=None) -> tuple[int, int]:
-    """Collective: load the tracker's iteration of `root`, whichever format it was saved in.
-    Returns (iteration, consumed_train_samples); (0, 0) when `root` holds no checkpoint yet.
-    `sharded`: as for save_checkpoint."""
+                    load_rng: bool = True, finetune: bool = False, sharded=None,
+                    found: Optional[dict] = None) -> tuple[int, int]:
+    """Collective: load the tracker's iteration of `root`, whichever format it was saved in, every
+    file checked against the identity and checksums saved with it. Returns (iteration,
+    consumed_train_samples); (0, 0) when `root` holds no checkpoint yet. `sharded`: as for
+    save_checkpoint; `found`, if given, receives the checkpoint's {"run_id"} (none for a checkpoint
+    saved before identities)."""
     from . import dist
     iteration = read_tracker(root)
-    if iteration is not None and dist.is_dist_checkpoint(iter_dir(root, iteration)):
+    if iteration is not None:
+        check_tracked_iteration(root, iteration, published_dir(root, iteration))
+    if iteration is not None and dist.is_dist_checkpoint(published_dir(root, iteration)):
         return dist.load_checkpoint(root, model, optimizer, scheduler, model_config, topo, rank, load_optim,
-                                    load_rng, finetune, sharded)
+                                    load_rng, finetune, sharded, found)
     return legacy.load_checkpoint(root, model, optimizer, scheduler, model_config, topo, rank, load_optim,
-                                  load_rng, finetune, sharded)
+                                  load_rng, finetune, sharded, found)

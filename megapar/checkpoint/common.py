@@ -8,9 +8,12 @@ Megatron's files, RNG state, and the checks a load makes against the run that lo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
+import secrets
+import zlib
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -102,6 +105,102 @@ def read_tracker(root: str) -> Optional[int | str]:
     if not text.isdigit():
         raise CheckpointError(f"{path} should hold an iteration number or 'release', found {text[:40]!r}")
     return int(text)
+
+
+# ---- identity: whose files these are ------------------------------------------------------------
+# Every checkpoint file carries its identity -- the run id (drawn at a run's first save, kept across
+# resumes) and the iteration -- and a manifest beside the files (a legacy shard's identity.json, a
+# torch_dist iteration's common.pt) holds the identity and each file's size and CRC-32, computed
+# while the file is written. A load checks every file against it before using it: a file of another
+# run or iteration, a truncated one and flipped bytes are refused, naming the file. Checkpoints saved
+# before identities load unchecked.
+IDENTITY_FILE = "identity.json"
+_CHUNK_BYTES = 16 * 2**20
+
+
+def new_run_id() -> str:
+    return secrets.token_hex(8)
+
+
+def identity(run_id: Optional[str], iteration: int | str) -> dict:
+    return {"run_id": run_id, "iteration": iteration}
+
+
+def file_checksum(path: str) -> tuple[int, int]:
+    """(bytes, CRC-32) of the file at `path`, read in chunks (zlib releases the GIL on each)."""
+    n, crc = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK_BYTES)
+        view = memoryview(buf)
+        while True:
+            got = f.readinto(buf)
+            if not got:
+                return n, crc
+            n, crc = n + got, zlib.crc32(view[:got], crc)
+
+
+def write_manifest(folder: str, ident: dict, files: dict[str, tuple[int, int]]) -> None:
+    """`folder`/identity.json: the identity of the files written there and each one's (bytes, CRC-32)."""
+    record = {**ident, "files": {name: {"bytes": n, "crc32": crc} for name, (n, crc) in files.items()}}
+    with atomic_write(os.path.join(folder, IDENTITY_FILE), "w") as f:
+        f.write(json.dumps(record, indent=1))
+
+
+def read_manifest(folder: str) -> Optional[dict]:
+    """`folder`'s identity.json, or None for a checkpoint saved before identities."""
+    path = os.path.join(folder, IDENTITY_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        assert isinstance(record.get("files"), dict) and "run_id" in record and "iteration" in record
+        return record
+    except (OSError, ValueError, AssertionError, AttributeError):
+        raise CheckpointError(f"checkpoint file {path} is corrupt (it should hold the identity and checksums of "
+                              f"the files beside it); load an earlier iteration") from None
+
+
+def check_file(folder: str, name: str, saved: Optional[dict], verify: bool = True) -> None:
+    """The file `name` of `folder` is the one the manifest entry `saved` ({bytes, crc32}) describes:
+    its size always, its CRC-32 when `verify` (a pass over its bytes)."""
+    path = os.path.join(folder, name)
+    if saved is None:
+        raise CheckpointError(f"checkpoint file {path} is not one of the files saved with this checkpoint; remove "
+                              f"it, or load an earlier iteration")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete: load an earlier "
+                              f"iteration")
+    size = os.path.getsize(path)
+    if size < saved["bytes"]:
+        raise CheckpointError(f"checkpoint file {path} is truncated ({size} of {saved['bytes']} bytes); the "
+                              f"checkpoint is incomplete: load an earlier iteration")
+    if size != saved["bytes"]:
+        raise CheckpointError(f"checkpoint file {path} is not the file saved with this checkpoint ({size} bytes, "
+                              f"saved: {saved['bytes']}; truncated, or copied from another checkpoint); put back "
+                              f"the file saved with it, or load an earlier iteration")
+    if verify:
+        check_crc(path, saved["crc32"])
+
+
+def check_crc(path: str, crc32: int) -> None:
+    """The file's CRC-32 is the one saved with it (a pass over its bytes; callers run it beside the
+    read that needs the file, on a thread: zlib releases the GIL)."""
+    if file_checksum(path)[1] != crc32:
+        raise CheckpointError(f"checkpoint file {path} is corrupt or not the file saved with this checkpoint (its "
+                              f"CRC-32 differs from the one saved with it); put back the file saved with it, or "
+                              f"load an earlier iteration")
+
+
+def check_identity(path: str, found: Optional[dict], expected: dict) -> None:
+    """A loaded file's own identity (`found`) must be the checkpoint's (`expected`)."""
+    if found == expected:
+        return
+    whose = (f"run {found.get('run_id')}, iteration {found.get('iteration')}" if isinstance(found, dict)
+             else "a checkpoint without identities")
+    raise CheckpointError(f"checkpoint file {path} belongs to another checkpoint ({whose}; this one: run "
+                          f"{expected['run_id']}, iteration {expected['iteration']}); put back the file saved "
+                          f"with it, or load an earlier iteration")
 
 
 # ---- what a checkpoint says about its run --------------------------------------------------------
@@ -216,8 +315,15 @@ def same_dir(a: str, b: str) -> bool:
 
 def check_load_dir(load: Optional[str], save: Optional[str]) -> None:
     """Before any work: `--load` must name a checkpoint directory, unless it is also `--save`
-    (the first run of a resumable job, which starts from scratch). Raises ConfigError."""
-    if not load or (save and same_dir(load, save)):
+    (the first run of a resumable job, which starts from scratch -- never over saved iterations
+    that lost their tracker). Raises ConfigError."""
+    if not load:
+        return
+    if os.path.isdir(load) and not os.path.isfile(os.path.join(load, TRACKER)):
+        line = untracked_line(load, "--load")
+        if line:
+            raise ConfigError(line)
+    if save and same_dir(load, save):
         return
     fix = (f"give the directory a run saved into (the one holding {TRACKER}), the same directory as --save "
            f"for a job that resumes itself, or drop --load to start from scratch")
@@ -226,7 +332,46 @@ def check_load_dir(load: Optional[str], save: Optional[str]) -> None:
     if not os.path.isdir(load):
         raise ConfigError(f"--load {load} is not a directory; {fix}")
     if not os.path.isfile(os.path.join(load, TRACKER)):
+        if os.path.isfile(os.path.join(load, "config.json")):
+            raise ConfigError(f"--load {load} is a Hugging Face model folder, not a megapar checkpoint; convert it "
+                              f"first: python tools/convert_from_hf.py --load-dir {load} --save-dir <ckpt>, then "
+                              f"--load <ckpt> (with --finetune to start a new run from it)")
         raise ConfigError(f"--load {load} holds no checkpoint (no {TRACKER}); {fix}")
+
+
+_SAVED = re.compile(r"^(iter_(\d{7})|release)(\.old)?$")
+
+
+def saved_iterations(root: str) -> list[str]:
+    """The published iteration folders of `root` (iter_NNNNNNN, release, and copies a re-save set
+    aside), sorted; staging folders (.partial) are not saved iterations."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(n for n in names if _SAVED.match(n) and os.path.isdir(os.path.join(root, n)))
+
+
+def untracked_line(root: str, what: str) -> Optional[str]:
+    """The refusal for a checkpoint directory that holds saved iterations but no tracker (a resume
+    would otherwise start from scratch over them), or None when it holds none."""
+    saved = saved_iterations(root)
+    if not saved:
+        return None
+    numbers = [int(m.group(2)) for m in map(_SAVED.match, saved) if m.group(2)]
+    latest = str(max(numbers)) if numbers else "release"
+    shown = ", ".join(saved[-3:]) + (f" ({len(saved)} in all)" if len(saved) > 3 else "")
+    return (f"{what} {root} holds saved iterations ({shown}) but no {TRACKER}, so a resume would start from "
+            f"scratch over them; name the one to resume from (echo {latest} > {os.path.join(root, TRACKER)}), "
+            f"or give a new directory")
+
+
+def check_tracked_iteration(root: str, iteration: int | str, published: str) -> None:
+    """The tracker's iteration must have its folder (`published`); else name the saved ones."""
+    if os.path.isdir(published):
+        return
+    saved = [n for n in saved_iterations(root) if not n.endswith(".old")]
+    others = f"saved iterations: {', '.join(saved[-3:])}" if saved else "no iteration folder is there"
+    raise CheckpointError(f"{os.path.join(root, TRACKER)} names iteration {iteration}, but {published} is missing "
+                          f"({others}); write the iteration to resume from into {TRACKER}, or load another "
+                          f"checkpoint")
 
 
 def loaded_line(root: str, iteration: int | str, finetune: bool) -> str:

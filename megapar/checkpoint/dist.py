@@ -28,7 +28,9 @@ import contextlib
 import logging
 import os
 import threading
+import traceback
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Optional
 
@@ -47,8 +49,9 @@ from ..config.arguments import ModelConfig
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from ..pinned import host_buffer
 from .layout import HEAD, WORD, canonical_key, chunk_layout
-from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_same_model, get_rng_state, load_file,
-                     loaded_line, read_saved_config, read_tracker, restore_scheduler, set_rng_state)
+from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_crc, check_file, check_same_model,
+                     file_checksum, get_rng_state, identity, load_file, loaded_line, read_saved_config, read_tracker,
+                     restore_scheduler, set_rng_state)
 from .publish import published_dir, staged_iteration
 from .stream import exact_storage
 
@@ -57,8 +60,11 @@ FORMAT = "torch_dist"
 
 
 def is_dist_checkpoint(folder: str) -> bool:
-    """Is the iteration folder `folder` a torch_dist checkpoint (else: the legacy layout)?"""
-    return os.path.isfile(os.path.join(folder, COMMON_FILE))
+    """Is the iteration folder `folder` a torch_dist checkpoint (else: the legacy layout)? Any of its
+    files says so (common.pt, DCP's .metadata or a .distcp data file), so a torch_dist folder that
+    lost one of them is reported as an incomplete torch_dist checkpoint, not as a legacy one."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return any(n in (COMMON_FILE, ".metadata") or n.endswith(".distcp") for n in names)
 
 
 # ---- a rank's pieces of the global tensors -------------------------------------------------------
@@ -319,12 +325,38 @@ def save_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
     (None: this process alone), in up to WRITE_THREADS files per rank written by as many threads.
     Each file is synced before DCP writes its .metadata."""
     writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=WRITE_THREADS)
-    with _quiet(process_group):
+    with _quiet(process_group), _writer_thread_errors() as thread_errors:
         try:
             dcp.save({}, storage_writer=writer, planner=_SavePlanner(entries),
                      process_group=process_group, no_dist=process_group is None)
         except DCPException as e:   # a BaseException: hand the rank's own error (ENOSPC, ...) to the publisher
-            raise _cause(e) from None
+            cause = _cause(e)
+            raise cause if isinstance(cause, Exception) else RuntimeError(str(cause)) from None
+    if thread_errors:               # a file of DCP's extra writer threads failed: the save is incomplete
+        raise thread_errors[0]
+
+
+@contextlib.contextmanager
+def _writer_thread_errors() -> Iterator[list[BaseException]]:
+    """The errors of DCP's extra writer threads (they write files beside the calling thread and
+    end on an uncaught exception: Python would print its traceback, and DCP would go on to write an
+    index of an incomplete save). Collected here instead; other threads' errors go to the hook
+    they had."""
+    errors: list[BaseException] = []
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        frames = traceback.extract_tb(args.exc_traceback) if args.exc_traceback else []
+        if any(f.name == "_write_files_from_queue" for f in frames) and args.exc_value is not None:
+            errors.append(args.exc_value)
+        else:
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield errors
+    finally:
+        threading.excepthook = previous
 
 
 @contextlib.contextmanager
@@ -334,16 +366,23 @@ def _quiet(process_group) -> Iterator[None]:
     from torch.distributed.checkpoint import logger as dcp_logging
     log = getattr(dcp_logging, "_dcp_logger", None)
     level = log.level if log is not None else None
+    root = logging.getLogger()      # DCP's loader logs its fallbacks, with tracebacks, on the root logger
     with warnings.catch_warnings():
         if process_group is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         if log is not None:
             log.setLevel(logging.CRITICAL)
+        root.addFilter(_not_dcp)
         try:
             yield
         finally:
+            root.removeFilter(_not_dcp)
             if log is not None:
                 log.setLevel(level)
+
+
+def _not_dcp(record: logging.LogRecord) -> bool:
+    return "distributed/checkpoint" not in record.pathname.replace(os.sep, "/")
 
 
 def load_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
@@ -361,32 +400,72 @@ def load_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
         if isinstance(cause, CheckpointError):
             raise cause from None
         lines = [line for line in str(cause).strip().splitlines() if line.strip()]
-        raise CheckpointError(f"torch_dist checkpoint {folder} could not be read ({type(cause).__name__}: "
-                              f"{lines[-1] if lines else ''}); it is incomplete or corrupt: load an earlier "
+        why = f"{type(cause).__name__}: {lines[-1][:200] if lines else ''}"
+        bad = damaged_file(folder)
+        what = bad or f"checkpoint {folder} could not be read ({why})"
+        raise CheckpointError(f"torch_dist {what}; the checkpoint is incomplete or corrupt: load an earlier "
                               f"iteration") from None
 
 
+def damaged_file(folder: str) -> Optional[str]:
+    """What is wrong with the first damaged file of the torch_dist checkpoint in `folder` -- "file
+    PATH is missing", "... is truncated (N of M bytes)", or its index unreadable -- or None when
+    every file is there at the size its .metadata says."""
+    meta = os.path.join(folder, ".metadata")
+    if not os.path.isfile(meta):
+        return f"file {meta} is missing"
+    try:
+        storage = dcp.FileSystemReader(folder).read_metadata().storage_data or {}
+    except Exception as e:  # truncated or not DCP's
+        return f"file {meta} could not be read ({type(e).__name__})"
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name in sorted(need):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"file {path} is missing"
+        if os.path.getsize(path) < need[name]:
+            return f"file {path} is truncated ({os.path.getsize(path)} of {need[name]} bytes)"
+    return None
+
+
 def _cause(e: BaseException) -> BaseException:
-    """The underlying error of a DCP failure (DCP wraps each rank's exception in CheckpointException)."""
+    """The underlying error of a DCP failure. DCP wraps each rank's failure in CheckpointException:
+    {rank: (exception, its frames)} (torch 2.4+), or {rank: exception} (older)."""
     failures = getattr(e, "failures", None)
-    return next(iter(failures.values())) if failures else e
+    if not failures:
+        return e
+    first = next(iter(failures.values()))
+    return first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) else first
 
 
 def _write(root: str, iteration: int, entries: dict[str, Entry], common: dict, group, rank: int,
            announce: bool = False) -> None:
-    """Collective over `group`: every rank's chunks into the staging folder, published by rank 0
-    (folder, then tracker) once every rank's files are complete and synced (publish.py)."""
+    """Collective over `group`: every rank's chunks into the staging folder, then common.pt (rank 0)
+    with each file's size and CRC-32 (every rank sums its own files); published by rank 0 (folder,
+    then tracker) once every rank's files are complete and synced (publish.py)."""
     with staged_iteration(root, iteration, rank, group) as staging:
+        error, sums = None, {}
+        try:
+            save_entries(entries, staging, group)
+            sums = _own_files(staging, dist.get_rank(group))
+        except Exception as e:  # raised after the gather below, which every rank must join
+            error = e
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, sums, group=group)
+        if error is not None:
+            raise error
         if rank == 0:
-            atomic_torch_save(common, os.path.join(staging, COMMON_FILE))
-        save_entries(entries, staging, group)
+            files = {name: n_crc for mine in every for name, n_crc in mine.items()}
+            atomic_torch_save({**common, "files": files}, os.path.join(staging, COMMON_FILE))
     if rank == 0 and announce:
         print(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} (in the background)", flush=True)
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
                     model_config: ModelConfig, topo, rank: int, save_optim: bool = True, save_rng: bool = True,
-                    saves: Optional["AsyncSaves"] = None, sharded=None) -> None:
+                    saves: Optional["AsyncSaves"] = None, sharded=None, run_id: Optional[str] = None) -> None:
     """Collective: every rank writes what it owns. With `saves` (--async-save) the state is copied to
     host memory and written in the background; the call returns once the copy is made. `sharded`:
     the ZeRO-3 ShardedParams holding the layers' weights."""
@@ -401,6 +480,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     layout = {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "virtual": model_config.virtual_pipeline_model_parallel_size}
     common = common_record(args, model_config, iteration, layout, scheduler.state_dict() if scheduler else None,
                            optim, _gather_rng(group, save_rng))
+    common["identity"] = identity(run_id, iteration)
     if saves is None:
         _write(root, iteration, entries, common, group, rank)
     else:
@@ -478,13 +558,61 @@ class AsyncSaves:
             e, self.error = self.error, None
             if isinstance(e, CheckpointError):
                 raise e
-            raise CheckpointError(f"the background checkpoint save failed ({type(e).__name__}: {e}); the previous "
-                                  f"checkpoint is intact") from e
+            raise CheckpointError(f"the background checkpoint save failed ({type(e).__name__}: {e})") from e
+
+
+def _own_files(folder: str, group_rank: int) -> dict[str, tuple[int, int]]:
+    """(bytes, CRC-32) of the files this rank wrote into `folder`: DCP's __{rank}_{i}.distcp, and
+    its .metadata on the coordinator (group rank 0). Read back once they are synced."""
+    names = [n for n in os.listdir(folder) if n.startswith(f"__{group_rank}_") and n.endswith(".distcp")]
+    names = sorted(names + ([".metadata"] if group_rank == 0 else []))
+    with ThreadPoolExecutor(max_workers=WRITE_THREADS) as pool:      # zlib releases the GIL: one pass per core
+        return dict(zip(names, pool.map(file_checksum, [os.path.join(folder, n) for n in names])))
+
+
+def check_files(folder: str, common: dict, iteration, group, rank: int) -> None:
+    """Collective over `group`: every file of the torch_dist checkpoint in `folder` is the one saved
+    with its common.pt -- the identity of this iteration, each file's size (every rank), each file's
+    CRC-32 (the files split among the ranks: one pass over each) -- or every rank raises the first
+    problem's line. Checkpoints saved before identities are not checked."""
+    ident, files = common.get("identity"), common.get("files")
+    if ident is None or files is None:
+        return
+    path = os.path.join(folder, COMMON_FILE)
+    line = None
+    world, me = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
+    try:
+        if iteration != "release" and (ident["iteration"], common["iteration"]) != (iteration, iteration):
+            raise CheckpointError(f"checkpoint file {path} is of iteration {ident['iteration']}, its folder of "
+                                  f"{iteration}: it was copied from another iteration; put back the file saved "
+                                  f"with it, or load an earlier iteration")
+        present = {n for n in os.listdir(folder) if n == ".metadata" or n.endswith(".distcp")}
+        mine = []
+        for i, name in enumerate(sorted(set(files) | present)):
+            saved = files.get(name)
+            check_file(folder, name, None if saved is None else {"bytes": saved[0], "crc32": saved[1]}, verify=False)
+            if i % world == me:
+                mine.append((os.path.join(folder, name), saved[1]))
+        with ThreadPoolExecutor(max_workers=WRITE_THREADS) as pool:
+            for done in [pool.submit(check_crc, path, crc) for path, crc in mine]:
+                done.result()
+    except CheckpointError as e:
+        line = str(e)
+    lines = [line]
+    if world > 1:
+        lines = [None] * world
+        dist.all_gather_object(lines, line, group=group)
+    first = next((x for x in lines if x is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
 
 
 # ---- load ---------------------------------------------------------------------------------------
 def read_common(folder: str) -> dict:
     path = os.path.join(folder, COMMON_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"torch_dist checkpoint file {path} is missing; the checkpoint is incomplete: "
+                              f"load an earlier iteration")
     common = load_file(path)
     if common.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a megapar torch_dist record (format={common.get('format')!r})")
@@ -493,9 +621,10 @@ def read_common(folder: str) -> dict:
 
 def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelConfig, topo, rank: int,
                     load_optim: bool = True, load_rng: bool = True, finetune: bool = False,
-                    sharded=None) -> tuple[int, int]:
-    """Collective: every rank reads what it owns at this run's layout, whatever the saved layout.
-    Returns (iteration, consumed_train_samples); (0, 0) with `finetune`. `sharded`: as for a save."""
+                    sharded=None, found: Optional[dict] = None) -> tuple[int, int]:
+    """Collective: every rank reads what it owns at this run's layout, whatever the saved layout,
+    once every file is checked against common.pt (check_files). Returns (iteration,
+    consumed_train_samples); (0, 0) with `finetune`. `sharded`: as for a save; `found`: as legacy's."""
     iteration = read_tracker(root)
     folder = published_dir(root, iteration)
     common = read_common(folder)
@@ -507,7 +636,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
                               f"load it with --no-load-optim or --finetune")
     entries = StateMap(model, optimizer, model_config, topo, rank, sharded).entries(for_save=False,
                                                                                     with_optim=restore_optim)
+    check_files(folder, common, iteration, topo.groups.ckpt, rank)
     load_entries(entries, folder, topo.groups.ckpt)
+    if found is not None and common.get("identity") is not None:
+        found["run_id"] = common["identity"]["run_id"]
     if restore_optim:
         optimizer.finish_load(int(common["optimizer"]["step"]), common["optimizer"]["grad_scaler"])
         if scheduler is not None and common["opt_param_scheduler"] is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict
 from typing import Iterator, Optional
@@ -35,7 +36,8 @@ from ..config.arguments import ModelConfig
 from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, OPTIM_KINDS, CheckpointError, check_compatible,
                      flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, loaded_line,
                      nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
-                     shard_dir_name, shard_dirs)
+                     shard_dir_name, shard_dirs, untracked_line, identity,
+                     write_manifest, read_manifest, check_crc, check_file, check_identity, IDENTITY_FILE)
 from .stream import LazyTensor, StreamingSaver
 from .publish import published_dir, staged_iteration
 
@@ -43,12 +45,14 @@ from .publish import published_dir, staged_iteration
 # ---- what a shard's files hold -----------------------------------------------------------------
 def shard_objects(*, args: argparse.Namespace, model_config: ModelConfig, iteration: int | str, model: dict,
                   optim_state: Optional[dict], optim_meta: Optional[dict], distributed: bool,
-                  scheduler: Optional[dict], rng_state: Optional[list]) -> tuple[dict, Optional[dict]]:
+                  scheduler: Optional[dict], rng_state: Optional[list],
+                  ident: Optional[dict] = None) -> tuple[dict, Optional[dict]]:
     """The dicts of one shard's files: model_optim_rng.pt's, and distrib_optim.pt's for a distributed
     (ZeRO) optimizer (else None). `model`: the stage's flat state dict (keys as GPT2Model's, or
     model{j}. for model chunks), nested here; `optim_state`: {name: {kind: tensor}} with
     `optim_meta` {"step", "grad_scaler", "param_groups"}, or None to save no optimizer state;
-    tensors may be LazyTensor placeholders (StreamingSaver writes them in dict order)."""
+    tensors may be LazyTensor placeholders (StreamingSaver writes them in dict order); `ident`: the
+    checkpoint's identity (common.py), stored in each file."""
     obj = {"args": args, "model_config": asdict(model_config), "checkpoint_version": CHECKPOINT_VERSION,
            "iteration": iteration, **nest_model_states(model)}
     dist_obj = None
@@ -64,6 +68,10 @@ def shard_objects(*, args: argparse.Namespace, model_config: ModelConfig, iterat
         obj["opt_param_scheduler"] = scheduler
     if rng_state is not None:
         obj["rng_state"] = rng_state
+    if ident is not None:
+        obj["identity"] = ident
+        if dist_obj is not None:
+            dist_obj["identity"] = ident
     return obj, dist_obj
 
 
@@ -82,8 +90,9 @@ def feed(saver: StreamingSaver, stream: Iterator[tuple]) -> None:
 # ---- save ---------------------------------------------------------------------------------------
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
                     model_config: ModelConfig, topo, rank: int, save_optim: bool = True,
-                    save_rng: bool = True, sharded=None) -> None:
-    """Collective: every rank calls it. `args` is stored as the checkpoint's `args` (it must
+                    save_rng: bool = True, sharded=None, run_id: Optional[str] = None) -> None:
+    """Collective: every rank calls it. `run_id`: the run's identity (common.py), stored in every file.
+    `args` is stored as the checkpoint's `args` (it must
     carry consumed_train_samples), `model_config` as its `model_config` (vocabulary sizes set).
     Data-parallel rank 0 of each (tp, pp) position writes that shard, streamed (module docstring);
     the other dp ranks take part in the gathers of ZeRO-3 layers and ZeRO optimizer state. Written
@@ -91,11 +100,12 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     write raises one CheckpointError on every rank."""
     with staged_iteration(root, iteration, rank) as staging:
         _stream_shard(staging, iteration, model, optimizer, scheduler, args, model_config, topo, rank, save_optim,
-                      save_rng, sharded)
+                      save_rng, sharded, identity(run_id, iteration))
 
 
 def _stream_shard(staging: str, iteration: int, model, optimizer, scheduler, args: argparse.Namespace,
-                  model_config: ModelConfig, topo, rank: int, save_optim: bool, save_rng: bool, sharded) -> None:
+                  model_config: ModelConfig, topo, rank: int, save_optim: bool, save_rng: bool, sharded,
+                  ident: dict) -> None:
     """This rank's part of the save into `staging`: dp rank 0 writes the shard's files, the other
     dp ranks feed the collectives of its streams."""
     c = topo.coord(rank)
@@ -112,24 +122,28 @@ def _stream_shard(staging: str, iteration: int, model, optimizer, scheduler, arg
             args=args, model_config=model_config, iteration=iteration, model=model_ph, optim_state=optim_ph,
             optim_meta=optim_meta, distributed=with_optim and optimizer.is_distributed,
             scheduler=scheduler.state_dict() if scheduler is not None else None,
-            rng_state=[get_rng_state()] if save_rng else None)
+            rng_state=[get_rng_state()] if save_rng else None, ident=ident)
         _write_shard(os.path.join(staging, shard_dir_name(c.tp, c.pp, topo.pp)), obj, dist_obj, model_stream,
-                     optim_stream)
+                     optim_stream, ident)
     else:
         for _ in itertools.chain(model_stream, optim_stream):   # the collectives of the writer's streams
             pass
 
 
-def _write_shard(shard: str, obj: dict, dist_obj: Optional[dict], model_stream: Iterator, optim_stream: Iterator):
+def _write_shard(shard: str, obj: dict, dist_obj: Optional[dict], model_stream: Iterator, optim_stream: Iterator,
+                 ident: dict) -> None:
     """The shard's files from their placeholder dicts: the model file takes the model's tensors
-    (and the optimizer's, unless distrib_optim.pt does)."""
+    (and the optimizer's, unless distrib_optim.pt does); then their manifest (identity.json)."""
     os.makedirs(shard, exist_ok=True)
     files = [(MODEL_FILE, obj, model_stream if dist_obj is not None else itertools.chain(model_stream, optim_stream))]
     if dist_obj is not None:
         files.append((DISTRIB_OPTIM_FILE, dist_obj, optim_stream))
+    sums = {}
     for name, o, stream in files:
         with StreamingSaver(os.path.join(shard, name), o) as saver:
             feed(saver, stream)
+        sums[name] = saver.checksum
+    write_manifest(shard, ident, sums)
 
 
 def model_tensors(model, sharded=None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -223,14 +237,19 @@ def _state_mismatch(state: dict, expected: dict[str, tuple[int, ...]]) -> Option
 
 def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelConfig, topo, rank: int,
                     load_optim: bool = True, load_rng: bool = True, finetune: bool = False,
-                    sharded=None) -> tuple[int, int]:
-    """Load this rank's shard. Returns (iteration, consumed_train_samples); (0, 0) when `root`
+                    sharded=None, found: Optional[dict] = None) -> tuple[int, int]:
+    """Load this rank's shard, its files checked against their manifest (common.py's identity;
+    `found`, if given, receives the checkpoint's {"run_id"}). Returns (iteration,
+    consumed_train_samples); (0, 0) when `root`
     holds no checkpoint yet (the first run of a job whose --load is its --save: a note is printed,
     training starts from scratch; check_load_dir refuses a --load that names nothing otherwise).
     The optimizer state (full over dp in distrib_optim.pt) is memory-mapped: each rank reads only
     the parts it takes."""
     iteration = read_tracker(root)
     if iteration is None:
+        untracked = untracked_line(root, "checkpoint directory")
+        if untracked:
+            raise CheckpointError(untracked)
         if rank == 0:
             print(f"> no checkpoint in {root} yet: starting from scratch", flush=True)
         return 0, 0
@@ -242,11 +261,21 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
     path = os.path.join(shard, MODEL_FILE)
     if not os.path.isfile(path):
         _explain_missing_shard(root, iteration, path, topo, model_config)
-    state = read_shard(path)
+    with ThreadPoolExecutor(max_workers=2) as pool:     # the files' CRC-32s are computed while the shard is read
+        ident, crcs = _check_files(folder, shard, iteration, topo, c.dp == 0, pool)
+        try:
+            state = read_shard(path)
+        finally:
+            for done in crcs:
+                done.result()                            # a changed file is named as such, not as unreadable
+    if ident is not None:
+        check_identity(path, state.get("identity"), ident)
+        if found is not None:
+            found["run_id"] = ident["run_id"]
     check_compatible(read_saved_config(state, path), model_config, topo, path)
     load_model_state(model, flatten_model_states(state), path, sharded)
     if load_optim and not finetune and optimizer is not None:
-        _load_optimizer(state, path, optimizer)
+        _load_optimizer(state, path, optimizer, ident)
         if scheduler is not None and "opt_param_scheduler" in state:
             restore_scheduler(scheduler, state["opt_param_scheduler"], path, rank)
     if load_rng and not finetune and "rng_state" in state:
@@ -259,12 +288,44 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
     return it, int(getattr(state["args"], "consumed_train_samples", 0))
 
 
-def _load_optimizer(state: dict, path: str, optimizer) -> None:
+def _check_files(folder: str, shard: str, iteration: int | str, topo, verify_all: bool,
+                 pool: ThreadPoolExecutor) -> tuple[Optional[dict], list[Future]]:
+    """This shard's files against its manifest: their sizes now; the model file's CRC-32 and (when
+    `verify_all`: one data-parallel rank per shard) every file's on `pool` (the futures returned
+    raise a mismatch); its identity must be of this iteration and of the run of the first shard.
+    Returns that identity (None: saved before identities)."""
+    manifest = read_manifest(shard)
+    if manifest is None:
+        return None, []
+    ident = identity(manifest["run_id"], manifest["iteration"])
+    where = os.path.join(shard, IDENTITY_FILE)
+    if iteration != "release" and manifest["iteration"] != iteration:
+        raise CheckpointError(f"checkpoint file {where} is of iteration {manifest['iteration']}, its folder of "
+                              f"{iteration}: the shard was copied from another iteration; put back the shard saved "
+                              f"with it, or load an earlier iteration")
+    first = read_manifest(os.path.join(folder, shard_dir_name(0, 0, topo.pp)))
+    if first is not None and first["run_id"] != manifest["run_id"]:
+        raise CheckpointError(f"checkpoint file {where} is of run {manifest['run_id']}, the first shard's of run "
+                              f"{first['run_id']}: the shard was copied from another run; put back the shard saved "
+                              f"with it, or load an earlier iteration")
+    present = [n for n in (MODEL_FILE, DISTRIB_OPTIM_FILE) if os.path.exists(os.path.join(shard, n))]
+    crcs = []
+    for name in sorted(set(manifest["files"]) | set(present)):
+        saved = manifest["files"].get(name)
+        check_file(shard, name, saved, verify=False)
+        if verify_all or name == MODEL_FILE:
+            crcs.append(pool.submit(check_crc, os.path.join(shard, name), saved["crc32"]))
+    return ident, crcs
+
+
+def _load_optimizer(state: dict, path: str, optimizer, ident: Optional[dict]) -> None:
     found = read_optimizer_state(state, path, mmap=True)
     if found is None:
         raise CheckpointError(f"checkpoint {path} has no optimizer state (saved with --no-save-optim); "
                               f"load it with --no-load-optim or --finetune")
     saved, where = found
+    if ident is not None and where != path:
+        check_identity(where, saved.get("identity"), ident)
     check_optimizer_state(saved, dict(optimizer.saved_shapes()), where,
                           "it does not belong to this checkpoint: load an earlier iteration, or pass "
                           "--no-load-optim to load the weights alone")

@@ -23,7 +23,7 @@ anything they did not write:
 * An existing non-empty `--save-dir` is replaced (with `--force`) only when it is recognisably a
   previous output of the same tool (`recognise`):
     megapar checkpoint  latest_checkpointed_iteration.txt + iter_NNNNNNN/ or release/ folders, each
-                        holding only mp_rank_XX[_YYY]/ folders of model_optim_rng.pt / distrib_optim.pt
+                        holding only mp_rank_XX[_YYY]/ folders of model_optim_rng.pt / distrib_optim.pt / identity.json
                         (legacy layout), or only the files of torch.distributed.checkpoint (.metadata,
                         __R_I.distcp, common.pt, metadata.json: --ckpt-format torch_dist)
     canonical folder    metadata.pt + tensors/ holding only *.pt files  (checkpoint_util.py --to-full)
@@ -51,7 +51,8 @@ import torch.distributed as dist
 
 from ..atomic import atomic_write_text
 from ..errors import MegaparError
-from .common import DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, CheckpointError, iter_dir, parse_shard_dir
+from .common import (DISTRIB_OPTIM_FILE, IDENTITY_FILE, MODEL_FILE, TRACKER, CheckpointError, iter_dir, parse_shard_dir,
+                     read_tracker)
 from .guard import LOCK_FILE, lock_note
 
 
@@ -208,8 +209,17 @@ def _failure_line(e: Exception, root: str, iteration: int | str, rank: int) -> s
     if os_error is None:
         return f"{where} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); see that rank's traceback"
     cause = f"{os_error.strerror} ({errno.errorcode.get(os_error.errno, os_error.errno)})"
-    return (f"{where}: {cause}; the partial save was removed and the checkpoints already there are unchanged; "
-            f"{_FIXES.get(os_error.errno, _SPACE)}")
+    file = f" writing {os.path.basename(str(os_error.filename))}" if os_error.filename else ""
+    kept = ("the checkpoints already there are unchanged" if _has_checkpoint(root)
+            else "no earlier checkpoint is there")
+    return f"{where}{file}: {cause}; the partial save was removed and {kept}; {_FIXES.get(os_error.errno, _SPACE)}"
+
+
+def _has_checkpoint(root: str) -> bool:
+    try:
+        return read_tracker(root) is not None
+    except CheckpointError:
+        return True             # a tracker is there, unreadable: what it names was not touched either
 
 
 # ---- conversion tools: what --force may replace ----------------------------------------------------
@@ -235,7 +245,7 @@ def _only_dirs(path: str, named: Callable[[str], bool], inner: Callable[[str], b
 def _is_iteration(path: str) -> bool:
     """An iteration folder of either layout: legacy shard folders, or torch.distributed.checkpoint files."""
     legacy = _only_dirs(path, lambda n: parse_shard_dir(n) is not None,
-                        lambda d: _only_files(d, lambda n: n in (MODEL_FILE, DISTRIB_OPTIM_FILE)))
+                        lambda d: _only_files(d, lambda n: n in (MODEL_FILE, DISTRIB_OPTIM_FILE, IDENTITY_FILE)))
     return legacy or (".metadata" in _entries(path) and _only_files(path, lambda n: bool(_DCP.match(n))))
 
 

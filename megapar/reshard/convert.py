@@ -21,6 +21,7 @@ from typing import Optional
 from ..atomic import atomic_write_text
 from ..checkpoint.common import (OPTIM_KINDS, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, iter_dir,
                                  shard_dir_name)
+from ..checkpoint.common import identity, new_run_id, write_manifest
 from ..checkpoint.legacy import shard_objects
 from . import retarget
 from ..checkpoint.publish import CANONICAL, CHECKPOINT, staged_output
@@ -51,9 +52,11 @@ def _rng_for(meta: dict, tp: int, pp: int, tp_rank: int, pp_rank: int):
     return meta["rng_states"].get((tp_rank, pp_rank))
 
 
-def _shard_objects(src, meta: dict, target: SavedConfig, keys, tp, tp_rank, pp, pp_rank, with_optim, distributed):
+def _shard_objects(src, meta: dict, target: SavedConfig, keys, tp, tp_rank, pp, pp_rank, with_optim, distributed,
+                   ident: dict):
     """The (model file, distrib_optim file or None) structures of one target shard (shard_objects),
-    with LazyTensor placeholders for every parameter tensor (`meta`: the source's metadata)."""
+    with LazyTensor placeholders for every parameter tensor (`meta`: the source's metadata; `ident`:
+    the output's identity)."""
     padded = target.model.padded_vocab_size
     optim = {local: {k: _lazy(src, name, k, tp, padded) for k in OPTIM_KINDS} for local, name in keys} \
         if with_optim else None
@@ -61,7 +64,7 @@ def _shard_objects(src, meta: dict, target: SavedConfig, keys, tp, tp_rank, pp, 
                          model={local: _lazy(src, name, "param", tp, padded) for local, name in keys},
                          optim_state=optim, optim_meta=src.optim_meta() if with_optim else None,
                          distributed=distributed, scheduler=meta.get("opt_param_scheduler"),
-                         rng_state=_rng_for(meta, tp, pp, tp_rank, pp_rank))
+                         rng_state=_rng_for(meta, tp, pp, tp_rank, pp_rank), ident=ident)
 
 
 def _feed(src, savers: list[StreamingSaver], tp: int, padded) -> None:
@@ -98,8 +101,10 @@ def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None
 
 def _write_stages(src, target: SavedConfig, staging: str, tp: int, pp: int, with_optim: bool, distributed: bool,
                   log) -> None:
-    """Every shard file of the target layout, one pipeline stage at a time, into `staging`."""
+    """Every shard file of the target layout, one pipeline stage at a time, into `staging`, each
+    shard with its manifest. The output is a new set of files: it gets an identity of its own."""
     meta, padded = src.meta(), target.model.padded_vocab_size
+    ident = identity(new_run_id(), src.iteration)
     it_dir = iter_dir(staging, src.iteration)
     for pp_rank in range(pp):
         keys = stage_keys(src.names, chunk_layout(target.model, pp), pp_rank)
@@ -109,7 +114,7 @@ def _write_stages(src, target: SavedConfig, staging: str, tp: int, pp: int, with
                 shard = os.path.join(it_dir, shard_dir_name(tp_rank, pp_rank, pp))
                 os.makedirs(shard, exist_ok=True)
                 obj, dist_obj = _shard_objects(src, meta, target, keys, tp, tp_rank, pp, pp_rank, with_optim,
-                                               distributed)
+                                               distributed, ident)
                 model_savers.append(StreamingSaver(os.path.join(shard, MODEL_FILE), obj))
                 if dist_obj is not None:
                     optim_savers.append(StreamingSaver(os.path.join(shard, DISTRIB_OPTIM_FILE), dist_obj))
@@ -122,4 +127,9 @@ def _write_stages(src, target: SavedConfig, staging: str, tp: int, pp: int, with
             for s in model_savers + optim_savers:
                 s.abort()
             raise
+        for tp_rank, saver in enumerate(model_savers):
+            sums = {MODEL_FILE: saver.checksum}
+            if optim_savers:
+                sums[DISTRIB_OPTIM_FILE] = optim_savers[tp_rank].checksum
+            write_manifest(os.path.join(it_dir, shard_dir_name(tp_rank, pp_rank, pp)), ident, sums)
         log(f"  wrote pipeline stage {pp_rank + 1}/{pp} ({tp} tensor-parallel shards)")

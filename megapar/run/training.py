@@ -13,7 +13,8 @@ from typing import Callable, ContextManager, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointError, load_checkpoint, read_tracker, save_checkpoint
+from ..checkpoint.common import new_run_id
 from ..checkpoint.dist import model_pieces
 from .cuda_graph import GraphedStep
 from ..errors import MegaparError
@@ -37,6 +38,7 @@ class TrainState:
     losses: list[tuple[int, float]] = field(default_factory=list)   # (iteration, lm loss) on every rank
     valid_losses: list[tuple[int, float]] = field(default_factory=list)
     exit_reason: Optional[str] = None
+    run_id: Optional[str] = None    # the checkpoints' identity: drawn at the first save, kept from a resume's load
 
 
 # ---- data -----------------------------------------------------------------------------------
@@ -319,13 +321,19 @@ class Profiler:
 # ---- the loop ------------------------------------------------------------------------------------
 def save(run: Run, state: TrainState) -> None:
     run.optimizer.finish_pending()  # --delayed-param-update: the weights of the step being saved
+    if run.saves is not None:
+        run.saves.wait()            # the previous save is published before this one may be refused
     refuse_non_finite_weights(run, state.iteration)
     ck = run.cfg.ckpt
     print_rank0(f" saving checkpoint at iteration {state.iteration:7d} to {ck.save}")
+    if state.run_id is None:        # this run's first save: one id for every rank
+        drawn = [new_run_id() if run.rank == 0 else None]
+        dist.broadcast_object_list(drawn, src=0)
+        state.run_id = drawn[0]
     save_checkpoint(ck.save, state.iteration, run.model, run.optimizer, run.scheduler,
                     checkpoint_args(run, state.consumed_samples), run.cfg.model, run.topo, run.rank,
                     save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng, fmt=ck.ckpt_format,
-                    saves=run.saves, sharded=run.sharded)
+                    saves=run.saves, sharded=run.sharded, run_id=state.run_id)
     if run.saves is None:
         print_rank0(f"  successfully saved checkpoint at iteration {state.iteration:7d} to {ck.save}")
     else:
@@ -354,11 +362,26 @@ def finish_saves(run: Run) -> None:
         print_rank0(f"  successfully saved checkpoint to {run.cfg.ckpt.save}")
 
 
+def settle_saves(run: Run) -> None:
+    """Before an error ends the run: finish the save in flight (--async-save), so that it is either
+    published or (failing) removed, never cut off by the exit. Its own failure is a note here: the
+    error that ends the run is the one the user reads."""
+    if run.saves is None or not run.saves.in_flight:
+        return
+    try:
+        finish_saves(run)
+    except CheckpointError as e:
+        print_rank0(f"> {e}")
+
+
 def load(run: Run, state: TrainState) -> None:
-    ck = run.cfg.ckpt
+    ck, found = run.cfg.ckpt, {}
     state.iteration, state.consumed_samples = load_checkpoint(
         ck.load, run.model, run.optimizer, run.scheduler, run.cfg.model, run.topo, run.rank,
-        load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune, sharded=run.sharded)
+        load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune, sharded=run.sharded,
+        found=found)
+    if not ck.finetune:             # a resume continues the run it loads; a fine-tune is a new run
+        state.run_id = found.get("run_id")
 
 
 class NonFiniteLossError(MegaparError, FloatingPointError):
@@ -382,9 +405,11 @@ def refuse_non_finite_weights(run: Run, iteration: int) -> None:
     if flag.item() == 0:
         return
     where = f"{local} on rank {run.rank}" if local is not None else f"rank {int(flag.item()) - 1}"
+    kept = read_tracker(run.cfg.ckpt.save)
+    then = (f"the checkpoint already there (iteration {kept}) is kept; lower --lr, use --bf16, or resume from it"
+            if kept is not None else "no checkpoint was saved before it; lower --lr or use --bf16, and start again")
     raise NonFiniteLossError(f"refusing to save iteration {iteration} to {run.cfg.ckpt.save}: the weights hold "
-                             f"NaN/Inf ({where}); the checkpoint already there is kept; lower --lr, use --bf16, "
-                             f"or resume from that checkpoint")
+                             f"NaN/Inf ({where}); {then}")
 
 
 def _all_finite(t: torch.Tensor) -> torch.Tensor:
@@ -561,6 +586,9 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
     handler, start_time = SignalHandler(run.cfg.train.exit_signal_handler, run.rank), time.time()
     try:
         return _train_loop(run, train_ds, valid_ds, state, writer, handler, start_time)
+    except Exception:
+        settle_saves(run)       # a background save is published (or removed) before the error ends the run
+        raise
     finally:
         handler.close()
 

@@ -261,6 +261,12 @@ def test_another_models_optimizer_file_is_refused(data, tmp_path):
     refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--use-distributed-optimizer", "--load", one,
              "--save", one, "--train-iters", "2", "--data-cache-path", tmp_path / "cache"],
             fault_class="load", case="--load a checkpoint holding another model's distrib_optim.pt",
+            expect=[f"checkpoint file {one / optim} is not the file saved with this checkpoint",
+                    "put back the file saved with it"], watch=[one], allow_new=[tmp_path / "cache"])
+    (one / "iter_0000001" / "mp_rank_00" / "identity.json").unlink()      # saved before identities: the shapes
+    refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--use-distributed-optimizer", "--load", one,
+             "--save", one, "--train-iters", "2", "--data-cache-path", tmp_path / "cache"],
+            fault_class="load", case="the same, in a checkpoint saved before identities",
             expect=expect + ["--no-load-optim"], watch=[one], allow_new=[tmp_path / "cache"])
     refused(reshard(one, tmp_path / "out"), fault_class="load",
             case="checkpoint_util on a checkpoint holding another model's distrib_optim.pt",
@@ -360,7 +366,52 @@ def test_truncated_torch_dist_file_is_named(data, dist_trained, tmp_path):
     data_file.write_bytes(data_file.read_bytes()[:200])
     refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--load", ck, "--train-iters", "2"],
             fault_class="load", case="torch_dist checkpoint with a truncated data file",
-            expect=["torch_dist checkpoint", "iter_0000001", "load an earlier iteration"], watch=[ck])
+            expect=["checkpoint file", "iter_0000001/__0_0.distcp is truncated", "load an earlier iteration"],
+            watch=[ck])
+
+
+@pytest.mark.parametrize("name, expect", [("__0_0.distcp", "iter_0000001/__0_0.distcp is missing"),
+                                          ("common.pt", "torch_dist checkpoint file"),
+                                          (".metadata", "iter_0000001/.metadata is missing")])
+def test_missing_torch_dist_file_is_named(data, dist_trained, tmp_path, name, expect):
+    """One line naming the file (not DCP's frame listing, not a 'missing legacy file')."""
+    ck = tmp_path / "ck"
+    shutil.copytree(dist_trained, ck)
+    (ck / "iter_0000001" / name).unlink()
+    out = refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--load", ck, "--train-iters", "2"],
+                  fault_class="load", case=f"torch_dist checkpoint without its {name}",
+                  expect=[expect, "load an earlier iteration"], watch=[ck])
+    assert "model_optim_rng.pt" not in out.output and "File \"" not in out.output
+
+
+def test_load_of_a_hugging_face_folder_points_to_the_converter(data, tmp_path):
+    hf = tmp_path / "gpt2_hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (hf / "model.safetensors").write_bytes(b"\0" * 16)
+    refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--load", hf, "--train-iters", "2"],
+            fault_class="load", case="--load names a Hugging Face folder",
+            expect=["is a Hugging Face model folder", "tools/convert_from_hf.py --load-dir"], watch=[tmp_path])
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("tracker", ["deleted", "names a missing iteration"])
+def test_saved_iterations_are_never_trained_over_from_scratch(data, trained, dist_trained, tmp_path, fmt, tracker):
+    """--load = --save over saved iterations whose tracker is gone (or names a folder that is not
+    there): refused, naming the iterations and the fix, nothing changed."""
+    ck = tmp_path / "ck"
+    shutil.copytree(trained if fmt == "torch" else dist_trained, ck)
+    if tracker == "deleted":
+        (ck / "latest_checkpointed_iteration.txt").unlink()
+        expect = ["holds saved iterations (iter_0000001) but no latest_checkpointed_iteration.txt",
+                  "start from scratch over them", "echo 1 >"]
+    else:
+        (ck / "latest_checkpointed_iteration.txt").write_text("7")
+        expect = ["names iteration 7", "iter_0000007 is missing", "saved iterations: iter_0000001"]
+    refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--load", ck, "--save", ck, "--train-iters", "2",
+             "--ckpt-format", fmt, "--data-cache-path", ck.parent / "nocache"], fault_class="load",
+            case=f"{fmt} --load = --save, tracker {tracker}", expect=expect, watch=[ck],
+            allow_new=[ck / "megapar.lock", ck.parent / "nocache"])
 
 
 def test_torch_dist_checkpoint_of_another_model_is_refused(data, dist_trained):
@@ -373,3 +424,86 @@ def test_async_save_without_torch_dist_is_refused(data, tmp_path):
     refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--save", tmp_path / "ck", "--async-save"],
             fault_class="load", case="--async-save with the legacy format",
             expect=["--async-save needs --ckpt-format torch_dist"], watch=[tmp_path])
+
+
+# ---- identity: every file is the one saved with its checkpoint ---------------------------------------------
+@pytest.fixture(scope="module")
+def zero_pair(data, tmp_path_factory) -> tuple[Path, Path]:
+    """Two runs of the same shapes (ZeRO: a distrib_optim.pt per shard) that differ in their seed."""
+    out = []
+    for seed in ("1234", "99"):
+        ck = tmp_path_factory.mktemp(f"zero{seed}") / "ck"
+        done = train(data, "--save", ck, "--use-distributed-optimizer", "--seed", seed, cache=ck.parent / "cache")
+        assert done.rc == 0, done.output[-3000:]
+        out.append(ck)
+    return out[0], out[1]
+
+
+def _resume(data, ck: Path, *extra) -> list[str]:
+    return ["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--load", ck, "--train-iters", "2", *extra]
+
+
+def test_optimizer_file_of_another_run_is_refused(data, zero_pair, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(zero_pair[0], ck)
+    shard = ck / "iter_0000001" / "mp_rank_00"
+    shutil.copy(zero_pair[1] / "iter_0000001" / "mp_rank_00" / "distrib_optim.pt", shard / "distrib_optim.pt")
+    refused(_resume(data, ck, "--use-distributed-optimizer"), fault_class="identity",
+            case="distrib_optim.pt of another run with the same shapes",
+            expect=[f"{shard / 'distrib_optim.pt'}", "not the file saved with this checkpoint",
+                    "put back the file saved with it"], watch=[ck])
+
+
+def test_torch_dist_shard_of_another_run_is_refused(data, dist_trained, tmp_path):
+    other = tmp_path / "other"
+    assert train(data, "--save", other, "--ckpt-format", "torch_dist", "--seed", "99").rc == 0
+    ck = tmp_path / "ck"
+    shutil.copytree(dist_trained, ck)
+    shard = ck / "iter_0000001" / "__0_1.distcp"
+    shutil.copy(other / "iter_0000001" / "__0_1.distcp", shard)
+    refused(_resume(data, ck), fault_class="identity", case="a .distcp shard of another run with the same shapes",
+            expect=[str(shard), "not the file saved with this checkpoint"], watch=[ck, other])
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_flipped_bytes_inside_a_saved_weight_are_refused(data, trained, dist_trained, tmp_path, fmt):
+    """Same size, bytes changed in the middle (where the tensors are): the CRC-32 names the file."""
+    ck = tmp_path / "ck"
+    shutil.copytree(trained if fmt == "torch" else dist_trained, ck)
+    path = ck / (MODEL if fmt == "torch" else "iter_0000001/__0_0.distcp")
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2: len(raw) // 2 + 8] = b"\x7f" * 8          # finite garbage in a weight
+    path.write_bytes(bytes(raw))
+    refused(_resume(data, ck), fault_class="identity", case=f"{fmt}: 8 bytes changed inside a saved weight",
+            expect=[str(path), "CRC-32 differs", "load an earlier iteration"], watch=[ck])
+
+
+def test_checkpoint_saved_before_identities_still_loads(data, trained, dist_trained, tmp_path):
+    legacy, torch_dist = tmp_path / "legacy", tmp_path / "torch_dist"
+    shutil.copytree(trained, legacy)
+    (legacy / "iter_0000001" / "mp_rank_00" / "identity.json").unlink()
+    shutil.copytree(dist_trained, torch_dist)
+    common_path = torch_dist / "iter_0000001" / "common.pt"
+    common = torch.load(common_path, weights_only=False)
+    del common["identity"], common["files"]
+    torch.save(common, common_path)
+    for ck, fmt in ((legacy, "torch"), (torch_dist, "torch_dist")):
+        out = run(_resume(data, ck, "--save", ck, "--ckpt-format", fmt))
+        assert out.rc == 0 and f"successfully loaded checkpoint from {ck} at iteration 1" in out.output, \
+            out.output[-3000:]
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_run_id_is_kept_across_a_resume(data, trained, dist_trained, tmp_path, fmt):
+    ck = tmp_path / "ck"
+    shutil.copytree(trained if fmt == "torch" else dist_trained, ck)
+    out = run(_resume(data, ck, "--save", ck, "--ckpt-format", fmt))
+    assert out.rc == 0, out.output[-3000:]
+
+    def ident(it: int) -> dict:
+        if fmt == "torch":
+            return json.loads((ck / f"iter_{it:07d}" / "mp_rank_00" / "identity.json").read_text())
+        return torch.load(ck / f"iter_{it:07d}" / "common.pt", weights_only=False)["identity"]
+    first, second = ident(1), ident(2)
+    assert first["run_id"] == second["run_id"] and len(first["run_id"]) == 16
+    assert (first["iteration"], second["iteration"]) == (1, 2)

@@ -7,6 +7,8 @@ the checkpoint already in --save (the tracker still names it, and it loads).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from harness import refused
@@ -29,7 +31,8 @@ def test_a_save_of_inf_weights_is_refused_and_the_last_checkpoint_kept(data, tmp
     ck = tmp_path / "ck"
     out = refused([*PYTHON, *data, *DIVERGING, "--save", ck, "--save-interval", "1"], fault_class="divergence",
                   case="fp16, --lr 1e10, --save-interval 1: no save of inf weights, the last checkpoint kept",
-                  expect=["refusing to save iteration", "NaN/Inf", "the checkpoint already there is kept"],
+                  expect=["refusing to save iteration", "NaN/Inf", "the checkpoint already there (iteration",
+                          ") is kept"],
                   watch=[], allow_new=[ck])
     last = int((ck / TRACKER).read_text())
     refused_at = int(out.output.split("refusing to save iteration ")[1].split()[0])
@@ -38,6 +41,20 @@ def test_a_save_of_inf_weights_is_refused_and_the_last_checkpoint_kept(data, tmp
                        weights_only=False)
     weights = list(_tensors(state["model"]))
     assert weights and all(torch.isfinite(t.float()).all() for t in weights)
+
+
+def test_async_save_in_flight_is_published_before_the_refusal_exits(data, tmp_path):  # noqa: F811
+    """--async-save: the save in flight when the weights overflow is finished (published) before the
+    refusal ends the run, and the tracker names a complete iteration, the one the line says is kept."""
+    ck = tmp_path / "ck"
+    out = refused([*PYTHON, *data, *DIVERGING, "--save", ck, "--save-interval", "1", "--ckpt-format", "torch_dist",
+                   "--async-save"], fault_class="divergence",
+                  case="fp16, --lr 1e10, --async-save: the save in flight published, the last checkpoint kept",
+                  expect=["refusing to save iteration", "NaN/Inf", ") is kept"], watch=[], allow_new=[ck])
+    last = int((ck / TRACKER).read_text())
+    assert f"the checkpoint already there (iteration {last}) is kept" in out.output
+    folder = ck / f"iter_{last:07d}"
+    assert {"common.pt", ".metadata"} <= set(os.listdir(folder)) and not list(ck.glob("*.partial"))
 
 
 def _tensors(obj):

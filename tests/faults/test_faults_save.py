@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from harness import ROOT, refused, run
-from test_faults_checkpoints import KILL_AT, MODEL, TINY, data, leftovers, losses, reshard, train, trained  # noqa: F401
+from test_faults_checkpoints import (KILL_AT, MODEL, TINY, data, dist_trained, leftovers, losses, reshard,  # noqa: F401
+                                    train, trained)
 
 sys.path.insert(0, str(ROOT / "tests"))
 from distributed import run_distributed  # noqa: E402
@@ -228,6 +229,28 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(data, trained, tm
     assert resumed.rc == 0 and f"successfully loaded checkpoint from {ck} at iteration 1" in resumed.output, \
         resumed.output[-3000:]
     assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000002", TRACKER]
+
+
+@pytest.mark.parametrize("previous", [True, False], ids=["over a checkpoint", "first save"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_torch_dist_save_failing_is_one_line(data, dist_trained, tmp_path, previous, mode):
+    """A torch_dist save whose data files hit a file size limit: one line naming the cause (not
+    DCP's TypeError), the staging folder removed, "unchanged" only when a checkpoint is there."""
+    ck = tmp_path / "ck"
+    if previous:
+        shutil.copytree(dist_trained, ck)
+    biggest = max(f.stat().st_size for f in (dist_trained / "iter_0000001").glob("*.distcp"))
+    small = max((dist_trained / "iter_0000001" / n).stat().st_size for n in ("common.pt", ".metadata"))
+    assert small < biggest // 2 * 3 // 2 < biggest
+    flags = [*TINY, *data, "--train-iters", "2", "--save-interval", "2", "--save", ck, "--ckpt-format", "torch_dist",
+             "--data-cache-path", cache_of(dist_trained), *(["--load", ck] if previous else []),
+             *(["--async-save"] if mode == "async" else [])]
+    kept = "the checkpoints already there are unchanged" if previous else "no earlier checkpoint is there"
+    refused(["python", "-c", FSIZE, str(biggest // 2 * 3 // 2), *flags], fault_class="failed save",
+            case=f"torch_dist {mode} save hits a file size limit ({'over a checkpoint' if previous else 'first'})",
+            expect=[f"saving iteration 2 to {ck} failed", "File too large (EFBIG)", "partial save was removed", kept],
+            watch=[ck] if previous else [], allow_new=[ck / LOCK])
+    assert sorted(os.listdir(ck)) == (["iter_0000001", TRACKER] if previous else [])
 
 
 def _rank1_fills_the_disk(rank, world, root):
