@@ -8,10 +8,14 @@ checkpoint file: a truncated shard or a tracker file that is not text is refused
 naming the file; the checkpoint folder is byte-identical afterwards.
 signals: with --exit-signal-handler, SIGTERM to the launcher or a first Ctrl-C (SIGINT) finishes
 the iteration, saves, names the signal and exits 0; a second Ctrl-C aborts (exit 130, no
-traceback) and leaves the last saved checkpoint intact.
+traceback) and leaves the last saved checkpoint intact. The launcher or torchrun killed outright
+(SIGKILL) leaves no training process behind.
+plain torchrun (as Megatron and DeepSpeed users start it): a refusal every rank finds prints its
+`error:` line once, whichever rank exits first.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, ROWS, Row, refused
+from harness import ROOT, ROWS, Row, refused, run
 
 sys.path.insert(0, str(ROOT / "tests"))
 from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
@@ -199,6 +203,8 @@ PYTHON_FLAG_CASES = [  # one process each (about 3 s): a case per class of bad n
     (["--train-iters", "5", "--clip-grad", "-1"], "--clip-grad -1.0 is out of range"),
     (["--train-iters", "5", "--adam-beta2", "1"], "--adam-beta2 1.0 is out of range"),
     (["--train-iters", "5", "--recipe", "6.7b-offload"], "(--optimizer-cpu-offload set by --recipe 6.7b-offload)"),
+    (["--train-iters", "5", "--distributed-timeout-minutes", "1e12"],  # overflowed c10d's timeout
+     "--distributed-timeout-minutes 1000000000000.0 is out of range: it must be a number in (0, 525600]"),
 ]
 ARGPARSE_CASES = [  # argparse's refusals, not ConfigError: through python only (not in-process below)
     (["--train-iters", "five"], "invalid int value"),
@@ -330,3 +336,89 @@ def test_logger_package_missing_is_refused_before_any_work(data, tmp_path, flag,
              "--save", tmp_path / "ck"], fault_class="flags",
             case=f"{flag} without the {package} package installed (python -m megapar.pretrain_gpt2)",
             expect=[flag, f"needs the {package} package", f"pip install {package}"], watch=[tmp_path])
+
+
+# ---- plain torchrun, and processes left behind ---------------------------------------------------
+TORCHRUN = ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "megapar.pretrain_gpt2"]
+
+
+def test_refusal_every_rank_finds_prints_once_under_plain_torchrun(data, tmp_path):
+    """Every rank refuses the DeepSpeed config; the first to exit makes torchrun kill the others. The
+    line must come out once each time, whichever rank is first (a race: run it several times)."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2,
+                              "gradient_accumulation_steps": 2}))
+    counts = []
+    for _ in range(6):
+        out = run([*TORCHRUN, *data, "--train-iters", "5", "--deepspeed_config", ds], timeout=300)
+        lines = [x for x in out.output.splitlines() if x.startswith("error:")]
+        counts.append(len(lines))
+        assert out.rc != 0 and all("train_batch_size" in x and str(ds) in x for x in lines), out.output[-3000:]
+    _record("launch", "a refusal on every rank under plain torchrun (2 processes, 6 runs): one error line each",
+            counts == [1] * 6, True)
+    assert counts == [1] * 6, counts
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _kill_outright_after_iteration_1(cmd: list) -> tuple[list[int], list[int]]:
+    """Start `cmd`, SIGKILL it once iteration 1 is logged; (the processes below it at that moment,
+    those still alive 60 s later)."""
+    proc = _popen(cmd)
+    for line in proc.stdout:
+        if " iteration        1/" in line:
+            break
+    below = _descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.time() + 60
+    while time.time() < deadline and any(map(_alive, below)):
+        time.sleep(0.5)
+    left = [p for p in below if _alive(p)]
+    for p in left:  # never leave them to the next test
+        os.kill(p, signal.SIGKILL)
+    proc.stdout.close()
+    proc.wait(timeout=30)
+    return below, left
+
+
+def test_launcher_killed_outright_leaves_no_worker(data, tmp_path):
+    """kill -9 of scripts/pretrain_gpt2.sh (a batch system's last resort, a user's): torchrun and both
+    training processes end too instead of training on unseen."""
+    below, left = _kill_outright_after_iteration_1(
+        [*LAUNCHER, *data, "--train-iters", "100000", "--save", tmp_path / "ck"])
+    _record("signals", "launcher killed with SIGKILL (tp 2): torchrun and the workers end", not left, True)
+    assert len(below) >= 3, below  # torchrun and two workers
+    assert not left, left
+
+
+def test_torchrun_killed_outright_leaves_no_worker(data, tmp_path):
+    """kill -9 of plain torchrun: its two training processes end too."""
+    below, left = _kill_outright_after_iteration_1([*TORCHRUN, *data, "--tensor-parallel", "2", "--train-iters",
+                                                    "100000"])
+    _record("signals", "plain torchrun killed with SIGKILL (tp 2): the workers end", not left, True)
+    assert len(below) >= 2, below
+    assert not left, left
