@@ -164,9 +164,10 @@ def _cached_indices(indexed: IndexedDataset, name: str, lo: int, hi: int, num_sa
                 with contextlib.suppress(OSError):
                     os.unlink(p)
             need = sum(a.nbytes for a in arrays)
-            raise DatasetError(f"cannot write the dataset indices into {os.path.dirname(base)} "
-                               f"({e.strerror or e}; they need about {size_text(need)}): free space there, or "
-                               f"give --data-cache-path a folder with room") from None
+            why = e.strerror or "a write was cut short: the disk is full or a file-size limit was reached"  # numpy's
+            raise DatasetError(f"cannot write the dataset indices into {os.path.dirname(base)} ({why}; they need "
+                               f"about {size_text(need)}): free space there, or give --data-cache-path a folder "
+                               f"with room") from None
 
     is_dist, rank = _dist_rank()
     if rank == 0 and not all(os.path.isfile(p) for p in paths):
