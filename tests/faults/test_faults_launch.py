@@ -385,13 +385,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _kill_outright_after_iteration_1(cmd: list) -> tuple[list[int], list[int]]:
-    """Start `cmd`, SIGKILL it once iteration 1 is logged; (the processes below it at that moment,
-    those still alive 60 s later)."""
-    proc = _popen(cmd)
+def _kill_outright_once_training(cmd: list) -> tuple[list[int], list[int]]:
+    """Start `cmd` (a run that logs nothing while it trains, as a frozen one: no broken pipe ends it),
+    SIGKILL it once the run has started; (the processes below it then, those still alive 60 s later)."""
+    proc = _popen([*cmd, "--log-interval", "1000000"])
     for line in proc.stdout:
-        if " iteration        1/" in line:
+        if "> megapar: world size" in line:
             break
+    time.sleep(3)
     below = _descendants(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     deadline = time.time() + 60
@@ -408,7 +409,7 @@ def _kill_outright_after_iteration_1(cmd: list) -> tuple[list[int], list[int]]:
 def test_launcher_killed_outright_leaves_no_worker(data, tmp_path):
     """kill -9 of scripts/pretrain_gpt2.sh (a batch system's last resort, a user's): torchrun and both
     training processes end too instead of training on unseen."""
-    below, left = _kill_outright_after_iteration_1(
+    below, left = _kill_outright_once_training(
         [*LAUNCHER, *data, "--train-iters", "100000", "--save", tmp_path / "ck"])
     _record("signals", "launcher killed with SIGKILL (tp 2): torchrun and the workers end", not left, True)
     assert len(below) >= 3, below  # torchrun and two workers
@@ -417,7 +418,7 @@ def test_launcher_killed_outright_leaves_no_worker(data, tmp_path):
 
 def test_torchrun_killed_outright_leaves_no_worker(data, tmp_path):
     """kill -9 of plain torchrun: its two training processes end too."""
-    below, left = _kill_outright_after_iteration_1([*TORCHRUN, *data, "--tensor-parallel", "2", "--train-iters",
+    below, left = _kill_outright_once_training([*TORCHRUN, *data, "--tensor-parallel", "2", "--train-iters",
                                                     "100000"])
     _record("signals", "plain torchrun killed with SIGKILL (tp 2): the workers end", not left, True)
     assert len(below) >= 2, below
