@@ -106,17 +106,20 @@ def say_once(line: str) -> None:
     """Print the `error:` line that every failing rank of this host would print, once per host, before
     any of them exits. Under plain torchrun the first rank to exit makes torchrun kill the others
     (SIGTERM, which ends a rank before its next line), and nothing is written for a killed rank: so
-    no rank may count on another to print. The ranks of one torchrun agent race for a marker file
-    (O_EXCL, named by the agent's pid and start time, so a later job never finds it): the winner prints,
-    flushes and marks the file printed; the others wait for that mark before they exit, and print the
-    line themselves if it never comes (the winner died on the way)."""
+    no rank may exit counting on another to print. The ranks of one torchrun agent share a marker
+    file (named by the agent's pid and start time, so a later job never finds it): the first local
+    rank prints (the rank `torchrun --local-ranks-filter 0` shows), flushes and marks the file
+    printed; another rank waits for that mark before it exits, and where it does not come (the first
+    local rank did not fail, or died on the way) the first to take the marker (O_EXCL) prints."""
     marker = _error_marker()
     if marker is None:
         print(line, file=sys.stderr, flush=True)
         return
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0 and _printed(marker):
+        return
     try:
         fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    except FileExistsError:
+    except FileExistsError:  # another rank took it: its line is on the way
         if not _printed(marker):
             print(line, file=sys.stderr, flush=True)
         return
@@ -145,7 +148,7 @@ def _error_marker() -> Optional[str]:
 
 
 def _printed(marker: str) -> bool:
-    """Wait (WAIT_FOR_PRINT_S at most) until the rank that won `marker` has printed the line."""
+    """Wait (WAIT_FOR_PRINT_S at most) until a rank has printed the line and marked `marker` so."""
     import time
     deadline = time.monotonic() + WAIT_FOR_PRINT_S
     while time.monotonic() < deadline:

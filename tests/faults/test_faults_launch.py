@@ -343,21 +343,38 @@ TORCHRUN = ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-pe
             "-m", "megapar.pretrain_gpt2"]
 
 
-def test_refusal_every_rank_finds_prints_once_under_plain_torchrun(data, tmp_path):
-    """Every rank refuses the DeepSpeed config; the first to exit makes torchrun kill the others. The
-    line must come out once each time, whichever rank is first (a race: run it several times)."""
+SLOW_RANK = """import os, runpy, sys, time
+if os.environ["LOCAL_RANK"] == os.environ["SLOW_RANK"]:
+    time.sleep(3)  # this rank meets the refusal 3 s after the other, which has exited by then
+sys.argv[0] = "megapar.pretrain_gpt2"
+runpy.run_module("megapar.pretrain_gpt2", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("slow", [None, "0", "1"], ids=["as it comes", "rank 0 slower", "rank 1 slower"])
+def test_refusal_every_rank_finds_prints_once_under_plain_torchrun(data, tmp_path, slow):
+    """Every rank refuses the DeepSpeed config, and the first to exit makes torchrun kill the other:
+    the line must come out once whichever rank is first (before: only rank 0 printed it, so a rank 0
+    slower than rank 1 was killed before it printed anything). Either rank is made the slower by a
+    wrapper that sleeps 3 s before it runs the entry point; "as it comes" runs the entry point itself."""
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2,
                               "gradient_accumulation_steps": 2}))
+    cmd = TORCHRUN
+    if slow is not None:
+        (tmp_path / "slow_rank.py").write_text(SLOW_RANK)
+        cmd = [*TORCHRUN[:-2], tmp_path / "slow_rank.py"]
     counts = []
-    for _ in range(6):
-        out = run([*TORCHRUN, *data, "--train-iters", "5", "--deepspeed_config", ds], timeout=300)
+    for _ in range(3):
+        out = run([*cmd, *data, "--train-iters", "5", "--deepspeed_config", ds], timeout=300,
+                  env={"SLOW_RANK": slow or "", "PYTHONPATH": str(ROOT)})
         lines = [x for x in out.output.splitlines() if x.startswith("error:")]
         counts.append(len(lines))
         assert out.rc != 0 and all("train_batch_size" in x and str(ds) in x for x in lines), out.output[-3000:]
-    _record("launch", "a refusal on every rank under plain torchrun (2 processes, 6 runs): one error line each",
-            counts == [1] * 6, True)
-    assert counts == [1] * 6, counts
+    how = f"rank {slow} slower" if slow else "as it comes"
+    _record("launch", f"a refusal on every rank under plain torchrun (2 processes, {how}, 3 runs): one error line "
+            f"each", counts == [1] * 3, True)
+    assert counts == [1] * 3, counts
 
 
 def _descendants(pid: int) -> list[int]:
