@@ -204,7 +204,7 @@ PYTHON_FLAG_CASES = [  # one process each (about 3 s): a case per class of bad n
     (["--train-iters", "5", "--adam-beta2", "1"], "--adam-beta2 1.0 is out of range"),
     (["--train-iters", "5", "--recipe", "6.7b-offload"], "(--optimizer-cpu-offload set by --recipe 6.7b-offload)"),
     (["--train-iters", "5", "--distributed-timeout-minutes", "1e12"],  # overflowed c10d's timeout
-     "--distributed-timeout-minutes 1000000000000.0 is out of range: it must be a number in (0, 525600]"),
+     "--distributed-timeout-minutes 1000000000000.0 is out of range: it must be a number in [0.05, 525600]"),
 ]
 ARGPARSE_CASES = [  # argparse's refusals, not ConfigError: through python only (not in-process below)
     (["--train-iters", "five"], "invalid int value"),
@@ -213,6 +213,8 @@ ARGPARSE_CASES = [  # argparse's refusals, not ConfigError: through python only 
 ]
 IN_PROCESS_CASES = [  # the rest, checked without a process each
     (["--train-iters", "5", "--global-batch-size", "0"], "--global-batch-size 0 must be >= 1"),
+    (["--train-iters", "5", "--distributed-timeout-minutes", "1e-9"],  # a crash connecting to the store
+     "--distributed-timeout-minutes 1e-09 is out of range: it must be a number in [0.05, 525600]"),
     (["--train-iters", "5", "--log-interval", "0"], "--log-interval 0 must be >= 1"),
     (["--train-iters", "5", "--save-interval", "0"], "--save-interval 0 must be >= 1"),
     (["--train-iters", "5", "--lr", "-0.001"], "--lr -0.001 is out of range"),
