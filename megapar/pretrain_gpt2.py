@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
+import time
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch.distributed as dist
@@ -142,14 +144,12 @@ def _error_marker() -> Optional[str]:
             started = f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time after boot
     except (OSError, IndexError):
         return None
-    import tempfile
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return os.path.join(tempfile.gettempdir(), f"megapar-error-{agent}-{started}-{attempt}")
 
 
 def _printed(marker: str) -> bool:
     """Wait (WAIT_FOR_PRINT_S at most) until a rank has printed the line and marked `marker` so."""
-    import time
     deadline = time.monotonic() + WAIT_FOR_PRINT_S
     while time.monotonic() < deadline:
         try:

@@ -404,16 +404,16 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _kill_outright_once_training(cmd: list) -> tuple[list[int], list[int]]:
+def _kill_outright_once_training(cmd: list, sig: int = signal.SIGKILL) -> tuple[list[int], list[int]]:
     """Start `cmd` (a run that logs nothing while it trains, as a frozen one: no broken pipe ends it),
-    SIGKILL it once the run has started; (the processes below it then, those still alive 60 s later)."""
+    send it `sig` once the run has started; (the processes below it then, those still alive 60 s later)."""
     proc = _popen([*cmd, "--log-interval", "1000000"])
     for line in proc.stdout:
         if "> megapar: world size" in line:
             break
     time.sleep(3)
     below = _descendants(proc.pid)
-    os.kill(proc.pid, signal.SIGKILL)
+    os.kill(proc.pid, sig)
     deadline = time.time() + 60
     while time.time() < deadline and any(map(_alive, below)):
         time.sleep(0.5)
@@ -441,4 +441,15 @@ def test_torchrun_killed_outright_leaves_no_worker(data, tmp_path):
                                                     "100000"])
     _record("signals", "plain torchrun killed with SIGKILL (tp 2): the workers end", not left, True)
     assert len(below) >= 2, below
+    assert not left, left
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP (a closed terminal)"])
+def test_launcher_signalled_without_the_handler_leaves_no_worker(data, tmp_path, sig):
+    """Without --exit-signal-handler a SIGTERM or SIGHUP to scripts/pretrain_gpt2.sh stops the run:
+    forwarded to both training processes, none is left."""
+    below, left = _kill_outright_once_training([*LAUNCHER, *data, "--train-iters", "100000"], sig)
+    _record("signals", f"{signal.Signals(sig).name} to the launcher without --exit-signal-handler (tp 2): "
+            f"every process ends", not left, True)
+    assert len(below) >= 3, below
     assert not left, left
