@@ -20,6 +20,15 @@ class MegaparError(Exception):
 USER_ERROR_EXIT = 2
 
 
+def size_text(n: float) -> str:
+    """A byte count as messages print it: `512 B`, `3.4 MiB`, `1.2 GiB` (the largest unit under 1024)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """The command-line parser of megapar's tools: an unknown flag, a missing argument or a value of
     the wrong type ends in one line `error: ...` and USER_ERROR_EXIT, not the usage text followed by

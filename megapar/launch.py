@@ -25,7 +25,10 @@ and the user.
    Ctrl-C aborts without saving, and torchrun SIGKILLs a worker still running 30 s later. Without
    --exit-signal-handler the first signal stops the run unsaved. In those cases the launcher drops
    the resulting tracebacks and torchrun report, says whether a checkpoint was saved after the first
-   signal, and exits 128 + the signal number.
+   signal, and exits 128 + the signal number. The launcher killed outright (SIGKILL, which it
+   cannot see) takes torchrun with it (the kernel sends torchrun SIGTERM: `die_with_parent`), and
+   torchrun stops its workers; a worker whose torchrun is killed outright dies too
+   (megapar.pretrain_gpt2 asks the kernel for SIGKILL then).
 4. `--generate` runs tools/generate_text.py the same way (scripts/generate_text.sh with several
    processes): the first SIGTERM or Ctrl-C goes to rank 0 alone, which stops serving (or sampling)
    and tells the other ranks to stop; all exit 0, as one process does.
@@ -223,6 +226,26 @@ def _rank_of(pid: int) -> Optional[int]:
     return next((int(e[5:]) for e in env if e.startswith(b"RANK=") and e[5:].isdigit()), None)
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_parent(sig: int) -> None:
+    """Have the kernel send this process `sig` when its parent dies (Linux prctl PR_SET_PDEATHSIG;
+    a no-op elsewhere): a launcher or torchrun killed with SIGKILL, which no handler sees, then
+    takes its processes with it instead of leaving them training (and holding GPUs) unseen. The
+    parent that died before the call counts too (this process is then a child of init or a subreaper)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent or parent == 1:
+        os.kill(os.getpid(), sig)
+
+
 class Launch:
     """torchrun in front of `target` (the training entry point, or with `leader_stops` the text
     generation tool, whose rank 0 stops the others: the first signal goes to rank 0 alone)."""
@@ -291,8 +314,9 @@ class Launch:
         for sig in FORWARDED:
             signal.signal(sig, self._forward)
         # A session of its own: a terminal's Ctrl-C reaches only this process, which forwards it once.
+        # torchrun gets SIGTERM if the launcher is killed outright (SIGKILL): it stops its workers itself.
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         relays = [threading.Thread(target=self._relay, args=(self.proc.stdout, sys.stdout.buffer, False), daemon=True),
                   threading.Thread(target=self._relay, args=(self.proc.stderr, sys.stderr.buffer, True), daemon=True)]
         for t in relays:

@@ -13,7 +13,10 @@ not first load the model, torch.compile's machinery and distributed checkpointin
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import tempfile
+import time
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch.distributed as dist
@@ -21,6 +24,7 @@ import torch.distributed as dist
 from .config.arguments import (DEEPSPEED_CONFIG, ORIGINS, Config, ConfigError, Origin, config_from_namespace,
                                default_of, parse_flags)
 from .errors import USER_ERROR_EXIT, MegaparError
+from .launch import die_with_parent
 from .checkpoint import check_finetune_dirs, check_load_dir
 
 if TYPE_CHECKING:
@@ -80,14 +84,14 @@ def fitting_eval_iters(eval_iters: int, train_iters: int) -> int:
 
 
 def _leave(code: int, world: int, line: Optional[str] = None) -> None:
-    """Print `line` (if any) and exit with `code`, without a traceback. With several processes
-    a rank may stop where its peers wait in a collective it will never join: destroying the
-    process group or running interpreter shutdown could then hang, so such a rank leaves through
-    os._exit right after flushing. torchrun sees the exit status and stops the other ranks;
-    scripts/pretrain_gpt2.sh (megapar.launch) shows only the first `error:` line and drops what
-    follows from the other ranks and from torchrun."""
+    """Print `line` (if any; an `error:` line once per host, say_once) and exit with `code`, without a
+    traceback. With several processes a rank may stop where its peers wait in a collective it will
+    never join: destroying the process group or running interpreter shutdown could then hang, so
+    such a rank leaves through os._exit right after flushing. torchrun sees the exit status and
+    stops the other ranks; scripts/pretrain_gpt2.sh (megapar.launch) shows only the first `error:`
+    line and drops what follows from the other ranks and from torchrun."""
     if line:
-        print(line, file=sys.stderr, flush=True)
+        say_once(line) if line.startswith("error:") else print(line, file=sys.stderr, flush=True)
     if world > 1:
         sys.stdout.flush()
         os._exit(code)
@@ -96,12 +100,76 @@ def _leave(code: int, world: int, line: Optional[str] = None) -> None:
     raise SystemExit(code)
 
 
+PRINTED = b"printed"
+WAIT_FOR_PRINT_S = 10.0
+
+
+def say_once(line: str) -> None:
+    """Print the `error:` line that every failing rank of this host would print, once per host, before
+    any of them exits. Under plain torchrun the first rank to exit makes torchrun kill the others
+    (SIGTERM, which ends a rank before its next line), and nothing is written for a killed rank: so
+    no rank may exit counting on another to print. The ranks of one torchrun agent share a marker
+    file (named by the agent's pid and start time, so a later job never finds it): the first local
+    rank prints (the rank `torchrun --local-ranks-filter 0` shows), flushes and marks the file
+    printed; another rank waits for that mark before it exits, and where it does not come (the first
+    local rank did not fail, or died on the way) the first to take the marker (O_EXCL) prints."""
+    marker = _error_marker()
+    if marker is None:
+        print(line, file=sys.stderr, flush=True)
+        return
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0 and _printed(marker):
+        return
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:  # another rank took it: its line is on the way
+        if not _printed(marker):
+            print(line, file=sys.stderr, flush=True)
+        return
+    except OSError:  # no writable temporary folder: every rank prints
+        print(line, file=sys.stderr, flush=True)
+        return
+    print(line, file=sys.stderr, flush=True)
+    os.write(fd, PRINTED)
+    os.close(fd)
+
+
+def _error_marker() -> Optional[str]:
+    """The marker file the failing ranks of this torchrun agent share, or None when this process is
+    alone on its host (or not started by torchrun, or /proc cannot tell the agent's start time)."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:
+        return None
+    agent = os.getppid()
+    try:
+        with open(f"/proc/{agent}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time after boot
+    except (OSError, IndexError):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return os.path.join(tempfile.gettempdir(), f"megapar-error-{agent}-{started}-{attempt}")
+
+
+def _printed(marker: str) -> bool:
+    """Wait (WAIT_FOR_PRINT_S at most) until a rank has printed the line and marked `marker` so."""
+    deadline = time.monotonic() + WAIT_FOR_PRINT_S
+    while time.monotonic() < deadline:
+        try:
+            with open(marker, "rb") as f:
+                if f.read() == PRINTED:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.01)
+    return False
+
+
 def main(argv: Optional[Sequence[str]] = None) -> TrainState:
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun killed outright must not leave this rank training
+        die_with_parent(signal.SIGKILL)
     try:
         cfg = parse(argv, world)  # all validation before any process group exists
     except ConfigError as e:
-        _leave(USER_ERROR_EXIT, 1, f"error: {e}" if int(os.environ.get("RANK", "0")) == 0 else None)
+        _leave(USER_ERROR_EXIT, 1, f"error: {e}")  # on every rank: the first to exit may be any
     from .run.initialize import init_distributed  # the training modules: only once the flags passed
     from .run.pretrain import pretrain
     from .run.training import TrainState

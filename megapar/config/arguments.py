@@ -795,6 +795,10 @@ _WHY = {"train_iters": "0 builds the model and exits", "eval_interval": "0 never
         "exit_interval": "leave it out to run to the end",
         "global_batch_size": "leave it out for --micro-batch-size x the data-parallel size"}
 # Floats: (low, high, low included, high included); every one must also be finite.
+# --distributed-timeout-minutes: below 3 s the processes cannot even connect to the rendezvous store (a
+# connection timeout of 0 ms); above a year (c10d keeps a timeout as int64 nanoseconds, 2**63 ns is about 292
+# years) a larger value overflows into a crash, and no collective should wait that long for a peer.
+MIN_TIMEOUT_MINUTES, MAX_TIMEOUT_MINUTES = 0.05, 365 * 24 * 60
 _FLOAT_RANGES = {
     "lr": (0.0, None, True, None), "min_lr": (0.0, None, True, None), "weight_decay": (0.0, None, True, None),
     "start_weight_decay": (0.0, None, True, None), "end_weight_decay": (0.0, None, True, None),
@@ -805,7 +809,8 @@ _FLOAT_RANGES = {
     "lr_warmup_fraction": (0.0, 1.0, True, True), "lr_warmup_init": (0.0, None, True, None),
     "loss_scale": (0.0, None, False, None), "optimizer_offload_fraction": (0.0, 1.0, True, True),
     "initial_loss_scale": (0.0, None, False, None), "min_loss_scale": (0.0, None, False, None),
-    "exit_duration_in_mins": (0.0, None, False, None), "distributed_timeout_minutes": (0.0, None, False, None),
+    "exit_duration_in_mins": (0.0, None, False, None),
+    "distributed_timeout_minutes": (MIN_TIMEOUT_MINUTES, MAX_TIMEOUT_MINUTES, True, True),
 }
 
 

@@ -15,6 +15,7 @@ torch.distributed initialised, global rank 0 builds them while the other ranks w
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -26,8 +27,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..atomic import atomic_write
-from ..errors import MegaparError
-from .indexed_dataset import DatasetNotFoundError, IndexedDataset, IndexedDatasetError
+from ..errors import MegaparError, size_text
+from .indexed_dataset import (DatasetNotFoundError, IndexedDataset, IndexedDatasetError, data_file_path,
+                              index_file_path)
 from .sample_index import build_blending_indices, build_indices
 
 INDEX_VERSION = 1  # bump when the index algorithm changes
@@ -154,8 +156,18 @@ def _cached_indices(indexed: IndexedDataset, name: str, lo: int, hi: int, num_sa
         _log(f"building {name} indices for {indexed.prefix} (documents [{lo}, {hi}), {num_samples} samples, "
              f"seq_length {seq_length}, seed {seed})")
         arrays = build_indices(np.arange(lo, hi, dtype=np.int64), sizes, seq_length, num_samples, seed)
-        for p, a in zip(paths, arrays):
-            _save_atomic(p, a)
+        try:
+            for p, a in zip(paths, arrays):
+                _save_atomic(p, a)
+        except OSError as e:  # a full disk, a file-size limit: none of the three is left half a set
+            for p in paths:
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+            need = sum(a.nbytes for a in arrays)
+            why = e.strerror or "a write was cut short: the disk is full or a file-size limit was reached"  # numpy's
+            raise DatasetError(f"cannot write the dataset indices into {os.path.dirname(base)} ({why}; they need "
+                               f"about {size_text(need)}): free space there, or give --data-cache-path a folder "
+                               f"with room") from None
 
     is_dist, rank = _dist_rank()
     if rank == 0 and not all(os.path.isfile(p) for p in paths):
@@ -173,8 +185,8 @@ class GPTDataset:
     """Samples of seq_length + 1 tokens from documents [lo, hi) of one indexed dataset."""
 
     def __init__(self, indexed: IndexedDataset, name: str, lo: int, hi: int, num_samples: int,
-                 seq_length: int, seed: int, cache_dir: Optional[str] = None):
-        self.indexed, self.name, self.seq_length = indexed, name, seq_length
+                 seq_length: int, seed: int, cache_dir: Optional[str] = None, vocab_size: Optional[int] = None):
+        self.indexed, self.name, self.seq_length, self.vocab_size = indexed, name, seq_length, vocab_size
         self.doc_idx, self.sample_idx, self.shuffle_idx = _cached_indices(
             indexed, name, lo, hi, num_samples, seq_length, seed, cache_dir)
 
@@ -191,7 +203,25 @@ class GPTDataset:
         else:
             parts = [get(int(docs[d0]), o0)] + [get(int(docs[d])) for d in range(d0 + 1, d1)]
             parts.append(get(int(docs[d1]), 0, o1 + 1))
-        return np.concatenate(parts).astype(np.int64)
+        sample = np.concatenate(parts).astype(np.int64)
+        if self.vocab_size is not None:
+            self._check_ids(sample, d0, d1)
+        return sample
+
+    def _check_ids(self, sample: np.ndarray, d0: int, d1: int) -> None:
+        """Every id of `sample` indexes a row of the embedding table. The start check (check_token_ids)
+        reads only windows of a large .bin; this covers every sample trained on, at the cost of a max
+        and a min per sample, and names the file where the embedding lookup would only say IndexError."""
+        hi, lo = int(sample.max()), int(sample.min())
+        if hi < self.vocab_size and lo >= 0:
+            return
+        p, v = self.indexed.prefix, self.vocab_size
+        docs = f"document {int(self.doc_idx[d0])}" + (f" to {int(self.doc_idx[d1])}" if d1 != d0 else "")
+        raise IndexedDatasetError(
+            f"--data-path {p}: token id {hi if hi >= v else lo} in {docs} ({self.name} split) is outside the "
+            f"tokenizer's vocabulary of {v} ids: this .bin was made with another tokenizer (or is damaged); re-run "
+            f"tools/preprocess_data.py with this run's tokenizer files, or train with the tokenizer that made it "
+            f"(python -m megapar.data.validate {p} --vocab-size {v} finds every such id)")
 
 
 class BlendedDataset:
@@ -214,14 +244,15 @@ def _epoch_samples(indexed: IndexedDataset, lo: int, hi: int, seq_length: int) -
 
 
 def _build_split(sets: list[IndexedDataset], weights: Optional[list[float]], bounds: list[tuple[int, int]],
-                 name: str, num_samples: int, seq_length: int, seed: int, cache_dir: Optional[str]):
+                 name: str, num_samples: int, seq_length: int, seed: int, cache_dir: Optional[str],
+                 vocab_size: Optional[int] = None):
     """One split over one or more datasets (None if the split is empty everywhere)."""
     live = [i for i, (lo, hi) in enumerate(bounds) if hi > lo and _epoch_samples(sets[i], lo, hi, seq_length) > 0]
     if not live:
         return None
     if len(sets) == 1:
         (lo, hi), = bounds
-        return GPTDataset(sets[0], name, lo, hi, num_samples, seq_length, seed, cache_dir)
+        return GPTDataset(sets[0], name, lo, hi, num_samples, seq_length, seed, cache_dir, vocab_size)
     if weights is None:  # blend by size
         w = np.array([float(sets[i].sequence_lengths[slice(*bounds[i])].sum(dtype=np.int64)) for i in live])
     else:
@@ -229,8 +260,8 @@ def _build_split(sets: list[IndexedDataset], weights: Optional[list[float]], bou
     n = num_samples if num_samples > 0 else sum(_epoch_samples(sets[i], *bounds[i], seq_length) for i in live)
     blend = BlendedDataset([], w, n)
     counts = np.bincount(blend.dataset_index, minlength=len(live))
-    blend.datasets = [GPTDataset(sets[i], name, *bounds[i], int(max(counts[j], 1)), seq_length, seed, cache_dir)
-                      for j, i in enumerate(live)]
+    blend.datasets = [GPTDataset(sets[i], name, *bounds[i], int(max(counts[j], 1)), seq_length, seed, cache_dir,
+                                 vocab_size) for j, i in enumerate(live)]
     return blend
 
 
@@ -256,6 +287,66 @@ def check_datasets(data_path: Sequence[str] | str) -> list[dict]:
                                "preprocess a non-empty input or drop this prefix")
         out.append(summary)
     return out
+
+
+BIN_SAMPLES, BIN_SAMPLE_BYTES = 64, 1 << 16  # fingerprint(): evenly spaced blocks of the .bin that are hashed
+
+
+def fingerprint(data_path: Sequence[str] | str, hash_files: bool = True) -> list[tuple]:
+    """What this rank reads for each --data-path prefix: (prefix, .idx size, .bin size, sha256 of the
+    .idx and of BIN_SAMPLES evenly spaced blocks of the .bin -- or None without `hash_files`, for a
+    rank whose host's first rank hashes the same files). The .idx holds every document's length and
+    offset, so two copies made apart differ there; the sampled .bin blocks catch copies of one index
+    whose tokens differ, without reading the whole corpus at every start. An unreadable file gives
+    (prefix, its error)."""
+    out: list[tuple] = []
+    for p in parse_data_path(data_path)[0]:
+        idx, data = index_file_path(p), data_file_path(p)
+        try:
+            sizes = (os.path.getsize(idx), os.path.getsize(data))
+            out.append((p, *sizes, _digest(idx, data, sizes[1]) if hash_files else None))
+        except OSError as e:
+            out.append((p, f"cannot read {e.filename or p}: {e.strerror or e}"))
+    return out
+
+
+def _digest(idx: str, data: str, bin_size: int) -> str:
+    h = hashlib.sha256()
+    with open(idx, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    with open(data, "rb") as f:
+        for start in np.linspace(0, max(bin_size - BIN_SAMPLE_BYTES, 0), BIN_SAMPLES).astype(np.int64):
+            f.seek(int(start))
+            h.update(f.read(BIN_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def check_same_data(prints: Sequence[tuple[str, list]]) -> None:
+    """Every rank reads the same data: `prints` holds each rank's (host, fingerprint()), in rank order.
+    Ranks that read different copies (node-local files that differ) would train on mismatched tokens
+    without a sign; DatasetError names the first rank and file that differ from rank 0's, in one line."""
+    host0, ref = prints[0]
+    fix = ("the ranks would train on different tokens; give every node the same files (copy them from one place, "
+           "compare with sha256sum) or put them on a shared file system")
+    for rank, (host, mine) in enumerate(prints):
+        for entry, entry0 in zip(mine, ref):
+            p, where = entry[0], f"rank {rank} (host {host})"
+            if len(entry) == 2 or len(entry0) == 2:
+                bad, why = (where, entry[1]) if len(entry) == 2 else (f"rank 0 (host {host0})", entry0[1])
+                raise DatasetError(f"--data-path {p}: {bad} {why}; every rank reads the same files: copy them "
+                                   f"there or put them on a shared file system")
+            (_, idx_size, bin_size, digest), (_, idx_size0, bin_size0, digest0) = entry, entry0
+            if idx_size != idx_size0:
+                diff = f"{index_file_path(p)} of {idx_size} bytes, rank 0 (host {host0}) one of {idx_size0} bytes"
+            elif bin_size != bin_size0:
+                diff = f"{data_file_path(p)} of {bin_size} bytes, rank 0 (host {host0}) one of {bin_size0} bytes"
+            elif None not in (digest, digest0) and digest != digest0:
+                diff = (f"{index_file_path(p)} and {data_file_path(p)} of the same sizes as rank 0's (host {host0}) "
+                        f"but other contents (sha256 {digest[:12]} vs {digest0[:12]})")
+            else:
+                continue
+            raise DatasetError(f"--data-path {p}: {where} reads {diff}: {fix}")
 
 
 def check_token_ids(data_path: Sequence[str] | str, vocab_size: int, sample_tokens: int = START_SAMPLE_TOKENS) -> None:
@@ -289,9 +380,10 @@ def _check_splits(out: list, split: str, seq_length: int, num_samples: tuple[int
 
 def build_train_valid_test_datasets(data_path: Sequence[str] | str, split: str, seq_length: int, seed: int,
                                     train_valid_test_num_samples: tuple[int, int, int],
-                                    cache_dir: Optional[str] = None):
+                                    cache_dir: Optional[str] = None, vocab_size: Optional[int] = None):
     """(train, valid, test) datasets (None for an empty split); see the module docstring. Training
-    checks every pair first (check_datasets, at the start of pretrain)."""
+    checks every pair first (check_datasets, at the start of pretrain). With `vocab_size`, reading a
+    sample with a token id outside [0, vocab_size) raises IndexedDatasetError naming the prefix."""
     prefixes, weights = parse_data_path(data_path)
     sets = [IndexedDataset(p) for p in prefixes]
     splits = [parse_split(split, len(ds)) for ds in sets]
@@ -299,7 +391,7 @@ def build_train_valid_test_datasets(data_path: Sequence[str] | str, split: str, 
     for s, name in enumerate(("train", "valid", "test")):
         bounds = [(b[s], b[s + 1]) for b in splits]
         out.append(_build_split(sets, weights, bounds, name, int(train_valid_test_num_samples[s]),
-                                seq_length, seed, cache_dir))
+                                seq_length, seed, cache_dir, vocab_size))
     for name, ds in zip(("train", "valid", "test"), out):
         _log(f"{name}: {len(ds) if ds is not None else 0} samples")
     _check_splits(out, split, seq_length, train_valid_test_num_samples)

@@ -54,6 +54,7 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 import torch
 
+from ..errors import size_text
 from ..pinned import host_buffer
 from ..topology import ConfigError
 
@@ -86,8 +87,8 @@ def check_folder(root: str, rank: int, need: int, ranks_on_host: int) -> None:
                           f"optimizer state, never a checkpoint, or your files); remove it or give another folder")
     total, free = need * ranks_on_host, shutil.disk_usage(root).free
     if total > free:
-        raise ConfigError(f"--optimizer-nvme-offload {root} has {free / 2**30:.1f} GiB free, but the optimizer "
-                          f"state of the {ranks_on_host} rank(s) on this host needs {total / 2**30:.1f} GiB "
+        raise ConfigError(f"--optimizer-nvme-offload {root} has {size_text(free)} free, but the optimizer "
+                          f"state of the {ranks_on_host} rank(s) on this host needs {size_text(total)} "
                           f"({BYTES_PER_PARAM} B per owned parameter); free space there or give a folder on a "
                           f"larger disk")
 
@@ -177,7 +178,7 @@ def _reserve(fd: int, size: int, root: str) -> None:
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise ConfigError(f"--optimizer-nvme-offload {root}: the disk filled up while this rank's optimizer "
-                              f"state files were made ({size / 2**30:.1f} GiB each); free space there or give a "
+                              f"state files were made ({size_text(size)} each); free space there or give a "
                               f"folder on a larger disk") from None
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise

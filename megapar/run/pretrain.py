@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -96,14 +97,28 @@ def prepare_data(cfg: Config, rank: int) -> None:
         setattr(cfg.data, k, info.get(k))
 
 
-def build_datasets(cfg: Config):
+def check_same_data_on_every_rank(data_path) -> None:
+    """Every rank reads the files rank 0 checked (node-local copies can differ): one all-gather of
+    each rank's sizes, the first rank of each node adding the hash of its copy (fingerprint); the
+    same DatasetError on every rank when one differs."""
+    from ..data.gpt_dataset import check_same_data, fingerprint
+    if dist.get_world_size() == 1:
+        return
+    mine = fingerprint(data_path, hash_files=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+    prints: list = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, (socket.gethostname(), mine))
+    check_same_data(prints)
+
+
+def build_datasets(cfg: Config, vocab_size: Optional[int] = None):
     from ..data.gpt_dataset import build_train_valid_test_datasets
 
     total, gbs, log = train_iters(cfg), cfg.train.global_batch_size, cfg.log
     eval_runs = (total // log.eval_interval + 1) if log.eval_interval else 1
     counts = (total * gbs, eval_runs * log.eval_iters * gbs, log.eval_iters * gbs)
     return build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-                                           cfg.train.seed, counts, cache_dir=cfg.data.data_cache_path)
+                                           cfg.train.seed, counts, cache_dir=cfg.data.data_cache_path,
+                                           vocab_size=vocab_size)
 
 
 def build_tokenizer_for(cfg: Config):
@@ -162,6 +177,7 @@ def _pretrain(cfg: Config, topo: Topology, rank: int, device, argv: Optional[Seq
     if train_iters(cfg) > 0:  # a broken or empty .bin/.idx pair stops here, before the model
         from ..data.gpt_dataset import check_datasets
         on_rank0_for_all(lambda: check_datasets(cfg.data.data_path), rank)
+        check_same_data_on_every_rank(cfg.data.data_path)
     tokenizer = build_tokenizer_for(cfg)
     if train_iters(cfg) > 0:  # token ids the model's embedding table has no row for
         from ..data.gpt_dataset import check_token_ids
@@ -172,13 +188,15 @@ def _pretrain(cfg: Config, topo: Topology, rank: int, device, argv: Optional[Seq
         every_rank_for_all(lambda: check_nvme_offload(cfg, tokenizer.vocab_size, rank))
     run = build_run(cfg, topo, rank, device, tokenizer.vocab_size)
     try:
-        return _load_and_train(cfg, run, argv, state)
+        return _load_and_train(cfg, run, argv, state, tokenizer.vocab_size)
     finally:
         run.optimizer.close()
 
 
-def _load_and_train(cfg: Config, run, argv: Optional[Sequence[str]], state: TrainState) -> TrainState:
-    """pretrain() once the model and optimizer are built."""
+def _load_and_train(cfg: Config, run, argv: Optional[Sequence[str]], state: TrainState,
+                    vocab_size: int) -> TrainState:
+    """pretrain() once the model and optimizer are built (`vocab_size`: the tokenizer's, which bounds
+    every token id the datasets hand out)."""
     if cfg.ckpt.load:
         load(run, state)
     if train_iters(cfg) == 0:
@@ -188,7 +206,7 @@ def _load_and_train(cfg: Config, run, argv: Optional[Sequence[str]], state: Trai
         print_rank0(f"> nothing to do: the checkpoint in {cfg.ckpt.load} is at iteration {state.iteration} and this "
                     f"run ends at iteration {train_iters(cfg)}; give a larger --train-iters to train longer")
         return state
-    train_ds, valid_ds, test_ds = build_datasets(cfg)
+    train_ds, valid_ds, test_ds = build_datasets(cfg, vocab_size)
     reserve_saves(run)
     start = time.time()
     writer = build_writer(cfg, run.rank)  # TensorBoard and/or W&B on rank 0, as the flags ask

@@ -445,3 +445,103 @@ def test_driver_refuses_bad_optional_step_flags_before_any_work(gpt2_files, tmp_
             fault_class="OpenWebText steps", case=f"scripts/prepare_openwebtext.sh: {case}", expect=expect,
             watch=[tmp_path])
     assert not out.exists()
+
+
+# ---- data read at training time, and data that differs between ranks -------------------------------
+def test_token_id_beyond_the_vocabulary_outside_the_sampled_windows(files, tmp_path):
+    """A .bin larger than the start check's sample, out-of-vocabulary ids only where the sampled windows
+    do not look: the start check passes, and the first batch that holds one names the prefix (before: an
+    IndexError in the embedding at step 1 naming no file)."""
+    from megapar.data.gpt_dataset import START_SAMPLE_TOKENS
+    from megapar.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
+    from megapar.data.validate import _windows
+    prefix, doc, docs = str(tmp_path / "big"), 1000, 2 * START_SAMPLE_TOKENS // 1000 + 100
+    tokens = np.full(doc * docs, 300, dtype=np.uint16)  # 300: no row of the 265-id vocabulary
+    for start, end in _windows(tokens.size, START_SAMPLE_TOKENS):
+        tokens[start:end] = 7
+    builder = IndexedDatasetBuilder(data_file_path(prefix), dtype=np.uint16)
+    for d in range(docs):
+        builder.add_document(tokens[d * doc:(d + 1) * doc])
+    builder.finalize(index_file_path(prefix))
+    cache = tmp_path / "cache"
+    refused(train_cmd(files, prefix) + ["--data-cache-path", str(cache)], fault_class="data",
+            case="a token id >= the vocabulary outside the start check's sampled windows: named at the batch",
+            expect=[f"--data-path {prefix}: token id 300", "train split", "vocabulary of 265 ids",
+                    "tools/preprocess_data.py"], watch=[tmp_path], allow_new=[cache])
+
+
+def test_data_cache_path_that_cannot_take_the_indices(files, tmp_path):
+    """A --data-cache-path whose disk fills up (here: a file-size limit, EFBIG, as a full disk gives
+    ENOSPC) while the indices are written: one line naming the folder, no half-written index left."""
+    cache = tmp_path / "cache"
+    cmd = train_cmd(files) + ["--train-iters", "5000", "--data-cache-path", str(cache)]
+    cmd = ["bash", "-c", 'ulimit -f 16; exec "$@"', "bash", sys.executable, *cmd[1:]]  # 16 KiB per file at most
+    refused(cmd, fault_class="data", case="--data-cache-path too full for the dataset indices",
+            expect=[f"cannot write the dataset indices into {cache}", "the disk is full or a file-size limit",
+                    "give --data-cache-path a folder with room"], watch=[tmp_path])
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(files: dict, tmp_path: Path, change) -> tuple:
+    """Two one-process 'nodes' of a tp 2 job on this host, each with its own node-local copy of the
+    corpus (the same relative --data-path read from its own folder); `change(node1_prefix)` alters node
+    1's copy. Returns (node 0's folder, node 1's folder, node 0's Outcome, node 1's output)."""
+    nodes = [tmp_path / f"node{i}" for i in (0, 1)]
+    for n in nodes:
+        (n / "data").mkdir(parents=True)
+        for ext in (".bin", ".idx"):
+            shutil.copy(files["prefix"] + ext, n / "data" / f"corpus{ext}")
+    change(str(nodes[1] / "data" / "corpus"))
+    port, env = _free_port(), {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+    def launch(rank: int) -> list:
+        return [sys.executable, "-m", "megapar.launch", "--nnodes", "2", "--node-rank", str(rank), "--master-addr",
+                "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1", "--",
+                *train_cmd(files, "data/corpus")[3:], "--tensor-model-parallel-size", "2"]
+    node1 = subprocess.Popen(launch(1), cwd=nodes[1], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        out0 = refused(launch(0), fault_class="data", case=f"node-local copies that differ ({change.__doc__})",
+                       expect="--data-path data/corpus: rank 1 (host ", watch=[tmp_path], cwd=nodes[0],
+                       env={"PYTHONPATH": str(ROOT)})
+        out1 = node1.communicate(timeout=120)[0]
+    finally:
+        node1.kill()
+    return out0, out1
+
+
+def _another_corpus(prefix: str) -> None:
+    """another corpus"""
+    _random_corpus(prefix, docs=70)
+
+
+def _other_tokens(prefix: str) -> None:
+    """the same .idx, other tokens"""
+    tokens = np.memmap(prefix + ".bin", dtype=np.uint16, mode="r+")
+    tokens[:50] = (np.asarray(tokens[:50]) + 1) % 265
+    tokens.flush()
+    del tokens
+
+
+def _no_bin(prefix: str) -> None:
+    """no .bin on node 1"""
+    os.remove(prefix + ".bin")
+
+
+@pytest.mark.parametrize("change,names", [(_another_corpus, "reads data/corpus.idx of "),
+                                          (_other_tokens, "of the same sizes as rank 0's"),
+                                          (_no_bin, "cannot read data/corpus.bin: No such file")],
+                         ids=["another corpus", "other tokens", "no .bin"])
+def test_ranks_reading_different_data_are_named(files, tmp_path, change, names):
+    """Tensor-parallel ranks on two nodes whose local copies differ: before, they trained on mismatched
+    tokens and exited 0; now every rank stops at start, and each node prints one line naming rank 1,
+    its host and the file."""
+    out0, out1 = _two_nodes(files, tmp_path, change)
+    lines = [x for x in out0.output.splitlines() + out1.splitlines() if x.startswith("error:")]
+    assert len(lines) == 2 and lines[0] == lines[1] and names in lines[0], (lines, out1[-2000:])

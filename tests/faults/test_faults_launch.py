@@ -8,10 +8,14 @@ checkpoint file: a truncated shard or a tracker file that is not text is refused
 naming the file; the checkpoint folder is byte-identical afterwards.
 signals: with --exit-signal-handler, SIGTERM to the launcher or a first Ctrl-C (SIGINT) finishes
 the iteration, saves, names the signal and exits 0; a second Ctrl-C aborts (exit 130, no
-traceback) and leaves the last saved checkpoint intact.
+traceback) and leaves the last saved checkpoint intact. The launcher or torchrun killed outright
+(SIGKILL) leaves no training process behind.
+plain torchrun (as Megatron and DeepSpeed users start it): a refusal every rank finds prints its
+`error:` line once, whichever rank exits first.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, ROWS, Row, refused
+from harness import ROOT, ROWS, Row, refused, run
 
 sys.path.insert(0, str(ROOT / "tests"))
 from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
@@ -199,6 +203,8 @@ PYTHON_FLAG_CASES = [  # one process each (about 3 s): a case per class of bad n
     (["--train-iters", "5", "--clip-grad", "-1"], "--clip-grad -1.0 is out of range"),
     (["--train-iters", "5", "--adam-beta2", "1"], "--adam-beta2 1.0 is out of range"),
     (["--train-iters", "5", "--recipe", "6.7b-offload"], "(--optimizer-cpu-offload set by --recipe 6.7b-offload)"),
+    (["--train-iters", "5", "--distributed-timeout-minutes", "1e12"],  # overflowed c10d's timeout
+     "--distributed-timeout-minutes 1000000000000.0 is out of range: it must be a number in [0.05, 525600]"),
 ]
 ARGPARSE_CASES = [  # argparse's refusals, not ConfigError: through python only (not in-process below)
     (["--train-iters", "five"], "invalid int value"),
@@ -207,6 +213,8 @@ ARGPARSE_CASES = [  # argparse's refusals, not ConfigError: through python only 
 ]
 IN_PROCESS_CASES = [  # the rest, checked without a process each
     (["--train-iters", "5", "--global-batch-size", "0"], "--global-batch-size 0 must be >= 1"),
+    (["--train-iters", "5", "--distributed-timeout-minutes", "1e-9"],  # a crash connecting to the store
+     "--distributed-timeout-minutes 1e-09 is out of range: it must be a number in [0.05, 525600]"),
     (["--train-iters", "5", "--log-interval", "0"], "--log-interval 0 must be >= 1"),
     (["--train-iters", "5", "--save-interval", "0"], "--save-interval 0 must be >= 1"),
     (["--train-iters", "5", "--lr", "-0.001"], "--lr -0.001 is out of range"),
@@ -330,3 +338,118 @@ def test_logger_package_missing_is_refused_before_any_work(data, tmp_path, flag,
              "--save", tmp_path / "ck"], fault_class="flags",
             case=f"{flag} without the {package} package installed (python -m megapar.pretrain_gpt2)",
             expect=[flag, f"needs the {package} package", f"pip install {package}"], watch=[tmp_path])
+
+
+# ---- plain torchrun, and processes left behind ---------------------------------------------------
+TORCHRUN = ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "megapar.pretrain_gpt2"]
+
+
+SLOW_RANK = """import os, runpy, sys, time
+if os.environ["LOCAL_RANK"] == os.environ["SLOW_RANK"]:
+    time.sleep(3)  # this rank meets the refusal 3 s after the other, which has exited by then
+sys.argv[0] = "megapar.pretrain_gpt2"
+runpy.run_module("megapar.pretrain_gpt2", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("slow", [None, "0", "1"], ids=["as it comes", "rank 0 slower", "rank 1 slower"])
+def test_refusal_every_rank_finds_prints_once_under_plain_torchrun(data, tmp_path, slow):
+    """Every rank refuses the DeepSpeed config, and the first to exit makes torchrun kill the other:
+    the line must come out once whichever rank is first (before: only rank 0 printed it, so a rank 0
+    slower than rank 1 was killed before it printed anything). Either rank is made the slower by a
+    wrapper that sleeps 3 s before it runs the entry point; "as it comes" runs the entry point itself."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2,
+                              "gradient_accumulation_steps": 2}))
+    cmd = TORCHRUN
+    if slow is not None:
+        (tmp_path / "slow_rank.py").write_text(SLOW_RANK)
+        cmd = [*TORCHRUN[:-2], tmp_path / "slow_rank.py"]
+    counts = []
+    for _ in range(3):
+        out = run([*cmd, *data, "--train-iters", "5", "--deepspeed_config", ds], timeout=300,
+                  env={"SLOW_RANK": slow or "", "PYTHONPATH": str(ROOT)})
+        lines = [x for x in out.output.splitlines() if x.startswith("error:")]
+        counts.append(len(lines))
+        assert out.rc != 0 and all("train_batch_size" in x and str(ds) in x for x in lines), out.output[-3000:]
+    how = f"rank {slow} slower" if slow else "as it comes"
+    _record("launch", f"a refusal on every rank under plain torchrun (2 processes, {how}, 3 runs): one error line "
+            f"each", counts == [1] * 3, True)
+    assert counts == [1] * 3, counts
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _kill_outright_once_training(cmd: list, sig: int = signal.SIGKILL) -> tuple[list[int], list[int]]:
+    """Start `cmd` (a run that logs nothing while it trains, as a frozen one: no broken pipe ends it),
+    send it `sig` once the run has started; (the processes below it then, those still alive 60 s later)."""
+    proc = _popen([*cmd, "--log-interval", "1000000"])
+    for line in proc.stdout:
+        if "> megapar: world size" in line:
+            break
+    time.sleep(3)
+    below = _descendants(proc.pid)
+    os.kill(proc.pid, sig)
+    deadline = time.time() + 60
+    while time.time() < deadline and any(map(_alive, below)):
+        time.sleep(0.5)
+    left = [p for p in below if _alive(p)]
+    for p in left:  # never leave them to the next test
+        os.kill(p, signal.SIGKILL)
+    proc.stdout.close()
+    proc.wait(timeout=30)
+    return below, left
+
+
+def test_launcher_killed_outright_leaves_no_worker(data, tmp_path):
+    """kill -9 of scripts/pretrain_gpt2.sh (a batch system's last resort, a user's): torchrun and both
+    training processes end too instead of training on unseen."""
+    below, left = _kill_outright_once_training(
+        [*LAUNCHER, *data, "--train-iters", "100000", "--save", tmp_path / "ck"])
+    _record("signals", "launcher killed with SIGKILL (tp 2): torchrun and the workers end", not left, True)
+    assert len(below) >= 3, below  # torchrun and two workers
+    assert not left, left
+
+
+def test_torchrun_killed_outright_leaves_no_worker(data, tmp_path):
+    """kill -9 of plain torchrun: its two training processes end too."""
+    below, left = _kill_outright_once_training([*TORCHRUN, *data, "--tensor-parallel", "2", "--train-iters",
+                                                    "100000"])
+    _record("signals", "plain torchrun killed with SIGKILL (tp 2): the workers end", not left, True)
+    assert len(below) >= 2, below
+    assert not left, left
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP (a closed terminal)"])
+def test_launcher_signalled_without_the_handler_leaves_no_worker(data, tmp_path, sig):
+    """Without --exit-signal-handler a SIGTERM or SIGHUP to scripts/pretrain_gpt2.sh stops the run:
+    forwarded to both training processes, none is left."""
+    below, left = _kill_outright_once_training([*LAUNCHER, *data, "--train-iters", "100000"], sig)
+    _record("signals", f"{signal.Signals(sig).name} to the launcher without --exit-signal-handler (tp 2): "
+            f"every process ends", not left, True)
+    assert len(below) >= 3, below
+    assert not left, left

@@ -7,37 +7,27 @@ line naming the timeout and the rank it waited for (found by its heartbeat), not
 silence (torch's default for groups) and not a traceback.
 out of memory: a MemoryError (here: the dataset indices of an absurd --train-samples under a
 limit on the address space) ends in one line that names it and the fix.
+full disk (a small tmpfs; skipped where mounting one is not allowed): the dataset indices under
+--data-cache-path and the NVMe optimizer state are refused in one line naming the folder, with sizes
+in the unit that shows them (MiB below a GiB, never "0.0 GiB").
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import subprocess
 import signal
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from harness import ROWS, Row, refused
-from test_faults_launch import LAUNCHER, PYTHON, _popen, data  # noqa: F401 (data: the fixture)
+from test_faults_launch import LAUNCHER, PYTHON, _descendants, _popen, data  # noqa: F401 (data: the fixture)
 
 TIMEOUT_MINUTES = "0.1"  # 6 s: long enough for a loaded 2-core machine to start the run
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
 
 
 def _worker(launcher_pid: int, rank: int) -> int:
@@ -103,3 +93,43 @@ def test_model_larger_than_host_memory_is_one_line(data, tmp_path):  # noqa: F81
     refused(["bash", "-c", f"ulimit -v 4000000 && exec {train}"], fault_class="failing machine",
             case="host out of memory building the model (4 GB address space, torch's CPU allocator)",
             expect=["the host ran out of memory (", "can't allocate memory"], watch=[tmp_path])
+
+
+@contextlib.contextmanager
+def _small_disk(folder: Path, size: str):
+    """A tmpfs of `size` mounted at `folder` (a disk that fills up); skips where that is not allowed."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                             capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_data_cache_path_on_a_full_disk_is_one_line(data, tmp_path):  # noqa: F811
+    """Before: a raw OSError from numpy. The indices of 40000 samples do not fit in 64 KiB."""
+    flags = [*data[:-2], "--train-iters", "20000"]  # data's own --data-cache-path replaced below
+    with _small_disk(tmp_path / "disk", "64k") as disk:
+        (disk / "keep.txt").write_text("user data")
+        refused([*PYTHON, *flags, "--data-cache-path", disk], fault_class="machine",
+                case="--data-cache-path on a disk that fills up while the indices are written",
+                expect=[f"cannot write the dataset indices into {disk}", "give --data-cache-path a folder with room"],
+                watch=[disk])
+
+
+def test_nvme_space_below_a_gib_is_shown_in_mib(data, tmp_path):  # noqa: F811
+    """Before: "0.0 GiB free, but ... needs 0.0 GiB"."""
+    with _small_disk(tmp_path / "disk", "1m") as disk:
+        refused([*PYTHON, *data, "--train-iters", "5", "--hidden-size", "256", "--zero-stage", "1",
+                 "--optimizer-nvme-offload", disk], fault_class="machine",
+                case="--optimizer-nvme-offload on a disk of 1 MiB: sizes in MiB",
+                expect=[f"--optimizer-nvme-offload {disk} has 1.0 MiB free", "MiB (", "larger disk"], watch=[disk])
+
+
+def test_sizes_are_printed_in_the_unit_that_shows_them():
+    from megapar.errors import size_text
+    assert [size_text(n) for n in (0, 1000, 1536, 3 * 2**20 // 2, 5 * 2**30, 2**41)] == \
+        ["0 B", "1000 B", "1.5 KiB", "1.5 MiB", "5.0 GiB", "2.0 TiB"]
