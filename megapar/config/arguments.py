@@ -67,8 +67,8 @@ class ModelConfig:
                                           choices=("uniform", "block"))
     recompute_num_layers: int = arg(1, "layers per recomputed block (--recompute-method)")
     cross_entropy_loss_fusion: bool = arg(False, "the LM head and the loss fused, in chunks of tokens: the "
-                                                 "[tokens, vocabulary] logits never exist (less memory, fewer "
-                                                 "passes); needs the mean loss, which training uses")
+                                                 "[tokens, vocabulary] logits never exist (less memory, a slower "
+                                                 "head: for when the logits do not fit)")
     torch_compile: bool = arg(False, "torch.compile each transformer layer (fuses LayerNorm, GELU, dropout, "
                                      "residual adds)")
     gradient_accumulation_fusion: bool = arg(

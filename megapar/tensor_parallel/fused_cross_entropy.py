@@ -13,10 +13,14 @@ backward: the mean's gradient is one scalar, so the saved gradients are scaled b
 
 Why the gradient in the forward: the backward of the unfused head needs the logits (or their recomputation, one
 more GEMM); computing G while the chunk's logits are still in cache costs the same two GEMMs the unfused backward
-runs and keeps only grad_hidden [N, h] and grad_weight [V/tp, h] (fp32) alive between forward and backward,
+runs and keeps only grad_hidden [N, h] and grad_weight [V/tp, h] (compute dtype) alive between forward and backward,
 instead of [N, V/tp] logits. The price is the contract: the fused head returns the *mean* loss over every token
 (what training and evaluation use), not per-token losses. G is kept unscaled (entries in [-1, 1]) so that fp16
-never underflows; grad_hidden and grad_weight accumulate in fp32.
+never underflows. grad_weight accumulates over the chunks in the weight's dtype inside the GEMM (addmm: one
+rounding per chunk), which measured faster and smaller than an fp32 accumulator (docs/performance.md).
+
+This trades time for memory: the unfused head keeps the logits and reads them in fewer, larger passes, and was
+faster in every configuration measured (docs/performance.md); use the fusion where the logits do not fit.
 
 Padded vocabulary columns (global index >= true_vocab) are masked, so padding never changes the loss. The
 hidden state must already be in the tensor-parallel region (`to_tp_region`: its backward all-reduces, or
@@ -49,8 +53,8 @@ class _LinearCrossEntropyMean(torch.autograd.Function):
         rank, _ = tp_rank_size(group)
         start = rank * weight.shape[0]
         tokens = hidden.shape[0]
-        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)     # [N, h]
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)     # [V/tp, h]
+        grad_hidden = torch.empty_like(hidden)                                                 # [N, h]
+        grad_weight = torch.zeros_like(weight)                                                 # [V/tp, h]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         rows = chunk_rows(tokens, weight.shape[0])
         unit = torch.ones(rows, dtype=torch.float32, device=hidden.device)   # d(sum of losses)/d(each loss)
@@ -65,10 +69,9 @@ class _LinearCrossEntropyMean(torch.autograd.Function):
             loss_sum += (sum_exp.log() - target_logit).sum()
             g = _fused(_grad, logits)(logits, t, logits_max, sum_exp, unit[:x.shape[0]], start, true_vocab)
             del logits
-            grad_hidden[lo:lo + rows] = g @ weight                                             # [c, h]
-            grad_weight += g.t() @ x                                                           # [V/tp, h]
+            torch.mm(g, weight, out=grad_hidden[lo:lo + rows])                                 # [c, h]
+            grad_weight.addmm_(g.t(), x)                                                       # [V/tp, h]
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.tokens = tokens
         return loss_sum / tokens
 
@@ -76,7 +79,7 @@ class _LinearCrossEntropyMean(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_loss / ctx.tokens
-        return (grad_hidden * scale).to(ctx.dtypes[0]), (grad_weight * scale).to(ctx.dtypes[1]), None, None, None
+        return grad_hidden * scale, grad_weight * scale, None, None, None
 
 
 def linear_cross_entropy_mean(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
