@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from ..checkpoint import SaveDirLock, check_save_space
+from ..checkpoint import SaveDirLock, check_save_space, read_tracker
 from ..config.arguments import Config, noted_line
 from ..errors import MegaparError
 from ..launch import Processes, command_line, training_command
@@ -197,14 +197,17 @@ def _load_and_train(cfg: Config, run, argv: Optional[Sequence[str]], state: Trai
                     vocab_size: int) -> TrainState:
     """pretrain() once the model and optimizer are built (`vocab_size`: the tokenizer's, which bounds
     every token id the datasets hand out)."""
+    saved = read_tracker(cfg.ckpt.load) if cfg.ckpt.load and not cfg.ckpt.finetune else None
+    if isinstance(saved, int) and saved >= train_iters(cfg) > 0:
+        # at (or past) the end: nothing to train or save, and nothing to check (a rerun of the first command
+        # after a "train longer" one must not trip on the longer run's LR schedule)
+        print_rank0(f"> nothing to do: the checkpoint in {cfg.ckpt.load} is at iteration {saved} and this "
+                    f"run ends at iteration {train_iters(cfg)}; give a larger --train-iters to train longer")
+        return state
     if cfg.ckpt.load:
         load(run, state)
     if train_iters(cfg) == 0:
         print_rank0("> --train-iters 0: model built, exiting without training")
-        return state
-    if state.iteration >= train_iters(cfg):  # resumed at (or past) the end: nothing to train, nothing to save
-        print_rank0(f"> nothing to do: the checkpoint in {cfg.ckpt.load} is at iteration {state.iteration} and this "
-                    f"run ends at iteration {train_iters(cfg)}; give a larger --train-iters to train longer")
         return state
     train_ds, valid_ds, test_ds = build_datasets(cfg, vocab_size)
     reserve_saves(run)

@@ -188,6 +188,23 @@ def test_nothing_left_to_do_exits_0_without_writing(trained):
     assert snapshot([trained.ck]) == before                                  # nothing changed, nothing new
 
 
+def test_rerun_after_train_longer_exits_0_with_nothing_to_do(trained, tmp_path):
+    """The first command run again after its own train-longer command (a longer LR schedule in the checkpoint):
+    nothing to do, exit 0, not an LR-schedule refusal."""
+    import shutil
+    ck = str(tmp_path / "ck")
+    shutil.copytree(trained.ck, ck)
+    longer = run(TRAIN + trained.base + ["--train-iters", str(ITERS + 2), "--load", ck, "--save", ck,
+                                         "--override-opt_param-scheduler"])
+    assert longer.rc == 0, longer.output[-3000:]
+    before = snapshot([ck])
+    out = run(TRAIN + trained.base + ["--train-iters", str(ITERS), "--load", ck, "--save", ck])
+    assert out.rc == 0 and "error" not in out.output, out.output[-3000:]
+    assert f"> nothing to do: the checkpoint in {ck} is at iteration {ITERS + 2} and this run ends at iteration " \
+           f"{ITERS}" in out.output
+    assert snapshot([ck]) == before
+
+
 def test_train_longer_command_rewrites_the_flags():
     """Unit check of the hint: --load/--save/--train-iters/--lr-decay-iters in either spelling are replaced, a
     kept schedule keeps --use-checkpoint-opt_param-scheduler, the embedded default's (which ends at LR 0)
