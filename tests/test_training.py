@@ -351,3 +351,29 @@ def test_params_norm_is_layout_invariant(embedded_data):
     for procs, flags in ((2, ["--tensor-parallel", "2", "--make-vocab-size-divisible-by", "64"]),
                          (2, ["--pipeline-parallel", "2"]), (2, ["--zero-stage", "3"])):
         assert norms(procs, *flags) == pytest.approx(serial, rel=1e-5), flags
+
+
+def _count_evaluations(rank, world_size, argv):
+    import megapar.run.pretrain as pretrain_module
+    import megapar.run.training as training_module
+    from megapar.pretrain_gpt2 import parse
+    calls = []
+    real = training_module.evaluate
+
+    def counted(run, dataset, iters, split="val"):
+        calls.append(split)
+        return real(run, dataset, iters, split)
+    training_module.evaluate = pretrain_module.evaluate = counted
+    state = pretrain_module.pretrain(parse(argv, world_size))
+    return calls, state.valid_losses
+
+
+def test_last_validation_is_not_run_twice(embedded_data):
+    """--train-iters a multiple of --eval-interval: the validation at the last iteration is the end-of-training
+    one too (evaluated once, logged under both names); the test split is still evaluated."""
+    from distributed import run_distributed
+    argv = TINY_TRAIN + embedded_data + ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
+                                         "--split", "90,5,5"]
+    calls, valid = run_distributed(_count_evaluations, 1, args=(argv,))[0]
+    assert [it for it, _ in valid] == [2, 4]
+    assert calls == ["val", "val", "test"], calls

@@ -230,7 +230,8 @@ def _finish(run, state: TrainState, valid_ds, test_ds) -> None:
     cfg = run.cfg
     for name, ds in (("val", valid_ds), ("test", test_ds)):
         if ds is not None and cfg.log.eval_iters > 0:
-            loss = evaluate(run, ds, cfg.log.eval_iters, name)
+            just_done = name == "val" and state.valid_losses and state.valid_losses[-1][0] == state.iteration
+            loss = state.valid_losses[-1][1] if just_done else evaluate(run, ds, cfg.log.eval_iters, name)
             log_eval(f"validation loss at the end of training for {name} data", loss)
     if cfg.ckpt.save and not (cfg.ckpt.save_interval and state.iteration % cfg.ckpt.save_interval == 0):
         save(run, state)
