@@ -469,6 +469,7 @@ class StepLog:
         self.window_event: Optional[torch.cuda.Event] = None
         self.window_excluded = 0.0
         self.first = state.iteration + 1  # this run's first iteration: it gets a line of its own
+        self.first_s: Optional[float] = None  # the first iteration's seconds, left out of the first ETA
 
     def clock(self) -> float:
         """time.perf_counter() that stands still during excluded work."""
@@ -496,8 +497,13 @@ class StepLog:
             self.writer.add_scalar("lm loss", loss, step.iteration)
             self.writer.add_scalar("learning rate", step.lr, step.iteration)
         if self.logs_at(step.iteration):
-            elapsed = self._window_seconds(step, done) / self.window_iters
-            print_rank0(self._line(step, elapsed, self.window_loss / self.window_iters, grad_norm, *params_norm))
+            seconds = self._window_seconds(step, done)
+            elapsed = seconds / self.window_iters
+            steady = (seconds - self.first_s) / (self.window_iters - 1) if self.first_s and self.window_iters > 1 \
+                else elapsed   # the ETA leaves out the first iteration (compilation, warm-up)
+            self.first_s = None
+            print_rank0(self._line(step, elapsed, self.window_loss / self.window_iters, grad_norm, *params_norm,
+                                   eta_s=steady))
             if self.writer is not None and params_norm:
                 self.writer.add_scalar("params-norm", params_norm[0], step.iteration)
             if step.iteration == min(self.total, log.log_interval):
@@ -505,7 +511,8 @@ class StepLog:
             self.window_start, self.window_iters, self.window_loss, self.window_samples = done, 0, 0.0, 0
             self.window_event, self.window_excluded = step.ready, self.excluded_s
         elif step.iteration == self.first:  # a first sign of life (the window goes on: Megatron's lines stay)
-            print_rank0(self._first_line(step, done - self.window_start, loss))
+            self.first_s = done - self.window_start
+            print_rank0(self._first_line(step, self.first_s, loss))
 
     def logs_at(self, iteration: int) -> bool:
         """Whether `iteration` gets an iteration line (every --log-interval, and the last)."""
@@ -531,7 +538,7 @@ class StepLog:
                 f"| next line at iteration {next_line} (--log-interval {interval})")
 
     def _line(self, step: LaunchedStep, elapsed: float, loss: float, grad_norm: float,
-              params_norm: Optional[float] = None) -> str:
+              params_norm: Optional[float] = None, eta_s: Optional[float] = None) -> str:
         cfg, state = self.run.cfg, self.state
         tokens = self.window_samples / self.window_iters * cfg.model.seq_length  # per iteration of the window
         line = (f" iteration {step.iteration:8d}/{self.total:8d} | consumed samples: {step.consumed_samples:12d} | "
@@ -542,7 +549,7 @@ class StepLog:
                 f"number of skipped iterations: {state.skipped_iters:3d} | number of nan iterations: "
                 f"{state.nan_iters:3d} | "
                 f"{throughput_fields(tokens, elapsed, self.fpt, self.run.topo.world_size, self.peak)} | "
-                f"ETA: {eta(elapsed, self.total - step.iteration)} |")
+                f"ETA: {eta(elapsed if eta_s is None else eta_s, self.total - step.iteration)} |")
         nvme = getattr(self.run.optimizer, "nvme", None)
         if nvme is not None:  # the last step's state transfers, at their rate while in flight
             line += f" nvme I/O (GB/s): {nvme.last_stats.gb_per_s:.2f} |"
