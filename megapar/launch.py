@@ -195,8 +195,34 @@ def check_flags(flags: Sequence[str], world: Optional[int]) -> None:
     try:
         parse(list(flags), world)  # argparse errors print one `error:` line and exit 2 themselves
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(f"error: {e}{_process_count_hint(flags, world)}", file=sys.stderr, flush=True)
         raise SystemExit(USER_ERROR_EXIT) from None
+
+
+def _process_count_hint(flags: Sequence[str], world: int) -> str:
+    """Where the launcher chose the process count itself (scripts/pretrain_gpt2.sh without --nproc-per-node:
+    it sets MEGAPAR_NPROC_CHOSEN to what it counted), the count these flags work with (a recipe's or a DeepSpeed
+    config's batch triple imply one the script cannot see), as the flag to add."""
+    import contextlib
+    import io
+
+    from .config.arguments import ConfigError
+    from .pretrain_gpt2 import parse
+
+    chosen = os.environ.get("MEGAPAR_NPROC_CHOSEN")
+    if not chosen:
+        return ""
+    for size in range(1, 65):
+        if size == world:
+            continue
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                parse(list(flags), size)
+        except (ConfigError, SystemExit):
+            continue
+        return (f" (this launch counted {world} process(es): {chosen}; these flags work with {size}: add "
+                f"--nproc-per-node {size})")
+    return f" (this launch counted {world} process(es): {chosen}; give --nproc-per-node N)"
 
 
 def _children(pid: int) -> list[int]:

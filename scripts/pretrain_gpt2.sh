@@ -36,10 +36,12 @@ if [ -z "$nproc" ]; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   fi
-  if [ "$gpus" -gt 0 ]; then nproc="$gpus"
-  elif [[ "$tp" =~ ^[0-9]+$ && "$pp" =~ ^[0-9]+$ ]] && [ $((tp * pp)) -gt 0 ]; then nproc=$((tp * pp))
-  else nproc=1  # a --tensor-parallel / --pipeline-parallel that is no size: megapar.launch refuses it by name
+  if [ "$gpus" -gt 0 ]; then nproc="$gpus"; chosen="every visible GPU"
+  elif [[ "$tp" =~ ^[0-9]+$ && "$pp" =~ ^[0-9]+$ ]] && [ $((tp * pp)) -gt 0 ]; then
+    nproc=$((tp * pp)); chosen="tensor x pipeline on the command line, on a CPU"
+  else nproc=1; chosen="one"  # a --tensor-parallel / --pipeline-parallel that is no size: refused by name
   fi
+  export MEGAPAR_NPROC_CHOSEN="$chosen"  # megapar.launch names the count that fits when the flags need another
 fi
 if [ ${#launcher[@]} -eq 0 ]; then launcher=(--standalone); fi
 

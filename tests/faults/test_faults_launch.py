@@ -301,6 +301,21 @@ def test_bad_rendezvous_flags(tmp_path, flags, expect):
     assert out.rc == 2 and "torch.distributed" not in out.output
 
 
+@pytest.mark.parametrize("flags,size", [(["--recipe", "345m-tp2"], 2), (["--deepspeed_config", "DS"], 2)],
+                         ids=["recipe", "deepspeed batch triple"])
+def test_process_count_the_flags_imply_is_named(tmp_path, flags, size):
+    """The script counts tensor x pipeline from the command line on a CPU; a recipe or a DeepSpeed config whose
+    batch triple needs another count gets it named as the flag to add."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                              "gradient_accumulation_steps": 2}))
+    case = f"{' '.join(flags).replace('DS', 'ds.json')} without --nproc-per-node (CPU)"
+    flags = [str(ds) if f == "DS" else f for f in flags]
+    refused(["bash", "scripts/pretrain_gpt2.sh", *flags, "--train-iters", "1", "--save", tmp_path / "ck"],
+            fault_class="several nodes", case=case,
+            expect=f"add --nproc-per-node {size}", watch=[tmp_path], env={"CUDA_VISIBLE_DEVICES": ""})
+
+
 def test_sbatch_script_outside_a_slurm_job(tmp_path):
     refused(["bash", "scripts/slurm_pretrain_gpt2.sbatch", "--train-iters", "1"], fault_class="several nodes",
             case="scripts/slurm_pretrain_gpt2.sbatch run outside a SLURM job", expect="not inside a SLURM job",
