@@ -1,7 +1,6 @@
 """What a DeepSpeed config becomes in megapar, without starting a run.
 
     megapar-ds-config ds_config.json [--world-size N] [training flags]
-    python -m megapar.config.deepspeed_config ds_config.json ...      (the same)
     megapar-ds-config --table                                  (docs/guide.md's table of every key)
 
 Prints the lines a run prints at start (megapar/config/deepspeed_config.py): the flags the config sets, what

@@ -5,4 +5,5 @@
                          value's Origin kept), validation, and `flag_words` (a setting as command-line words)
     recipes.py           named, measured configurations (`--recipe NAME`; `python -m megapar.config.recipes`)
     deepspeed_config.py  a DeepSpeed `ds_config.json` read as DeepSpeed reads it, onto megapar's settings
+    command.py           a whole training command for the user to paste (`training_command`)
 """

@@ -443,17 +443,13 @@ def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
 TRAINING_PROG = "python -m megapar.pretrain_gpt2"
 
 
-def build_parser(prog: str = TRAINING_PROG, launcher: bool = False) -> argparse.ArgumentParser:
-    """The pretraining command line, one flag per config field (Megatron's names and aliases).
-    `prog` names the command in --help; `launcher` adds scripts/pretrain_gpt2.sh's own flags
-    (its --help)."""
+def build_parser(prog: str = TRAINING_PROG) -> argparse.ArgumentParser:
+    """The pretraining command line, one flag per config field (Megatron's names and aliases);
+    `prog` names the command in --help."""
     p = OneLineErrorParser(prog=prog, usage="%(prog)s [FLAGS]",
                 description="megapar GPT-2 pretraining (Megatron-LM compatible flags). Every flag is optional: "
                             "with no --data-path it trains a small GPT-2 on the embedded corpus.",
                 allow_abbrev=False, argument_default=argparse.SUPPRESS)
-    if launcher:
-        from ..launch import add_launcher_flags
-        add_launcher_flags(p)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for cls, title in SECTIONS.values():
         hints = typing.get_type_hints(cls)

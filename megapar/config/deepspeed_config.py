@@ -34,7 +34,6 @@ import difflib
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -878,8 +877,3 @@ def key_table() -> str:
     rows += ["| any other key in a section | refused | with \"did you mean\" for a near miss |",
              "| any other top-level key | noted | DeepSpeed ignores it (a near miss of a known key is refused) |"]
     return "\n".join(["| key | class | megapar |", "|---|---|---|", *rows])
-
-
-if __name__ == "__main__":  # python -m megapar.config.deepspeed_config: the megapar-ds-config tool
-    from ..cli.ds_config import main
-    sys.exit(main())

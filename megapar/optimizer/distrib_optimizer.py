@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..checkpoint.common import OPTIM_KINDS
+from .base import OPTIM_KINDS
 from ..pinned import host_buffer
 from ..tensor_parallel.mappings import all_gather_tensor
 from .base import BaseOptimizer, Owned, adam_state, adamw_group_update
