@@ -13,14 +13,10 @@ Disposition = Literal["honoured", "noted", "ignored", "switched", "given"]
 @dataclass(frozen=True)
 class Key:
     """One DeepSpeed key (`section.key`; `section.*`: every key of the section) and what megapar does with it:
-      honoured  it sets megapar settings (`why`: which); one-to-one keys name the setting (`dest`, of `type`),
-                and `default` is DeepSpeed's value for the key when absent, where it differs from megapar's;
-      noted     accepted and listed on one start-up line with `why`; "false only" in `why`: any other value
-                is refused;
-      ignored   a top-level key DeepSpeed reads but ignores (noted);
-      switched  a top-level section DeepSpeed switches with `enabled` (absent: off): noted while off, refused
-                when on (`why`: what to do instead);
-      given     a section without `enabled`, on when given: refused when it holds anything."""
+    honoured (sets settings; a one-to-one key names its `dest` of `type`, and `default` is DeepSpeed's value when
+    the key is absent), noted (accepted, listed at start with `why`; "false only": other values refused), ignored
+    (a top-level key DeepSpeed ignores), switched (a section with `enabled`: noted while off, refused when on) or
+    given (a section on when given: refused when it holds anything); `why` says why, or what to do instead."""
     path: str
     disposition: Disposition
     why: str

@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 from ..arguments import flag, flag_words
 from ...topology import _fail
-from .keys import BY_PATH, KEYS, NOTED, NVME_TUNING
+from .keys import BY_PATH, KEYS, NOTED
 
 AUTO = "auto"
 GUIDE = "docs/guide.md (Coming from DeepSpeed)"
@@ -66,26 +66,20 @@ MONITOR_DEFAULTS = {"output_path": "", "job_name": "DeepSpeedJobName", "project"
 REDUCE_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
                  "bf16": "bf16", "bfloat16": "bf16"}
 
-# What each section may hold (anything else is an unknown key).
-FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
-             "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"}
-OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad"}
-OFFLOAD_KEYS = {"device", "ratio", "nvme_path", "pin_memory", *NVME_TUNING}
-MONITOR_KEYS = {"tensorboard": {"enabled", "output_path", "job_name"},
-                "wandb": {"enabled", "group", "team", "project"},
-                "csv_monitor": {"enabled", "output_path", "job_name"}}
-ACTIVATION_KEYS = {"partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
-                   "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
-FLOPS_KEYS = {"enabled", "profile_step", "module_depth", "top_modules", "detailed", "output_file",
-              "recompute_fwd_factor"}
-
-
 def _section_keys(section: str) -> set[str]:
     """The keys of `section` the table names (one level down)."""
     prefix = section + "."
     return {k[len(prefix):].split(".")[0] for k in BY_PATH if k.startswith(prefix)} - {"*"}
 
 
+# What each section may hold (anything else is an unknown key): the table's keys, and those of a noted `section.*`.
+FP16_KEYS, OPTIMIZER_PARAMS = _section_keys("fp16"), _section_keys("optimizer.params")
+OFFLOAD_KEYS = _section_keys("zero_optimization.offload_optimizer")
+MONITOR_KEYS = {name: _section_keys(name) for name in ("tensorboard", "wandb", "csv_monitor")}
+ACTIVATION_KEYS = {"partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                   "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
+FLOPS_KEYS = {"enabled", "profile_step", "module_depth", "top_modules", "detailed", "output_file",
+              "recompute_fwd_factor"}
 ZERO_KEYS = _section_keys("zero_optimization")
 TOP_KEYS = {k.split(".")[0] for k in BY_PATH} | {"bfloat16"}
 
