@@ -45,7 +45,7 @@ def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
             name = name.rpartition(".")[0]
         return name
 
-    graph = defaultdict(set)
+    graph, missing = defaultdict(set), []
     for mod, path in mods.items():
         here = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -55,9 +55,11 @@ def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
                 base = ".".join(here[:len(here) - node.level + 1] + [node.module or ""]).strip(".") \
                     if node.level else node.module
                 names = [base] + [f"{base}.{a.name}" for a in node.names]
+                missing += [f"{mod}: {base}"] if base.startswith("megapar") and base not in mods else []
             else:
                 continue
             graph[mod] |= {known(n) for n in names if n.split(".")[0] == "megapar"} - {mod}
+    assert not missing, "imports of modules that do not exist:\n" + "\n".join(missing)
     return graph
 
 

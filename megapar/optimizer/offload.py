@@ -1,12 +1,9 @@
-"""The DistributedOptimizer's offloaded step, `HostStep` (as Megatron keeps cpu_offloading/ apart).
-
-AdamW runs on the host chunk by chunk (whole parts of one bucket, up to nvme.CHUNK_NUMEL elements):
-each chunk's new masters go to the device while the CPU steps the next, and the gradients come to
-the host during backward. With NVMe offload the chunks' state is read from the files into host
-buffers (`NvmeState.stream`); the flat master and moment shards are memory maps of the files, so the
-checkpoint paths read and write them as they do CPU offload's host buffers. With `delayed`
-(--delayed-param-update) the chunks are stepped on a worker thread while the next step's forward and
-backward run, and sent at the next step (`finish_pending`).
+"""The DistributedOptimizer's offloaded step, `HostStep` (as Megatron keeps cpu_offloading/ apart): AdamW on
+the host chunk by chunk (whole parts of one bucket, up to nvme.CHUNK_NUMEL elements), each chunk's new masters
+sent to the device while the CPU steps the next, the gradients brought to the host during backward. NVMe:
+the chunks' state streams from the files (`NvmeState.stream`); the flat shards are memory maps of them, so
+checkpoints read them as CPU offload's host buffers. `delayed` (--delayed-param-update): the chunks step on a
+worker thread during the next forward and backward, and are sent at the next step (`finish_pending`).
 """
 from __future__ import annotations
 
