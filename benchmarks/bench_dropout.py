@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_timing import graphed_us  # benchmarks/gpu_timing.py
-from megapar.run.inductor import COMPILE_OPTIONS
+from megapar.kernels.inductor import COMPILE_OPTIONS
 
 VARIANTS = ["none", "inductor", "fallback_random", "megapar"]
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_timing import graphed_us  # benchmarks/gpu_timing.py
-from megapar.run.inductor import COMPILE_OPTIONS
+from megapar.kernels.inductor import COMPILE_OPTIONS
 
 SETTINGS = ["default", "16", "32", "64", "128", "off"]
 

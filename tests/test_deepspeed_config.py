@@ -599,7 +599,8 @@ def test_megatron_deepspeed_and_deepspeed_examples_read_as_deepspeed_reads_them(
 # ---- the docs table and megapar-ds-config ----------------------------------------------------------------------
 def test_the_guide_has_the_table_of_every_key():
     """docs/guide.md carries key_table() as is: regenerate it with `megapar-ds-config --table`."""
-    from megapar.config.deepspeed_config import HONOURED, NOTED, SWITCHED, key_table
+    from megapar.config.deepspeed.keys import HONOURED, NOTED, SWITCHED
+    from megapar.config.deepspeed.read import key_table
     guide = (ROOT / "docs" / "guide.md").read_text()
     assert key_table() in guide
     for key in (*HONOURED, *NOTED, *SWITCHED):

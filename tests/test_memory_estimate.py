@@ -4,7 +4,8 @@ import pytest
 
 from gpt_helpers import tiny_model_config
 from megapar.config.arguments import parse_config
-from megapar.planner.memory_estimate import GiB, estimate, stage_params
+from megapar.model.sizes import stage_params
+from megapar.planner.memory_estimate import GiB, estimate
 from megapar.model import GPT2Model, Stage, set_vocab
 
 GPT2_345M = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
@@ -85,7 +86,7 @@ def _tiny(flags, world=4):
 
 
 def test_hand_counts_match_the_model():
-    from megapar.planner.memory_estimate import layer_params
+    from megapar.model.sizes import layer_params
     cfg = _tiny([])
     assert (layer_params(cfg), stage_params(cfg, 0)) == (ONE, N)
 

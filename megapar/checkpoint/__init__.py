@@ -22,7 +22,8 @@ from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, SHAPE_F
                      flatten_model_state, flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file,
                      nest_model_state, nest_model_states, read_saved_config, read_tracker, restore_scheduler,
                      saved_layout_flags, set_rng_state, shard_dir_name)
-from .common import OPTIM_KINDS, parse_shard_dir, shard_dirs
+from ..optimizer.base import OPTIM_KINDS
+from .common import parse_shard_dir, shard_dirs
 from .legacy import load_model_state
 from .guard import SaveDirLock, check_finetune_dirs, check_save_space
 from .publish import published_dir, publish_iteration, staged_iteration, staging_dir

@@ -30,8 +30,6 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 CHECKPOINT_VERSION = 3.0
-# The optimizer state of each parameter, in file order: {"state": {name: {kind: fp32 tensor}}, ...}
-OPTIM_KINDS = ("master_param", "exp_avg", "exp_avg_sq")
 # ModelConfig fields that must match between a checkpoint and the run that loads it.
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
                 "vocab_size")

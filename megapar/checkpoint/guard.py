@@ -198,7 +198,7 @@ def checkpoint_bytes(cfg: Config, vocab_size: int) -> int:
     """The size of one checkpoint of this run with a tokenizer of `vocab_size` tokens: every
     (tp, pp) rank's parameters in the model's dtype, plus the fp32 master weights and Adam moments
     when optimizer state is saved. Computed from the flags, before any model is built."""
-    from ..planner.memory_estimate import stage_params
+    from ..model.sizes import stage_params
     p, t = cfg.parallel, cfg.train
     sized = copy.copy(cfg)
     sized.model = dataclasses.replace(cfg.model, padded_vocab_size=padded_vocab_size(

@@ -33,7 +33,8 @@ from typing import Iterator, Optional
 import torch
 
 from ..config.arguments import ModelConfig
-from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, OPTIM_KINDS, CheckpointError, check_compatible,
+from ..optimizer.base import OPTIM_KINDS
+from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, check_compatible,
                      flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, loaded_line,
                      nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
                      shard_dir_name, shard_dirs, untracked_line, identity,

@@ -261,14 +261,16 @@ def is_canonical_output(path: str) -> bool:
             and _only_files(os.path.join(path, "tensors"), lambda n: n.endswith(".pt")))
 
 
-HF_TOKENIZER_FILES = {"vocab.json", "merges.txt", "tokenizer.model", "tokenizer_config.json",
-                      "special_tokens_map.json"}   # megapar/reshard/hf_tokenizer.py
+# The tokenizer files an HF export may hold beside the model (megapar/reshard/hf_tokenizer.py writes them).
+GPT2_FILES = ("vocab.json", "merges.txt")
+SP_FILE = "tokenizer.model"
+CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
 def is_hf_output(path: str) -> bool:
     names = _entries(path)
     if not {"config.json", "model.safetensors"} <= names or not names <= {"config.json", "model.safetensors"} | \
-            HF_TOKENIZER_FILES or not _only_files(path, lambda n: True):
+            {*GPT2_FILES, SP_FILE, *CONFIG_FILES} or not _only_files(path, lambda n: True):
         return False
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:

@@ -15,7 +15,7 @@ import sys
 import time
 
 from megapar.errors import USER_ERROR_EXIT, MegaparError, OneLineErrorParser
-from megapar.launch import Processes, training_command
+from megapar.config.command import Processes, training_command
 from megapar.reshard import bounded_heap
 from megapar.reshard.convert import write_sharded
 from megapar.reshard.hf_source import HFFolder, megapar_flags, tokenizer_flags

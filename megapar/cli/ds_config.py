@@ -1,10 +1,9 @@
 """What a DeepSpeed config becomes in megapar, without starting a run.
 
     megapar-ds-config ds_config.json [--world-size N] [training flags]
-    python -m megapar.config.deepspeed_config ds_config.json ...      (the same)
     megapar-ds-config --table                                  (docs/guide.md's table of every key)
 
-Prints the lines a run prints at start (megapar/config/deepspeed_config.py): the flags the config sets, what
+Prints the lines a run prints at start (megapar/config/deepspeed/read.py): the flags the config sets, what
 each "auto" resolves to with these training flags at this world size, the keys accepted without
 acting on them; then the layout and batch. A config megapar refuses ends, after what was read, in
 the one `error:` line a run would end with (every refusal, joined by "; "), exit status 2.
@@ -14,7 +13,7 @@ from typing import Optional
 
 from megapar.config.arguments import DEEPSPEED_CONFIG, ConfigError, build_parser, config_from_namespace
 from megapar.errors import OneLineErrorParser
-from megapar.config.deepspeed_config import apply, key_table
+from megapar.config.deepspeed.read import apply, key_table
 from megapar.config.recipes import expand_recipes
 
 

@@ -446,17 +446,13 @@ def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
 TRAINING_PROG = "python -m megapar.pretrain_gpt2"
 
 
-def build_parser(prog: str = TRAINING_PROG, launcher: bool = False) -> argparse.ArgumentParser:
-    """The pretraining command line, one flag per config field (Megatron's names and aliases).
-    `prog` names the command in --help; `launcher` adds scripts/pretrain_gpt2.sh's own flags
-    (its --help)."""
+def build_parser(prog: str = TRAINING_PROG) -> argparse.ArgumentParser:
+    """The pretraining command line, one flag per config field (Megatron's names and aliases);
+    `prog` names the command in --help."""
     p = OneLineErrorParser(prog=prog, usage="%(prog)s [FLAGS]",
                 description="megapar GPT-2 pretraining (Megatron-LM compatible flags). Every flag is optional: "
                             "with no --data-path it trains a small GPT-2 on the embedded corpus.",
                 allow_abbrev=False, argument_default=argparse.SUPPRESS)
-    if launcher:
-        from ..launch import add_launcher_flags
-        add_launcher_flags(p)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for cls, title in SECTIONS.values():
         hints = typing.get_type_hints(cls)
@@ -498,7 +494,7 @@ def parse_flags(argv: Optional[Sequence[str]], parser: Optional[argparse.Argumen
                 ) -> dict[str, Any]:
     """The flags the user gave ({dest: value}, without defaults), merged in a stated order: each
     `--recipe` in turn < `--deepspeed-config` < the command line (a flag both set must agree,
-    deepspeed_config.py). Under ORIGINS: the Origin of each recipe's value the command line did not
+    deepspeed/read.py). Under ORIGINS: the Origin of each recipe's value the command line did not
     override (config_from_namespace adds the DeepSpeed keys'). `parser`: build_parser()'s, renamed."""
     names, typed = recipe_names(list(sys.argv[1:] if argv is None else argv))
     parser = parser or build_parser()
@@ -539,7 +535,7 @@ def apply_config_files(given: dict[str, Any]) -> dict[str, Any]:
     given.pop("deepspeed", None)
     path = given.pop(DEEPSPEED_CONFIG, None)
     if path is not None:
-        from .deepspeed_config import apply
+        from .deepspeed.read import apply
         origins = given.pop(ORIGINS, {})
         given[DEEPSPEED_CONFIG] = apply(path, given, below=frozenset(origins))
         if origins:
@@ -628,7 +624,7 @@ def _resolve_and_validate(cfg: Config, given: dict[str, Any], world_size: int, a
     p, t = cfg.parallel, cfg.train
     p.data_parallel_size = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
     if cfg.deepspeed is not None:  # gradient_accumulation_steps: the batch triple needs dp
-        from .deepspeed_config import resolve_batch
+        from .deepspeed.read import resolve_batch
         t.micro_batch_size, t.global_batch_size = resolve_batch(
             cfg.deepspeed, given.get("micro_batch_size"), given.get("global_batch_size"),
             default_of("micro_batch_size"), p.data_parallel_size)

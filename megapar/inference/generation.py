@@ -36,7 +36,7 @@ from ..config.arguments import ModelConfig
 from ..checkpoint import SavedConfig
 from ..model.gpt2 import GPT2Model, Stage
 from ..model.kv_cache import KVCache
-from ..run.readback import to_host, wait_host
+from ..kernels.readback import to_host, wait_host
 from ..reshard import load_model_state_for
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.mappings import gather_from_tp

@@ -7,6 +7,7 @@ torch, CUDA, GPU arch) into a cache directory. The JIT build happens in a privat
 directory that is renamed into place only when it succeeded, so an interrupted or failed build
 never leaves a lock file or a half-built module behind. Nothing here falls back silently: a
 caller that asks for the fused kernels on a machine without them gets a RuntimeError.
+Beside them: inductor.py (torch.compile's options), readback.py (device values read back without stalling).
 """
 from __future__ import annotations
 

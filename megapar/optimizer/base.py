@@ -38,6 +38,9 @@ from ..config.arguments import TrainConfig
 from ..model.sharding import tp_partition_dim
 from .grad_buffer import GradBuffer
 
+# The optimizer state of each parameter, in file order: {"state": {name: {kind: fp32 tensor}}, ...}
+OPTIM_KINDS = ("master_param", "exp_avg", "exp_avg_sq")
+
 
 # ---- AdamW ---------------------------------------------------------------------------------------
 def no_weight_decay(name: str, p: nn.Parameter) -> bool:

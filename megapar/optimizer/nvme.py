@@ -99,7 +99,7 @@ def state_bytes_per_rank(cfg, vocab_size: int) -> int:
     import copy
     import dataclasses
 
-    from ..planner.memory_estimate import stage_params
+    from ..model.sizes import stage_params
     from ..topology import padded_vocab_size
     p, sized = cfg.parallel, copy.copy(cfg)
     sized.model = dataclasses.replace(cfg.model, padded_vocab_size=padded_vocab_size(

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..checkpoint.common import OPTIM_KINDS
+from .base import OPTIM_KINDS
 from .base import BaseOptimizer, Owned, adam_state
 from .grad_buffer import GradBuffer
 

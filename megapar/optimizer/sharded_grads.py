@@ -198,7 +198,3 @@ class ShardedGradBuffer(GradReduction):
             else:
                 reduce("reduce_scatter", slot, self.edge_data, self.dp_group, self.reduce_dtype, async_op=False)
         self._sum_over_tp()
-
-    def gradient_bytes(self) -> int:
-        """Persistent fp32 gradient bytes on this rank (the shard and the edge bucket)."""
-        return 4 * (self.shard_data.numel() + self.edge_data.numel())

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..optimizer.nvme import BYTES_PER_PARAM
-from .memory_estimate import layer_params_of
+from ..model.sizes import layer_params_of
 from .calibration import Calibration, Link
 
 

@@ -226,7 +226,7 @@ def table(plan_: Plan, top: int = 10) -> str:
 
 def command(req: Request, lay: cost.Layout) -> str:
     """The `bash scripts/pretrain_gpt2.sh ...` line of a layout (on node 0 when it spans nodes)."""
-    from ..launch import Processes, training_command
+    from ..config.command import Processes, training_command
     procs = Processes(req.cluster.ranks_per_node, -(-req.gpus // req.gpus_per_node))
     order = ["tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
              "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",

@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from ..checkpoint.common import (OPTIM_KINDS, CheckpointError, SavedConfig, atomic_torch_save, load_file,
+from ..optimizer.base import OPTIM_KINDS
+from ..checkpoint.common import (CheckpointError, SavedConfig, atomic_torch_save, load_file,
                                  read_saved_config)
 from ..checkpoint.publish import CANONICAL, CHECKPOINT, staged_output
 from ..checkpoint.stream import LazyTensor, StreamingSaver

@@ -19,7 +19,8 @@ import os
 from typing import Optional
 
 from ..atomic import atomic_write_text
-from ..checkpoint.common import (OPTIM_KINDS, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, iter_dir,
+from ..optimizer.base import OPTIM_KINDS
+from ..checkpoint.common import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, iter_dir,
                                  shard_dir_name)
 from ..checkpoint.common import identity, new_run_id, write_manifest
 from ..checkpoint.legacy import shard_objects

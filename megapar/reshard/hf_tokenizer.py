@@ -27,11 +27,7 @@ from typing import Optional
 
 from ..config.arguments import DataConfig
 from ..checkpoint.common import CheckpointError
-
-GPT2_FILES = ("vocab.json", "merges.txt")
-SP_FILE = "tokenizer.model"
-CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
-TOKENIZER_FILES = GPT2_FILES + (SP_FILE,) + CONFIG_FILES     # what an export may hold beside the model
+from ..checkpoint.publish import CONFIG_FILES, GPT2_FILES, SP_FILE
 ENDOFTEXT = "<|endoftext|>"
 _FIX = "pass --vocab-file/--merge-file or --tokenizer-model, or --no-tokenizer to export the model alone"
 

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 
 from ..topology import layer_counts
-from ..checkpoint.common import (OPTIM_KINDS, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError,
+from ..optimizer.base import OPTIM_KINDS
+from ..checkpoint.common import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError,
                                  flatten_model_states, load_file, read_saved_config, read_tracker,
                                  shard_dir_name, shard_dirs)
 from ..checkpoint.legacy import check_optimizer_state, read_optimizer_state, read_shard

@@ -17,7 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..atomic import atomic_write_text
-from ..checkpoint.common import (OPTIM_KINDS, TRACKER, CheckpointError, atomic_torch_save, iter_dir,
+from ..optimizer.base import OPTIM_KINDS
+from ..checkpoint.common import (TRACKER, CheckpointError, atomic_torch_save, iter_dir,
                                  read_saved_config, read_tracker)
 from ..checkpoint.dist import (COMMON_FILE, Chunk, Deferred, Entry, common_record, fqn, load_entries, read_common,
                                save_entries)

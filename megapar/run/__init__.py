@@ -3,8 +3,6 @@
     initialize.py     process groups, device, model, ZeRO stage (optimizer/zero.py), LR schedule -> `Run`
     training.py       the step (schedule, reduction, optimizer), the loop, evaluation, saves and loads
     cuda_graph.py     the whole step captured in one CUDA graph (--enable-cuda-graph)
-    inductor.py       torch.compile settings for the layers
     heartbeat.py      a rank that stops answering: named within --distributed-timeout-minutes
-    readback.py       device values read back without stalling the step
     timers.py, throughput.py, scalar_writer.py   timing, tokens/s and MFU, TensorBoard / W&B / CSV logs
 """

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..checkpoint import SaveDirLock, check_save_space, read_tracker
 from ..config.arguments import Config, noted_line
 from ..errors import MegaparError
-from ..launch import Processes, command_line, training_command
+from ..config.command import Processes, command_line, training_command
 from ..optimizer.nvme import check_nvme_offload
 from ..pipeline.p2p import current_step
 from ..topology import Topology

@@ -22,7 +22,7 @@ from .initialize import Run, checkpoint_args, print_rank0, train_iters
 from ..model import VirtualStages
 from ..pipeline.p2p import current_step
 from ..pipeline.schedules import ScheduleConfig, average_logs, get_forward_backward_func
-from .readback import to_host, wait_host
+from ..kernels.readback import to_host, wait_host
 from ..tensor_parallel.linear import use_gemv_bias_grads
 from ..tensor_parallel.random import get_rng_tracker
 from .throughput import device_peak_tflops, flops_per_token, memory_fields, throughput_fields

@@ -21,7 +21,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..run.inductor import COMPILE_OPTIONS
+from ..kernels.inductor import COMPILE_OPTIONS
 from .layers import tp_rank_size
 from .mappings import Group
 

@@ -2,12 +2,12 @@
 
 deepspeed config: a key megapar cannot honour (NVMe parameter offload, NVMe optimizer offload without
 its nvme_path, a 1-bit optimizer, curriculum learning, a misspelt key, a config with several such
-problems), a file that
-is missing or is not JSON, a flag given on the command line and in the config with different
-values, and a batch triple that does not hold at the world size the launcher starts -- each is
-refused by `bash scripts/pretrain_gpt2.sh` before torchrun starts a process: one `error:` line
-naming the key (or file, line and column) and a fix (every problem of the file, joined by "; "),
-exit 2, no traceback, nothing written. `megapar-ds-config` ends a refused config the same way.
+problems), a file that is missing, is not JSON or nests too deeply for the parser, a flag given on
+the command line and in the config with different values, and a batch triple that does not hold at
+the world size the launcher starts -- each is refused by `bash scripts/pretrain_gpt2.sh` before
+torchrun starts a process: one `error:` line naming the key (or file, line and column) and a fix
+(every problem of the file, joined by "; "), exit 2, no traceback, nothing written.
+`megapar-ds-config` ends a refused config the same way.
 estimator: tools/estimate_memory.py refuses a size it cannot read (`--gpu-memory 80XB`), a count
 below 1 and a bad DeepSpeed config the same way.
 """
@@ -63,6 +63,8 @@ LAUNCHER_CASES = [  # (id, config or text, extra flags, expected fragments)
       'zero_optimization.overlap_comm "yes" must be true or false']),
     ("reduce bucket size 0", {"zero_optimization": {"stage": 1, "reduce_bucket_size": 0}}, [],
      ["--ddp-bucket-size 0 must be >= 1", "set by zero_optimization.reduce_bucket_size"]),
+    ("nested too deeply", '{"train_batch_size": ' + "[" * 100_000 + "]" * 100_000 + "}", [],
+     ["nests objects or arrays too deeply to read", "fix the file"]),
 ]
 
 

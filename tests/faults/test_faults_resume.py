@@ -255,7 +255,7 @@ def test_a_fine_tunes_next_commands_resume_it_without_finetune(tmp_path):
 def test_the_next_commands_keep_the_processes_of_the_run(monkeypatch):
     """A run of several processes is continued by as many: the launcher's flags come from what torchrun
     started this process with (its environment), node 0's rendezvous flags for several nodes."""
-    from megapar.launch import Processes
+    from megapar.config.command import Processes
     from megapar.pretrain_gpt2 import parse
     from megapar.run.pretrain import resume_command, train_longer_command
     argv = ["--train-iters", "100", "--save", "b", "--tensor-model-parallel-size", "2"]

@@ -5,13 +5,13 @@
 
 The config is read once, before validation, where `arguments.parse_flags` expands recipes, so
 training, the launcher (which validates at the world size it will start), tools/estimate_memory.py
-and `megapar-ds-config` all take it. Every key DeepSpeed reads falls in one class (the tables below,
+and `megapar-ds-config` all take it. Every key DeepSpeed reads falls in one class (its `Key` row in keys.py,
 and the table in docs/guide.md, which `key_table()` writes):
-  * honoured (HONOURED): it sets megapar flags;
-  * noted (NOTED, and the sections of SWITCHED while switched off): accepted and listed on one
+  * honoured: it sets megapar flags;
+  * noted (and the keys of a switched section while switched off): accepted and listed on one
     start-up line with why -- it only shapes how DeepSpeed schedules memory or communication, it
     is at DeepSpeed's default, it is switched off, or DeepSpeed itself ignores it;
-  * refused: megapar cannot honour it (another optimizer, a switched-on SWITCHED section, ...).
+  * refused: megapar cannot honour it (another optimizer, a switched-on section, ...).
 Keys neither DeepSpeed nor megapar know are refused inside sections (DeepSpeed does too), with
 "did you mean" for a near miss; at the top level DeepSpeed ignores them, and so does megapar
 (noted) unless they are a near miss of a known key.
@@ -20,7 +20,7 @@ Rules:
   * `"auto"` means "not set here": the command line's flag, or megapar's default, applies; the
     start-up lines say what each one became;
   * a key absent from the config takes DeepSpeed's default where DeepSpeed's differs from
-    megapar's or defines the feature (DEFAULTS, and the scheduler's params): a flag given on the
+    megapar's or defines the feature (`Key.default`, and the scheduler's params): a flag given on the
     command line wins over such a default;
   * a flag set on the command line and by a key of the config must have the same value;
   * the batch triple train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps
@@ -34,217 +34,17 @@ import difflib
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .arguments import flag, flag_words
-from ..topology import _fail
+from ..arguments import flag, flag_words
+from ...topology import _fail
+from .keys import BY_PATH, KEYS, NOTED
 
 AUTO = "auto"
 GUIDE = "docs/guide.md (Coming from DeepSpeed)"
-
-# ---- the key tables -------------------------------------------------------------------------------
-# key path -> (flag dest, type) for the keys that map one to one.
-KEY_TO_FLAG: dict[str, tuple[str, type]] = {
-    "train_batch_size": ("global_batch_size", int),
-    "train_micro_batch_size_per_gpu": ("micro_batch_size", int),
-    "gradient_clipping": ("clip_grad", float),
-    "steps_per_print": ("log_interval", int),
-    "fp16.loss_scale_window": ("loss_scale_window", int),
-    "fp16.hysteresis": ("hysteresis", int),
-    "fp16.min_loss_scale": ("min_loss_scale", float),
-    "optimizer.params.lr": ("lr", float),
-    "optimizer.params.eps": ("adam_eps", float),
-    "optimizer.params.weight_decay": ("weight_decay", float),
-    "zero_optimization.reduce_bucket_size": ("ddp_bucket_size", int),
-    "zero_optimization.overlap_comm": ("overlap_grad_reduce", bool),
-}
-
-# Keys that set megapar flags: key path -> what they become (the docs table's text).
-HONOURED: dict[str, str] = {
-    "train_batch_size": "`--global-batch-size`",
-    "train_micro_batch_size_per_gpu": "`--micro-batch-size`",
-    "gradient_accumulation_steps": "train_batch_size = micro × steps × dp: any two give the third at the "
-                                   "world size; all three must agree",
-    "gradient_clipping": "`--clip-grad`",
-    "steps_per_print": "`--log-interval` (absent: DeepSpeed's 10)",
-    "wall_clock_breakdown": "true: `--timing-log-level 1`",
-    "communication_data_type": "`--grad-reduce-dtype` (fp32, bf16, fp16; absent: fp32)",
-    "fp16.enabled": "`--fp16`",
-    "fp16.loss_scale": "0: dynamic scaling; else `--loss-scale`",
-    "fp16.initial_scale_power": "`--initial-loss-scale 2^p` (absent: DeepSpeed's 16)",
-    "fp16.loss_scale_window": "`--loss-scale-window` (absent: DeepSpeed's 1000)",
-    "fp16.hysteresis": "`--hysteresis` (absent: DeepSpeed's 2)",
-    "fp16.min_loss_scale": "`--min-loss-scale` (absent: DeepSpeed's 1)",
-    "bf16.enabled": "`--bf16` (also spelt `bfloat16`)",
-    "optimizer.type": "Adam, AdamW (any case): megapar's AdamW",
-    "optimizer.params.lr": "`--lr`",
-    "optimizer.params.betas": "`--adam-beta1`, `--adam-beta2`",
-    "optimizer.params.eps": "`--adam-eps`",
-    "optimizer.params.weight_decay": "`--weight-decay` (decoupled, as DeepSpeed's Adam unless adam_w_mode is false)",
-    "optimizer.params.adam_w_mode": "true: decoupled decay (megapar's AdamW); false with a weight decay: refused",
-    "optimizer.params.bias_correction": "true: as megapar's AdamW; false: refused",
-    "scheduler.type": "WarmupLR, WarmupDecayLR, WarmupCosineLR: `--lr-decay-style` constant, linear, cosine",
-    "scheduler.params.warmup_type": "`--lr-warmup-style` log (absent: DeepSpeed's log) or linear",
-    "scheduler.params.warmup_num_steps": "`--lr-warmup-iters` (absent: DeepSpeed's 1000; at least 2 with log)",
-    "scheduler.params.warmup_max_lr": "`--lr` (absent: DeepSpeed's 0.001)",
-    "scheduler.params.warmup_min_lr": "`--lr-warmup-init` (absent: DeepSpeed's 0); WarmupDecayLR: also `--min-lr`",
-    "scheduler.params.total_num_steps": "`--lr-decay-iters`",
-    "scheduler.params.cos_min_ratio": "`--min-lr` = ratio × `--lr` (absent: DeepSpeed's 0.0001)",
-    "scheduler.params.warmup_min_ratio": "`--lr-warmup-init` = ratio × `--lr` (absent: DeepSpeed's 0)",
-    "scheduler.params.last_batch_iteration": "-1 (others refused: megapar resumes the schedule from its checkpoint)",
-    "zero_optimization": "true: `--zero-stage 1`, false: `--zero-stage 0` (DeepSpeed's legacy boolean)",
-    "zero_optimization.stage": "`--zero-stage`",
-    "zero_optimization.reduce_bucket_size": "`--ddp-bucket-size` (the gradient buckets of stages 0-1 on GPUs; stages "
-                                            "2-3 reduce a layer at a time; absent: megapar's 40,000,000)",
-    "zero_optimization.overlap_comm": "`--overlap-grad-reduce` (true) or `--no-overlap-grad-reduce` (false); absent: "
-                                      "megapar's overlap",
-    "zero_optimization.offload_optimizer.device": "cpu: `--optimizer-cpu-offload`; nvme: `--optimizer-nvme-offload "
-                                                  "nvme_path`; none: neither",
-    "zero_optimization.offload_optimizer.nvme_path": "with device nvme: `--optimizer-nvme-offload` (the state files go "
-                                                     "in nvme_path/rank_NNNNN/); otherwise noted",
-    "zero_optimization.offload_optimizer.ratio": "1.0 (a partial offload is refused)",
-    "zero_optimization.offload_param.device": "cpu / none: `--param-cpu-offload` on / off (nvme refused: parameters "
-                                              "offload to CPU memory only)",
-    "zero_optimization.cpu_offload": "`--optimizer-cpu-offload` (DeepSpeed's older spelling)",
-    "zero_optimization.cpu_offload_param": "`--param-cpu-offload` (DeepSpeed's older spelling)",
-    "pipeline.stages": "`--pipeline-model-parallel-size` (\"auto\": the command line decides)",
-    "tensor_parallel.autotp_size": "`--tensor-model-parallel-size` (DeepSpeed's AutoTP)",
-    "sequence_parallel_size": "1 (DeepSpeed-Ulysses above 1 is refused: megapar's --sequence-parallel splits "
-                              "activations over tensor parallelism)",
-    "tensorboard.enabled": "`--tensorboard-dir output_path/job_name`",
-    "tensorboard.output_path": "(see enabled; absent: the working directory)",
-    "tensorboard.job_name": "(see enabled; absent: DeepSpeedJobName)",
-    "wandb.enabled": "`--wandb-project project`",
-    "wandb.project": "(see enabled; absent: deepspeed)",
-    "csv_monitor.enabled": "`--csv-log-dir output_path/job_name` (a CSV file per scalar, as DeepSpeed's)",
-    "csv_monitor.output_path": "(see enabled; absent: the working directory)",
-    "csv_monitor.job_name": "(see enabled; absent: DeepSpeedJobName)",
-    "flops_profiler.enabled": "`--profile` of one step (megapar logs TFLOP/s every `--log-interval` anyway)",
-    "flops_profiler.profile_step": "`--profile-step-start p --profile-step-end p+1` (absent: DeepSpeed's 1)",
-}
-
-# Absent keys that take DeepSpeed's default (fp16's only while fp16 is on): key path -> value.
-DEFAULTS: dict[str, Any] = {
-    "steps_per_print": 10,
-    "fp16.initial_scale_power": 16,
-    "fp16.loss_scale_window": 1000,
-    "fp16.hysteresis": 2,
-    "fp16.min_loss_scale": 1.0,
-}
-
-# Accepted, not acted on: key path -> why (section.* : every key of the section).
-_OWN_COMMS = "megapar schedules its own gradient and parameter communication, per layer"
-_NVME_IO = ("tunes DeepSpeed's NVMe I/O; megapar reads and writes the state files with O_DIRECT pread/pwrite (buffered "
-            "where the file system refuses it) from a pool of I/O threads, a chunk ahead of the CPU step, through two "
-            "chunks' host buffers")
-_NVME_PARAM = "an NVMe setting; megapar offloads parameters to CPU memory only"
-_RECOMPUTE = ("--recompute-granularity / --checkpoint-activations switch recompute on, as Megatron-DeepSpeed's "
-              "flags do")
-_STAGE3 = "stage 3 gathers exactly one layer ahead and frees it after use"
-_SAVE = "checkpoints are megapar's own layout; tools/convert_to_hf.py writes full weights"
-NOTED: dict[str, str] = {
-    "zero_allow_untested_optimizer": "megapar has one optimizer, AdamW",
-    "zero_force_ds_cpu_optimizer": "megapar steps offloaded optimizer state with its own CPU AdamW",
-    "memory_breakdown": "megapar logs memory after its first iterations anyway",
-    "dump_state": "megapar prints its settings at start",
-    "elastic_checkpoint": "megapar's torch_dist checkpoints load at any data-parallel size",
-    "prescale_gradients": "megapar divides gradients by the data-parallel size before it reduces them",
-    "gradient_predivide_factor": "the reduced gradient is the same average however the division is split",
-    "disable_allgather": _OWN_COMMS,
-    "sparse_gradients": "megapar's embeddings have dense gradients",
-    "seq_parallel_communication_data_type": "sequence-parallel activations are communicated in the model's dtype",
-    "graph_harvesting": "megapar captures CUDA graphs with --enable-cuda-graph",
-    "dataloader_drop_last": "megapar's data loader reads whole global batches",
-    "comms_logger.*": "megapar times its communication with --timing-log-level 2",
-    "timers.*": "megapar logs throughput every --log-interval",
-    "checkpoint.*": "megapar's checkpoints load at any parallel layout and are checked on load",
-    "data_types.grad_accum_dtype": "megapar accumulates gradients in fp32",
-    "compile.*": "megapar uses torch.compile where --use-inductor asks for it",
-    "optimizer.params.torch_adam": "--adam-impl chooses the AdamW implementation",
-    "optimizer.params.amsgrad": "false only: megapar's AdamW has no AMSGrad",
-    "fp16.fp16_master_weights_and_grads": "false only: megapar keeps fp32 masters and gradients",
-    "fp16.consecutive_hysteresis": "false only: megapar refills --hysteresis only when the scale grows",
-    "fp16.auto_cast": "false only: megapar keeps the whole model in fp16 with fp32 masters",
-    "bf16.immediate_grad_update": "megapar adds each microbatch's gradient to its fp32 buffer at once",
-    "activation_checkpointing.*": _RECOMPUTE,
-    "activation_checkpointing.partition_activations": "megapar's --sequence-parallel (tensor parallel > 1) splits "
-                                                      "the activations over the tensor-parallel ranks",
-    "activation_checkpointing.cpu_checkpointing": "megapar keeps recomputed layers' inputs on the GPU",
-    "tensorboard.*": "not used while tensorboard.enabled is false",
-    "wandb.*": "not used while wandb.enabled is false",
-    "wandb.group": "megapar has no W&B group flag: set WANDB_RUN_GROUP",
-    "wandb.team": "megapar has no W&B entity flag: set WANDB_ENTITY",
-    "csv_monitor.*": "not used while csv_monitor.enabled is false",
-    "flops_profiler.*": "megapar's --profile prints the top kernels and writes a Chrome trace instead",
-    "pipeline.*": "megapar splits layers evenly over --pipeline-model-parallel-size stages",
-    "tensor_parallel.*": "megapar's tensor parallelism is Megatron's, fixed by --tensor-model-parallel-size",
-    "zero_optimization.contiguous_gradients": "megapar's gradients always live in contiguous fp32 buffers",
-    "zero_optimization.reduce_scatter": "megapar reduce-scatters gradients at --zero-stage >= 1, all-reduces at 0",
-    "zero_optimization.allgather_partitions": "megapar all-gathers updated parameters at --zero-stage 1-2",
-    "zero_optimization.allgather_bucket_size": _OWN_COMMS,
-    "zero_optimization.use_multi_rank_bucket_allreduce": _OWN_COMMS,
-    "zero_optimization.round_robin_gradients": _OWN_COMMS,
-    "zero_optimization.load_from_fp32_weights": "megapar always restores the fp32 masters from its checkpoint",
-    "zero_optimization.elastic_checkpoint": "megapar's torch_dist checkpoints load at any data-parallel size",
-    "zero_optimization.legacy_stage1": "megapar has one stage-1 implementation",
-    "zero_optimization.sub_group_size": "megapar steps each rank's whole optimizer shard at once",
-    "zero_optimization.cpu_offload_use_pin_memory": "offloaded state is always in pinned CPU memory",
-    "zero_optimization.ignore_unused_parameters": "every GPT-2 parameter gets a gradient",
-    "zero_optimization.memory_efficient_linear": _STAGE3,
-    "zero_optimization.override_module_apply": _STAGE3,
-    "zero_optimization.pipeline_loading_checkpoint": _STAGE3,
-    "zero_optimization.mics_shard_size": _OWN_COMMS,
-    "zero_optimization.mics_hierarchical_params_gather": _OWN_COMMS,
-    "zero_optimization.zero_hpz_partition_size": _OWN_COMMS,
-    "zero_optimization.zero_quantized_weights": "megapar communicates parameters in full precision",
-    "zero_optimization.zero_quantized_nontrainable_weights": "every GPT-2 parameter is trained",
-    "zero_optimization.zero_quantized_gradients": "--grad-reduce-dtype sets the gradients' communication dtype",
-    "zero_optimization.zeropp_loco_param": "megapar communicates parameters in full precision",
-    "zero_optimization.log_trace_cache_warnings": _STAGE3,
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": _SAVE,
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": _SAVE,
-    "zero_optimization.gather_16bit_weights_on_model_save": _SAVE,
-    **{f"zero_optimization.{p}{k}": _STAGE3 for p in ("", "stage3_") for k in (
-        "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold", "max_live_parameters",
-        "max_reuse_distance", "module_granularity_threshold", "use_all_reduce_for_fetch_params")},
-}
-_NVME_TUNING = ("buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline_read", "pipeline_write", "pipeline")
-NOTED.update({f"zero_optimization.{o}.pin_memory": "offloaded state is always in pinned CPU memory"
-              for o in ("offload_optimizer", "offload_param")})
-NOTED.update({f"zero_optimization.offload_optimizer.{k}": _NVME_IO for k in _NVME_TUNING})
-NOTED.update({f"zero_optimization.offload_param.{k}": _NVME_PARAM for k in (*_NVME_TUNING, "nvme_path")})
-NOTED.update({f"aio.{k}": _NVME_IO for k in ("block_size", "queue_depth", "intra_op_parallelism", "thread_count",
-                                              "single_submit", "overlap_events", "use_gds")})
-# Values at which a "false only" key above asks for nothing.
+# Values at which a "false only" key asks for nothing.
 NOTED_ONLY_AT = {k: False for k, why in NOTED.items() if why.startswith("false only")}
-
-# Top-level sections DeepSpeed switches with `enabled` (absent: off), which megapar cannot honour
-# when on: name -> what to do instead. Off, every key of theirs is noted.
-SWITCHED: dict[str, str] = {
-    "amp": "use --bf16 or --fp16 (megapar's mixed precision)",
-    "curriculum_learning": "megapar trains at one --seq-length over shuffled data; drop the section",
-    "data_efficiency": "megapar trains at one --seq-length over shuffled data; drop the section",
-    "progressive_layer_drop": "megapar trains every layer every step; drop the section",
-    "eigenvalue": "megapar does not compute Hessian eigenvalues; drop the section",
-    "quantize_training": "megapar trains in bf16/fp16 with fp32 masters (fp8: --fp8-format); drop the section",
-    "sparse_attention": "megapar's attention is dense (--attention-backend); drop the section",
-    "elasticity": "give --global-batch-size and --micro-batch-size for the world size you launch",
-    "autotuning": "megapar-plan-layout suggests a layout; drop the section",
-    "hybrid_engine": "megapar trains only; drop the section",
-    "nebula": "megapar writes checkpoints to --save; drop the section",
-    "comet": "megapar logs to TensorBoard (tensorboard), W&B (wandb) or CSV (csv_monitor)",
-    "compression_training": "megapar does not compress models; drop the section",
-    "weight_quantization": "megapar trains unquantized weights; drop the section",
-    "moe": "megapar trains dense GPT-2 models; drop the section",
-}
-ON_WHEN_GIVEN = {"sparse_attention", "compression_training", "weight_quantization"}  # no `enabled`: on when given
-# Top-level keys DeepSpeed reads but ignores: name -> why (noted).
-IGNORED_BY_DEEPSPEED: dict[str, str] = {
-    "comms_config": "DeepSpeed ignores it",
-    "monitor_config": "DeepSpeed ignores it (it reads tensorboard, wandb and csv_monitor)",
-}
 
 OPTIMIZER_TYPES = {"adam", "adamw"}
 REFUSED_OPTIMIZERS = {  # lower-cased type -> why
@@ -266,29 +66,22 @@ MONITOR_DEFAULTS = {"output_path": "", "job_name": "DeepSpeedJobName", "project"
 REDUCE_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
                  "bf16": "bf16", "bfloat16": "bf16"}
 
-# What each section may hold (anything else is an unknown key).
-FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
-             "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"}
-OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction", "amsgrad"}
-OFFLOAD_KEYS = {"device", "ratio", "nvme_path", "pin_memory", *_NVME_TUNING}
-MONITOR_KEYS = {"tensorboard": {"enabled", "output_path", "job_name"},
-                "wandb": {"enabled", "group", "team", "project"},
-                "csv_monitor": {"enabled", "output_path", "job_name"}}
+def _section_keys(section: str) -> set[str]:
+    """The keys of `section` the table names (one level down)."""
+    prefix = section + "."
+    return {k[len(prefix):].split(".")[0] for k in BY_PATH if k.startswith(prefix)} - {"*"}
+
+
+# What each section may hold (anything else is an unknown key): the table's keys, and those of a noted `section.*`.
+FP16_KEYS, OPTIMIZER_PARAMS = _section_keys("fp16"), _section_keys("optimizer.params")
+OFFLOAD_KEYS = _section_keys("zero_optimization.offload_optimizer")
+MONITOR_KEYS = {name: _section_keys(name) for name in ("tensorboard", "wandb", "csv_monitor")}
 ACTIVATION_KEYS = {"partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
                    "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
 FLOPS_KEYS = {"enabled", "profile_step", "module_depth", "top_modules", "detailed", "output_file",
               "recompute_fwd_factor"}
-
-
-def _section_keys(section: str) -> set[str]:
-    """The keys of `section` the tables name (one level down)."""
-    prefix = section + "."
-    return {k[len(prefix):].split(".")[0] for k in (*HONOURED, *NOTED) if k.startswith(prefix)} - {"*"}
-
-
 ZERO_KEYS = _section_keys("zero_optimization")
-TOP_KEYS = ({k.split(".")[0] for k in (*HONOURED, *NOTED)} | set(SWITCHED) | set(IGNORED_BY_DEEPSPEED)
-            | {"fp16", "bf16", "bfloat16", "optimizer", "scheduler"})
+TOP_KEYS = {k.split(".")[0] for k in BY_PATH} | {"bfloat16"}
 
 
 @dataclass
@@ -409,6 +202,9 @@ def load_json(path: str) -> dict[str, Any]:
               f"fix the file")
     except ValueError as e:
         _fail(f"--deepspeed-config {path} is not valid: {e}; keep one")
+    except RecursionError:   # the parser recurses once per level
+        _fail(f"--deepspeed-config {path} nests objects or arrays too deeply to read; a DeepSpeed config is a few "
+              f"levels deep: fix the file")
     if not isinstance(raw, dict):
         _fail(f"--deepspeed-config {path}: the top level is a JSON {type(raw).__name__}, not an object "
               f"({{\"train_batch_size\": ..., ...}}); fix the file")
@@ -427,7 +223,7 @@ def _unknown(s: DeepSpeedSettings, key: str, name: str, allowed: set[str]) -> No
 def _section(s: DeepSpeedSettings, parent: dict, name: str, prefix: str, allowed: set[str],
              note: bool = True) -> dict[str, Any]:
     """The object under `name` ({} when absent, null or not an object), after refusing keys not in
-    `allowed` and (`note`) noting those NOTED lists."""
+    `allowed` and (`note`) noting those the table notes."""
     key = f"{prefix}{name}"
     sec = parent.get(name)
     if sec is None:
@@ -444,7 +240,7 @@ def _section(s: DeepSpeedSettings, parent: dict, name: str, prefix: str, allowed
 
 
 def _note_if_listed(s: DeepSpeedSettings, key: str, value: Any) -> None:
-    """Note `key` if NOTED lists it (or its section with `.*`); a "false only" key set to another
+    """Note `key` if the table notes it (or its section with `.*`); a "false only" key set to another
     value is refused."""
     why = NOTED.get(key) or NOTED.get(key.rsplit(".", 1)[0] + ".*")
     if why is None:
@@ -482,9 +278,9 @@ def _refuse(s: DeepSpeedSettings, key: str, value: Any, why: str, fix: str) -> N
 
 # ---- the sections ---------------------------------------------------------------------------------
 def _simple(s: DeepSpeedSettings, raw: dict) -> None:
-    """The KEY_TO_FLAG keys: one flag each; absent ones with DeepSpeed's default (DEFAULTS)."""
+    """The one-to-one keys: one flag each; absent ones with DeepSpeed's default (`Key.default`)."""
     fp16_on = _fp16_on(raw)
-    for key, (dest, kind) in KEY_TO_FLAG.items():
+    for key, dest, kind, default in ((k.path, k.dest, k.type, k.default) for k in KEYS if k.dest):
         *parents, name = key.split(".")
         obj = raw
         for p in parents:
@@ -494,8 +290,8 @@ def _simple(s: DeepSpeedSettings, raw: dict) -> None:
         v = _value(s, obj, name, key[: -len(name)], kind, (dest,))
         if v is not None:
             s.set(key, dest, v)
-        elif name not in obj and key in DEFAULTS:
-            s.set(f"{key} (absent: DeepSpeed's default)", dest, kind(DEFAULTS[key]), default=True)
+        elif name not in obj and default is not None:
+            s.set(f"{key} (absent: DeepSpeed's default)", dest, kind(default), default=True)
 
 
 def _fp16_on(raw: dict) -> bool:
@@ -507,8 +303,8 @@ def _top(s: DeepSpeedSettings, raw: dict) -> None:
     """Unknown top-level keys (noted, as DeepSpeed ignores them, unless a near miss), the batch
     triple's third key, wall_clock_breakdown, communication_data_type and the noted top-level keys."""
     for k, v in raw.items():
-        if k in IGNORED_BY_DEEPSPEED:
-            s.note(k, IGNORED_BY_DEEPSPEED[k])
+        if k in BY_PATH and BY_PATH[k].disposition == "ignored":
+            s.note(k, BY_PATH[k].why)
         elif k not in TOP_KEYS:
             if difflib.get_close_matches(k, sorted(TOP_KEYS), n=1, cutoff=0.75):
                 _unknown(s, k, k, TOP_KEYS)
@@ -547,8 +343,8 @@ def _precision(s: DeepSpeedSettings, raw: dict) -> None:
             s.set("fp16.loss_scale", "loss_scale", scale or None)
         power = _value(s, fp16, "initial_scale_power", "fp16.", int, ("initial_loss_scale",))
         if "initial_scale_power" not in fp16:
-            power, key, default = DEFAULTS["fp16.initial_scale_power"], "fp16.initial_scale_power (absent: " \
-                                                                         "DeepSpeed's default)", True
+            power, key, default = BY_PATH["fp16.initial_scale_power"].default, "fp16.initial_scale_power (absent: " \
+                                                                                "DeepSpeed's default)", True
         else:
             key, default = "fp16.initial_scale_power", False
         if power is not None and not 0 <= power <= 64:
@@ -660,7 +456,7 @@ def _cosine(s: DeepSpeedSettings, params: dict, source: dict[str, str], absent: 
             cli: dict[str, Any]) -> None:
     """WarmupCosineLR: ratios of the optimizer's lr: --lr-warmup-init = warmup_min_ratio x --lr,
     --min-lr = cos_min_ratio x --lr."""
-    from .arguments import default_of
+    from ..arguments import default_of
 
     key = "scheduler.params."
     lr = s.flags.get("lr", cli.get("lr", default_of("lr")))
@@ -777,7 +573,7 @@ def _layout(s: DeepSpeedSettings, raw: dict) -> None:
 
 def _noted_sections(s: DeepSpeedSettings, raw: dict) -> None:
     """Sections whose every key is noted (activation_checkpointing, ...), data_types, and the
-    SWITCHED sections: noted while off, refused when on; aio (tunes NVMe I/O)."""
+    switched sections: noted while off, refused when on; aio (tunes NVMe I/O)."""
     _section(s, raw, "activation_checkpointing", "", ACTIVATION_KEYS)
     for name in ("comms_logger", "timers", "checkpoint", "compile"):
         sec = raw.get(name)
@@ -787,13 +583,14 @@ def _noted_sections(s: DeepSpeedSettings, raw: dict) -> None:
         elif sec is not None:
             s.problem(f"{name} must be a JSON object, not {json.dumps(sec)}")
     _section(s, raw, "data_types", "", {"grad_accum_dtype"})
-    for name, fix in SWITCHED.items():
+    for name, fix, given in ((k.path, k.why, k.disposition == "given") for k in KEYS
+                             if k.disposition in ("switched", "given")):
         sec = raw.get(name)
         if sec is None:
             continue
         if not isinstance(sec, dict):
             s.problem(f"{name} must be a JSON object, not {json.dumps(sec)}")
-        elif name in ON_WHEN_GIVEN and sec:
+        elif given and sec:
             s.problem(f"{name} is not supported; {fix}")
         elif sec.get("enabled") in (True, AUTO):
             s.problem(f"{name}.enabled: true is not supported; {fix}")
@@ -869,17 +666,11 @@ def resolve_batch(s: DeepSpeedSettings, micro: Optional[int], global_batch: Opti
 # ---- the key table (docs/guide.md) -----------------------------------------------------------------
 def key_table() -> str:
     """docs/guide.md's table of every key: honoured (what it becomes), noted (why), refused."""
-    rows = [f"| `{k}` | honoured | {v} |" for k, v in HONOURED.items()]
-    rows += [f"| `{k}` | noted | {why} |" for k, why in NOTED.items()]
-    rows += [f"| `{k}` | noted | {why} |" for k, why in IGNORED_BY_DEEPSPEED.items()]
-    rows += [f"| `{k}.*` | refused when given | {fix} |" if k in ON_WHEN_GIVEN else
-             f"| `{k}.*` | noted while `enabled` is false; refused when true | {fix} |" for k, fix in SWITCHED.items()]
+    kinds = {"honoured": "honoured", "noted": "noted", "ignored": "noted", "given": "refused when given",
+             "switched": "noted while `enabled` is false; refused when true"}
+    rows = [f"| `{k.path}{'.*' if k.disposition in ('switched', 'given') else ''}` | {kinds[k.disposition]} | {k.why} |"
+            for k in KEYS]
     rows += [f"| `optimizer.type` {t} | refused | {why} |" for t, why in REFUSED_OPTIMIZERS.items()]
     rows += ["| any other key in a section | refused | with \"did you mean\" for a near miss |",
              "| any other top-level key | noted | DeepSpeed ignores it (a near miss of a known key is refused) |"]
     return "\n".join(["| key | class | megapar |", "|---|---|---|", *rows])
-
-
-if __name__ == "__main__":  # python -m megapar.config.deepspeed_config: the megapar-ds-config tool
-    from ..cli.ds_config import main
-    sys.exit(main())
