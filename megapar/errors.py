@@ -10,6 +10,8 @@ own name and its old builtin base (ValueError, RuntimeError), so existing `excep
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 
 class MegaparError(Exception):
@@ -36,3 +38,24 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(USER_ERROR_EXIT, f"error: {message}; see --help for the flags\n")
+
+
+# ---- processes that must not outlive their parent ------------------------------------------------
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_parent(sig: int) -> None:
+    """Have the kernel send this process `sig` when its parent dies (Linux prctl PR_SET_PDEATHSIG;
+    a no-op elsewhere): a launcher or torchrun killed with SIGKILL, which no handler sees, then
+    takes its processes with it instead of leaving them training (and holding GPUs) unseen. The
+    parent that died before the call counts too (this process is then a child of init or a subreaper)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent or parent == 1:
+        os.kill(os.getpid(), sig)

@@ -44,7 +44,7 @@ import threading
 from typing import Optional, Sequence
 
 from .config.command import TRAINING_SCRIPT
-from .errors import USER_ERROR_EXIT
+from .errors import USER_ERROR_EXIT, die_with_parent
 
 # What torchrun itself would forward; the first two make --exit-signal-handler save (training.py).
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -198,26 +198,6 @@ def _rank_of(pid: int) -> Optional[int]:
     except OSError:
         return None
     return next((int(e[5:]) for e in env if e.startswith(b"RANK=") and e[5:].isdigit()), None)
-
-
-PR_SET_PDEATHSIG = 1  # prctl(2)
-
-
-def die_with_parent(sig: int) -> None:
-    """Have the kernel send this process `sig` when its parent dies (Linux prctl PR_SET_PDEATHSIG;
-    a no-op elsewhere): a launcher or torchrun killed with SIGKILL, which no handler sees, then
-    takes its processes with it instead of leaving them training (and holding GPUs) unseen. The
-    parent that died before the call counts too (this process is then a child of init or a subreaper)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent or parent == 1:
-        os.kill(os.getpid(), sig)
 
 
 class Launch:

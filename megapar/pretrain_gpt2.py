@@ -23,8 +23,7 @@ import torch.distributed as dist
 
 from .config.arguments import (DEEPSPEED_CONFIG, ORIGINS, Config, ConfigError, Origin, config_from_namespace,
                                default_of, parse_flags)
-from .errors import USER_ERROR_EXIT, MegaparError
-from .launch import die_with_parent
+from .errors import USER_ERROR_EXIT, MegaparError, die_with_parent
 from .checkpoint import check_finetune_dirs, check_load_dir
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from ..errors import MegaparError
+from ..errors import MegaparError, die_with_parent
 from .indexed_dataset import IndexedDatasetBuilder, best_dtype
 from .tokenizer import build_tokenizer
 
@@ -70,21 +70,11 @@ class PreprocessConfig:
 _STATE: dict = {}
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel send this worker SIGTERM when the main process dies, even by
-    SIGKILL, so no worker outlives it (best effort elsewhere)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _init_worker(cfg: PreprocessConfig) -> None:
     if mp.parent_process() is not None:  # a pool worker: Ctrl-C is the main process's to handle,
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # and SIGTERM (from it or the kernel) ends it quietly
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _die_with_parent()
+        die_with_parent(signal.SIGTERM)
     if _STATE.get("cfg") is cfg:  # inherited through fork: nothing to build
         return
     tok = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model,
