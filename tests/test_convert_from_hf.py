@@ -4,6 +4,8 @@ fine-tunes from it; what megapar cannot represent is refused by name."""
 import json
 import os
 import shlex
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,3 +289,34 @@ def test_the_printed_finetune_command_starts_tp_x_pp_processes_and_runs_on_gpt2_
     assert cfg.ckpt.finetune and cfg.ckpt.load == str(tmp_path / "ck") and cfg.ckpt.save == str(tmp_path / "ck") + \
         "_finetuned"
     assert cfg.data.vocab_file == str((tmp_path / "hf" / "vocab.json").resolve())
+
+
+def test_a_folder_with_only_tokenizer_json_imports_with_its_bpe(tmp_path, capsys):
+    """Current transformers saves GPT-2's tokenizer as tokenizer.json alone: its vocabulary and merges are
+    written beside the checkpoint (published with it), the checkpoint and the printed command name them, and
+    megapar's tokenizer built from them encodes as the original GPT-2 files do."""
+    from transformers import GPT2TokenizerFast
+
+    from megapar.data.tokenizer import build_tokenizer
+    from megapar.pretrain_gpt2 import parse
+    gpt2 = Path(__file__).parent / "data" / "gpt2"
+    write_hf_gpt2(tmp_path / "hf")
+    (tmp_path / "src").mkdir()
+    shutil.copy(gpt2 / "encoder.json", tmp_path / "src" / "vocab.json")
+    shutil.copy(gpt2 / "vocab.bpe", tmp_path / "src" / "merges.txt")
+    GPT2TokenizerFast.from_pretrained(str(tmp_path / "src")).save_pretrained(str(tmp_path / "hf"))
+    for name in ("vocab.json", "merges.txt"):     # what transformers 4 also wrote
+        (tmp_path / "hf" / name).unlink(missing_ok=True)
+    capsys.readouterr()
+    import_hf(tmp_path / "hf", tmp_path / "ck")
+    out = capsys.readouterr().out
+    vocab, merges = (tmp_path / "ck" / "vocab.json").resolve(), (tmp_path / "ck" / "merges.txt").resolve()
+    args = torch.load(tmp_path / "ck" / "release" / "mp_rank_00" / MODEL_FILE, weights_only=False)["args"]
+    assert (args.vocab_file, args.merge_file) == (str(vocab), str(merges))
+    cfg = parse(_printed_finetune_command(out)[4:], 1)
+    assert (cfg.data.vocab_file, cfg.data.merge_file) == (str(vocab), str(merges))
+    text = "Emma Woodhouse, handsome, clever, and rich, with a comfortable home\n<|endoftext|> ünïcödé"
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
+    original = build_tokenizer("GPT2BPETokenizer", vocab_file=str(gpt2 / "encoder.json"),
+                               merge_file=str(gpt2 / "vocab.bpe"))
+    assert ours.vocab_size == original.vocab_size and ours.tokenize(text) == original.tokenize(text)

@@ -11,6 +11,7 @@ with the tracker `release` (weights only), through the same writer as tools/chec
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -19,6 +20,7 @@ from megapar.config.command import Processes, training_command
 from megapar.reshard import bounded_heap
 from megapar.reshard.convert import write_sharded
 from megapar.reshard.hf_source import HFFolder, megapar_flags, tokenizer_flags
+from megapar.reshard.hf_tokenizer import gpt2_files_from_tokenizer_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,10 +57,16 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         check_sizes(a)
+        extra = None if (a.vocab_file or a.merge_file or a.tokenizer_model) else \
+            gpt2_files_from_tokenizer_json(a.load_dir)
+        if extra:   # only tokenizer.json: its BPE written beside the checkpoint, which names them
+            a.vocab_file, a.merge_file = (os.path.abspath(os.path.join(a.save_dir, f)) for f in extra)
+            print(f"{a.load_dir} has only tokenizer.json: its vocabulary and merges go to {a.save_dir}/"
+                  f"{{{','.join(extra)}}}")
         src = HFFolder(a.load_dir, a.make_vocab_size_divisible_by, a.vocab_file, a.merge_file, a.tokenizer_model)
         print(f"read {src.describe()}")
         tp, pp = a.target_tensor_parallel_size, a.target_pipeline_parallel_size
-        write_sharded(src, a.save_dir, tp, pp, with_optim=False, force=a.force)
+        write_sharded(src, a.save_dir, tp, pp, with_optim=False, force=a.force, extra_files=extra)
     except (MegaparError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT

@@ -81,8 +81,9 @@ def _feed(src, savers: list[StreamingSaver], tp: int, padded) -> None:
 def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None,
                   distributed: Optional[bool] = None, with_optim: bool = True, force: bool = False,
                   log=print, split: Optional[tuple[Optional[int], Optional[int]]] = None,
-                  virtual: Optional[int] = None) -> None:
-    """Write `src` as a megapar checkpoint at (tp, pp) into `save_dir` (legacy layout + tracker).
+                  virtual: Optional[int] = None, extra_files: Optional[dict[str, str]] = None) -> None:
+    """Write `src` as a megapar checkpoint at (tp, pp) into `save_dir` (legacy layout + tracker; `extra_files`
+    {name: text} beside them, published with the rest).
     dp only updates args (ZeRO-1 state is stored full over dp); distributed=None keeps the
     source's optimizer storage, True/False forces distrib_optim.pt / model_optim_rng.pt;
     split = (first, last) layers of the first / last pipeline stage, virtual = model chunks per
@@ -92,6 +93,8 @@ def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None
     target = retarget(src.saved, tp, pp, dp, distributed if with_optim else None, split, virtual)
     with staged_output(src, save_dir, force, (CHECKPOINT, CANONICAL)) as staging:
         _write_stages(src, target, staging, tp, pp, with_optim, distributed, log)
+        for name, text in (extra_files or {}).items():
+            atomic_write_text(os.path.join(staging, name), text)
         atomic_write_text(os.path.join(staging, TRACKER), str(src.iteration))
     chunks = target.model.virtual_pipeline_model_parallel_size
     optimizer = ("distributed" if distributed else "in model file") if with_optim else "none"

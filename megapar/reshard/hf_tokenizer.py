@@ -115,3 +115,25 @@ def reader_note(files: TokenizerFiles) -> Optional[str]:
 def _write_json(path: str, obj: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
+
+
+def gpt2_files_from_tokenizer_json(folder: str) -> Optional[dict[str, str]]:
+    """{"vocab.json": ..., "merges.txt": ...} from the folder's tokenizer.json when it holds a byte-level BPE
+    model and the folder has no vocab.json / merges.txt (current transformers saves only tokenizer.json); its
+    added tokens (<|endoftext|>) join the vocabulary; else None. Merges are read in either of the tokenizers library's spellings ("a b" or ["a", "b"])."""
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path) or any(os.path.isfile(os.path.join(folder, f)) for f in GPT2_FILES):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+        model, added = spec.get("model") or {}, spec.get("added_tokens") or []
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path} is not a tokenizers JSON file ({e}); pass --vocab-file and --merge-file, "
+                              f"or --tokenizer-model") from None
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        return None
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    vocab = {**model["vocab"], **{t["content"]: t["id"] for t in added if t["content"] not in model["vocab"]}}
+    return {GPT2_FILES[0]: json.dumps(vocab, ensure_ascii=False),
+            GPT2_FILES[1]: "#version: 0.2\n" + "".join(m + "\n" for m in merges)}
