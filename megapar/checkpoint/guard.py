@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import contextlib
 import json
 import os
 import shutil
@@ -104,9 +105,11 @@ class SaveDirLock:
         self.save_dir, self.path = save_dir, os.path.join(save_dir, LOCK_FILE)
         self.owner = LockOwner(socket.gethostname(), os.getpid(), time.time(), command)
         self.held = False
+        self.created = False   # whether acquire made save_dir (release removes it again if nothing was saved)
 
     def acquire(self) -> None:
         """Take the lock, or raise CheckpointError naming the directory and its owner."""
+        self.created = not os.path.isdir(self.save_dir)
         try:
             os.makedirs(self.save_dir, exist_ok=True)
         except OSError as e:
@@ -176,12 +179,16 @@ class SaveDirLock:
         return lambda: signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
     def release(self) -> None:
-        """Remove the lock file if it is still ours (never another job's)."""
+        """Remove the lock file if it is still ours (never another job's), and the directory if acquire made it
+        and it is empty (a run that failed before its first save leaves no empty --save behind)."""
         if self.held and read_lock(self.path) == self.owner:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            if self.created:
+                with contextlib.suppress(OSError):   # not empty (or gone): leave it
+                    os.rmdir(self.save_dir)
         self.held = False
 
 

@@ -59,6 +59,14 @@ def test_training_on_good_files_runs(files, tmp_path):
     assert "warning:" not in out.output
 
 
+def test_a_start_that_fails_leaves_no_empty_save_folder(files, tmp_path):
+    """A run refused after it took its --save folder (a missing dataset) removes the folder it made."""
+    refused(train_cmd(files, prefix=str(tmp_path / "missing")) + ["--save", tmp_path / "new_save"],
+            fault_class="data files", case="missing dataset with a new --save folder", expect="not found",
+            watch=[tmp_path], allow_new=[])
+    assert not (tmp_path / "new_save").exists()
+
+
 # ---- tokenizer files ---------------------------------------------------------------------------
 def test_wrong_format_merge_file_in_preprocess(files, tmp_path):
     refused(preprocess_cmd(files, tmp_path / "out", merges=files["vocab"]), fault_class="tokenizer",
