@@ -62,7 +62,13 @@ def test_entry_points_are_found():
             "-m megapar.config.recipes"} <= set(names)
 
 
-@pytest.mark.parametrize("name,cmd", entry_points(), ids=[n for n, _ in entry_points()])
+def _params():
+    """The scripts and tools in every tier; the benchmarks and modules (each a torch import) in the full suite."""
+    return [pytest.param(n, c, id=n, marks=[] if n.startswith(("scripts/", "tools/")) else [pytest.mark.slow])
+            for n, c in entry_points()]
+
+
+@pytest.mark.parametrize("name,cmd", _params())
 def test_help(tree, name, cmd):
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": str(tree / "tmp"),
            "OMP_NUM_THREADS": "1"}
