@@ -50,7 +50,9 @@ def time_one(setting: str, seq: int = 1024, batch: int = 8, hidden: int = 1024, 
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(f"usage: python benchmarks/bench_layernorm_split.py [SETTING]\n{__doc__}")
+    elif len(sys.argv) > 1:
         time_one(sys.argv[1])
     else:
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")

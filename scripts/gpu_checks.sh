@@ -3,6 +3,7 @@
 #   bash scripts/gpu_checks.sh [kernels] [tests [PYTEST_SELECTION...]] [bench CONFIG...]
 # GPT-2 BPE files are read from $GPT2_DIR (default tests/data/gpt2: encoder.json, vocab.bpe).
 # Logs go to $OUT (or ./gpu_logs); each part prints a short table last.
+source "$(dirname "$0")/lib/usage.sh"  # --help: the usage above, nothing else
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

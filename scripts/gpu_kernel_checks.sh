@@ -5,6 +5,7 @@
 #   3. compute-sanitizer memcheck over a small parity run (no caching allocator, so that
 #      out-of-bounds accesses hit real allocation edges)
 #   4. the GPU-marked pytest file, and the LayerNorm backward with 512-thread blocks
+source "$(dirname "$0")/lib/usage.sh"  # --help: the usage above, nothing else
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/megapar_kernel_checks}

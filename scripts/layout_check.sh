@@ -4,6 +4,7 @@
 # and global batch at (1,1,1) on one GPU for the first BASE iterations; losses side by side.
 # PRECISION=--bf16 (default), --fp16 or " " (fp32: the layouts then agree to float32 rounding).
 #   TP=2 PP=2 NPROC=4 ITERS=200 RESUME=50 BASE=50 bash scripts/layout_check.sh
+source "$(dirname "$0")/lib/usage.sh"  # --help: the usage above, nothing else
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-layout_logs}"; mkdir -p "$OUT"; GPT2_DIR="${GPT2_DIR:-tests/data/gpt2}"

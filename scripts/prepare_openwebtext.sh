@@ -16,7 +16,7 @@
 # Each step is a CLI in data_prep/openwebtext/ (python -m data_prep.openwebtext.<step> --help).
 set -euo pipefail
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { echo "usage: bash scripts/prepare_openwebtext.sh --dumps DIR --output DIR [FLAGS]"; sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 die() { echo "error: $*" >&2; exit 2; }
 
 DUMPS= OUT= VOCAB= MERGE= WORKERS=$(nproc 2>/dev/null || echo 2) CONC=16 TIMEOUT=10 RETRIES=2 BACKOFF=1

@@ -11,6 +11,7 @@
 # Installs megapar and its dependencies first if they are missing (fresh machine). The lint is
 # `python3 -m ruff check .` (rules in pyproject.toml): a finding fails the run before any test; without
 # ruff installed (requirements-dev.txt pins it) the lint is skipped with a note.
+source "$(dirname "$0")/lib/usage.sh"  # --help: the usage above, nothing else
 set -euo pipefail
 cd "$(dirname "$0")/.."
 marks="not gpu"; args=()

@@ -2,6 +2,7 @@ import dataclasses
 import fcntl
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,16 @@ from data_dirs import GPT2_DIR, SHIPPED, UNSHIPPED  # noqa: E402
 from harness import ROWS, Row, table  # noqa: E402
 
 
+SYSTEM_TEMP = Path(tempfile.gettempdir())
+
+
+def _temp_entries() -> set[str]:
+    """The system temp folder's entries, less pytest's own and multiprocessing's (both removed at exit)."""
+    return {p.name for p in SYSTEM_TEMP.iterdir() if not p.name.startswith(("pytest-of-", "pymp-"))}
+
+
 def pytest_configure(config):
+    config.stash_temp_before = _temp_entries()  # what the system temp folder held before the session
     config.addinivalue_line("markers", "training_runs(*runs): GPU training runs (tests/gpu_runs.py Run) a test "
                                        "reads; the session starts them together")
 
@@ -66,8 +76,14 @@ def pytest_testnodedown(node, error):
     ROWS.extend(Row(*r) for r in getattr(node, "workeroutput", {}).get("fault_rows", []))
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The fault table: one row per refused() case the session ran, wherever it ran."""
+def pytest_terminal_summary(terminalreporter, config):
+    """The fault table: one row per refused() case the session ran, wherever it ran; and what appeared in the system
+    temp folder during the session (the tests' own files go to the session's folder, see _session_temp_folder; other
+    programs running at the same time may show up here too)."""
+    new = sorted(_temp_entries() - getattr(config, "stash_temp_before", set()))
+    if new and not hasattr(config, "workerinput"):
+        terminalreporter.write_sep("-", f"new in {SYSTEM_TEMP} during the session (nothing should be)")
+        terminalreporter.write_line(", ".join(new[:20]) + (f" and {len(new) - 20} more" if len(new) > 20 else ""))
     if ROWS:
         terminalreporter.write_sep("-", "fault injection")
         terminalreporter.write_line(table())
@@ -139,3 +155,21 @@ def _start_training_runs(request):
             request.getfixturevalue("gpu_runs")
         except pytest.skip.Exception:  # no GPT-2 BPE files: the tests that read runs skip themselves
             pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_temp_folder(tmp_path_factory):
+    """The temporary files of the tests and of the processes they start (tempfile users, torch.multiprocessing's
+    pytorch-errorfile-*.pickle) land in a folder of the session's, which pytest removes with the rest of its
+    temporary folders when the session passes (tmp_path_retention_policy in pyproject.toml)."""
+    import multiprocessing.util
+    multiprocessing.util.get_temp_dir()  # multiprocessing's own folder stays where it removes it at exit, after pytest
+    folder = tmp_path_factory.mktemp("tmp")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = str(folder), str(folder)
+    yield folder
+    if saved[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved[0]
+    tempfile.tempdir = saved[1]

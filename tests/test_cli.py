@@ -55,3 +55,10 @@ def test_generate_text_help_shows_the_sampling_defaults_and_an_example_that_exis
         assert f"(default: {default})" in " ".join(block.split("\n  --")[0].split()), flag
     first = next(line for line in text.splitlines() if line.strip().startswith("python tools/generate_text.py"))
     assert first.split()[3] == parse([], 1).ckpt.save, first
+
+
+def test_compare_losses_missing_log_is_one_error_line(tmp_path):
+    from harness import refused
+    refused([sys.executable, str(ROOT / "tools" / "compare_losses.py"), str(tmp_path / "a.log"), "/dev/null"],
+            fault_class="bad input", case="compare_losses: a missing log", expect=["no such log file", "a.log"],
+            watch=[tmp_path])

@@ -58,3 +58,22 @@ def test_the_design_maps_questions_to_names_that_exist():
                 assert re.search(rf"^\s*(def|class) {name}\b", source, flags=re.M), f"{path} defines no {name}"
                 checked += 1
     assert checked >= 20
+
+
+def guide_toc(text: str) -> str:
+    """The table of contents of a markdown text: a nested list linking every ## and ### heading outside code blocks
+    (except the table's own heading)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    lines = []
+    for level, head in re.findall(r"^(##+) (.+)$", text, flags=re.M):
+        if len(level) <= 3 and head != "Contents":
+            anchor = re.sub(r"[^\w\- ]", "", head.strip().lower()).replace(" ", "-")
+            lines.append(f"{'  ' * (len(level) - 2)}- [{head}](#{anchor})")
+    return "\n".join(lines) + "\n"
+
+
+def test_guide_has_a_table_of_contents():
+    """docs/guide.md opens with a table of contents that lists every section in order, each link to a heading."""
+    text = (ROOT / "docs" / "guide.md").read_text()
+    toc = text.split("## Contents\n\n", 1)[1].split("\n## ", 1)[0]
+    assert toc.strip() == guide_toc(text).strip(), "docs/guide.md's Contents is stale: regenerate it from the headings"

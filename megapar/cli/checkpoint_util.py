@@ -29,10 +29,14 @@ from megapar.reshard.torch_dist import write_dist
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load-dir", "--load", dest="load_dir", required=True)
-    p.add_argument("--save-dir", "--save", dest="save_dir", required=True)
-    p.add_argument("--target-tensor-parallel-size", type=int, default=None)
-    p.add_argument("--target-pipeline-parallel-size", type=int, default=None)
+    p.add_argument("--load-dir", "--load", dest="load_dir", required=True,
+                   help="the checkpoint folder to read (any tp/pp/dp layout, or a canonical folder with --from-full)")
+    p.add_argument("--save-dir", "--save", dest="save_dir", required=True,
+                   help="where to write the converted checkpoint (a new folder: never the --load-dir)")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=None,
+                   help="tensor-parallel size of the output (default: the checkpoint's)")
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=None,
+                   help="pipeline-parallel size of the output (default: the checkpoint's)")
     p.add_argument("--target-data-parallel-size", type=int, default=None,
                    help="recorded in args; ZeRO-1 state is stored full over dp and sliced at load time")
     p.add_argument("--target-decoder-first-pipeline-num-layers", dest="target_first", type=int, default=None,
@@ -51,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--use-distributed-optimizer", dest="distributed", action="store_true", default=None,
                    help="store optimizer state in distrib_optim.pt (default: as in the source)")
-    g.add_argument("--no-distributed-optimizer", dest="distributed", action="store_false")
+    g.add_argument("--no-distributed-optimizer", dest="distributed", action="store_false",
+                   help="store optimizer state in the model shard files, not distrib_optim.pt")
     p.add_argument("--target-ckpt-format", choices=("torch", "torch_dist"), default="torch",
                    help="torch: Megatron's legacy shard files at the target layout (default); torch_dist: one "
                         "distributed checkpoint that loads at any layout (no --target-* sizes)")

@@ -3,11 +3,12 @@
     python tools/compare_losses.py run_a.log run_b.log [--tolerance 0.02]
 
 Prints a table of the iterations both logs report and the largest relative difference;
-exits 1 when it exceeds --tolerance.
+exits 1 when it exceeds --tolerance, 2 on bad input (a missing log: one `error:` line).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -23,11 +24,14 @@ def losses(path: str) -> dict[int, float]:
 
 def main(argv=None) -> int:
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("log_a")
-    p.add_argument("log_b")
+    p.add_argument("log_a", help="the first training log (its ' iteration ... lm loss: ...' lines)")
+    p.add_argument("log_b", help="the second training log, the reference of the relative difference")
     p.add_argument("--tolerance", type=float, default=0.02, help="max relative difference (bf16: ~1e-2)")
     p.add_argument("--every", type=int, default=5, help="print every N-th common iteration")
     args = p.parse_args(argv)
+    for path in (args.log_a, args.log_b):
+        if not os.path.exists(path):
+            p.error(f"no such log file: {path} (give the paths of two training logs)")
     a, b = losses(args.log_a), losses(args.log_b)
     common = sorted(set(a) & set(b))
     if not common:

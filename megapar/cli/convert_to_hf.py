@@ -24,8 +24,9 @@ def main(argv=None) -> int:
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load-dir", "--load", dest="load_dir", required=True,
                    help="megapar checkpoint (any tp/pp/dp) or canonical folder")
-    p.add_argument("--save-dir", "--save", dest="save_dir", required=True)
-    p.add_argument("--iteration", default=None)
+    p.add_argument("--save-dir", "--save", dest="save_dir", required=True,
+                   help="the Hugging Face folder to write (config.json, model.safetensors, the tokenizer)")
+    p.add_argument("--iteration", default=None, help="iteration to export (default: the tracker's latest)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
     p.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocabulary to export (default: the checkpoint's)")
     p.add_argument("--merge-file", default=None, help="GPT-2 BPE merges to export (default: the checkpoint's)")

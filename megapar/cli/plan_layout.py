@@ -145,7 +145,7 @@ def calibrate(own: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     own, rest = _parser().parse_known_args(argv)
     if own.help:
-        print(__doc__)
+        print(f"usage: python tools/plan_layout.py --gpus N [model and batch flags] [training flags]\n{__doc__}")
         return 0
     try:
         training = vars(build_parser().parse_args(rest))   # the other flags must be training flags

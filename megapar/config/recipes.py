@@ -205,6 +205,10 @@ def describe() -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m megapar.config.recipes` prints the table; with a NAME, that recipe's GPU count and flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: python -m megapar.config.recipes [NAME]\n\nWithout NAME: the table of recipes. With NAME: "
+              "the GPUs that recipe needs and the flags it stands for (training takes it as --recipe NAME).")
+        return 0
     try:
         print(f"# {recipe(argv[0]).where()}\n{command_line(argv[0])}" if argv else describe())
     except ConfigError as e:

@@ -404,5 +404,10 @@ def samples_from(dataset, consumed_samples: int, count: int) -> np.ndarray:
 
 
 if __name__ == "__main__":  # quick look: python -m megapar.data.gpt_dataset PREFIX
+    if sys.argv[1:2] in (["-h"], ["--help"]) or len(sys.argv) < 2:
+        print("usage: python -m megapar.data.gpt_dataset PREFIX [PREFIX...]\n"
+              "Builds the train split (949,50,1; seq 128, seed 1234) of the .bin/.idx data at PREFIX and prints its "
+              "length and first tokens.")
+        sys.exit(0 if len(sys.argv) > 1 else 2)
     tr, _, _ = build_train_valid_test_datasets(sys.argv[1:], "949,50,1", 128, 1234, (100, 10, 10))
     print(len(tr), tr[0][:16])
