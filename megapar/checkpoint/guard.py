@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 from ..config.arguments import CheckpointConfig, Config, ConfigError
 from ..topology import padded_vocab_size
+from ..errors import size_text
 from .common import CheckpointError, same_dir
 
 LOCK_FILE = "megapar.lock"
@@ -220,13 +221,5 @@ def check_save_space(cfg: Config, vocab_size: int) -> None:
     need, free = checkpoint_bytes(cfg, vocab_size), shutil.disk_usage(cfg.ckpt.save).free
     if need > free:
         optim = "" if cfg.ckpt.no_save_optim else ", or --no-save-optim (saves the weights only)"
-        raise CheckpointError(f"--save {cfg.ckpt.save} has {_size(free)} free, but one checkpoint of this model "
-                              f"needs {_size(need)}; free space there, give another --save{optim}")
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+        raise CheckpointError(f"--save {cfg.ckpt.save} has {size_text(free)} free, but one checkpoint of this model "
+                              f"needs {size_text(need)}; free space there, give another --save{optim}")
