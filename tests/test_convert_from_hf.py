@@ -320,3 +320,5 @@ def test_a_folder_with_only_tokenizer_json_imports_with_its_bpe(tmp_path, capsys
     original = build_tokenizer("GPT2BPETokenizer", vocab_file=str(gpt2 / "encoder.json"),
                                merge_file=str(gpt2 / "vocab.bpe"))
     assert ours.vocab_size == original.vocab_size and ours.tokenize(text) == original.tokenize(text)
+    import_hf(tmp_path / "hf", tmp_path / "ck", 1, 1, "--force")        # still recognised as an earlier output
+    assert (tmp_path / "ck" / "vocab.json").is_file()

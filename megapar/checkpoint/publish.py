@@ -253,7 +253,8 @@ def is_checkpoint_output(path: str) -> bool:
     names = _entries(path)
     if TRACKER not in names or not os.path.isfile(os.path.join(path, TRACKER)) or len(names) < 2:
         return False
-    return all(_ITER.match(n) and _is_iteration(os.path.join(path, n)) for n in names - {TRACKER})
+    # GPT-2 BPE files beside the iterations: an import's tokenizer (convert_from_hf from a tokenizer.json)
+    return all(_ITER.match(n) and _is_iteration(os.path.join(path, n)) for n in names - {TRACKER, *GPT2_FILES})
 
 
 def is_canonical_output(path: str) -> bool:

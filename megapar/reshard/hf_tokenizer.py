@@ -120,7 +120,8 @@ def _write_json(path: str, obj: dict) -> None:
 def gpt2_files_from_tokenizer_json(folder: str) -> Optional[dict[str, str]]:
     """{"vocab.json": ..., "merges.txt": ...} from the folder's tokenizer.json when it holds a byte-level BPE
     model and the folder has no vocab.json / merges.txt (current transformers saves only tokenizer.json); its
-    added tokens (<|endoftext|>) join the vocabulary; else None. Merges are read in either of the tokenizers library's spellings ("a b" or ["a", "b"])."""
+    added tokens (<|endoftext|>) join the vocabulary; else None. Merges are read in either of the tokenizers
+    library's spellings ("a b" or ["a", "b"])."""
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path) or any(os.path.isfile(os.path.join(folder, f)) for f in GPT2_FILES):
         return None
