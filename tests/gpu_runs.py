@@ -61,8 +61,9 @@ def _options(argv) -> tuple[str, ...]:
         takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
         opts.append(f"{argv[i]} {argv[i + 1]}" if takes_value else argv[i])
         i += 2 if takes_value else 1
-    if not any(o.startswith("--adam-impl ") for o in opts):
-        opts.append(f"--adam-impl {_auto_adam_impl()}")
+    if not any(o.startswith("--adam-impl ") for o in opts):   # an offloaded optimizer steps on the CPU: torch's
+        offload = any(o.startswith(("--optimizer-cpu-offload", "--optimizer-nvme-offload")) for o in opts)
+        opts.append(f"--adam-impl {'torch' if offload else _auto_adam_impl()}")
     return tuple(sorted(set(opts)))
 
 
