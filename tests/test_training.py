@@ -103,7 +103,7 @@ def test_mismatched_and_corrupt_checkpoints(embedded_data, tmp_path):
     earlier = ck / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
     before = earlier.read_bytes()
     model_file.write_bytes(model_file.read_bytes()[:1000])                   # truncate the latest
-    with pytest.raises(Exception, match="iter_0000002/mp_rank_00/model_optim_rng.pt is truncated or corrupt"):
+    with pytest.raises(Exception, match="iter_0000002/mp_rank_00/model_optim_rng.pt is truncated"):
         run_training(TINY_TRAIN + embedded_data + ["--train-iters", "3", "--load", str(ck)])
     assert earlier.read_bytes() == before                                    # the others are untouched
 
@@ -136,7 +136,7 @@ def test_nan_stops_training_naming_the_iteration(embedded_data, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert "error: NaN/Inf at iteration 2: lm loss" in out and "Traceback" not in out, out[-2000:]
-    assert not list((tmp_path / "ck").iterdir())    # taken (and locked) at start, released, nothing saved
+    assert not (tmp_path / "ck").exists()   # taken (and locked) at start; nothing saved, so released and removed
 
 
 def _iteration_times_body(rank, world_size, argv, workdir, slow):

@@ -113,7 +113,7 @@ def read_tracker(root: str) -> Optional[int | str]:
 # run or iteration, a truncated one and flipped bytes are refused, naming the file. Checkpoints saved
 # before identities load unchecked.
 IDENTITY_FILE = "identity.json"
-_CHUNK_BYTES = 16 * 2**20
+_CHUNK_BYTES = 2**20   # per reading thread: small against a rank's memory, large against a call's overhead
 
 
 def new_run_id() -> str:

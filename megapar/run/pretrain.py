@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from ..checkpoint import SaveDirLock, check_save_space, read_tracker
+from ..checkpoint import SaveDirLock, check_save_space, check_tracked_iteration, iter_dir, read_tracker
 from ..config.arguments import Config, noted_line
 from ..errors import MegaparError
 from ..config.command import Processes, command_line, training_command
@@ -199,6 +199,7 @@ def _load_and_train(cfg: Config, run, argv: Optional[Sequence[str]], state: Trai
     every token id the datasets hand out)."""
     saved = read_tracker(cfg.ckpt.load) if cfg.ckpt.load and not cfg.ckpt.finetune else None
     if isinstance(saved, int) and saved >= train_iters(cfg) > 0:
+        check_tracked_iteration(cfg.ckpt.load, saved, iter_dir(cfg.ckpt.load, saved))
         # at (or past) the end: nothing to train or save, and nothing to check (a rerun of the first command
         # after a "train longer" one must not trip on the longer run's LR schedule)
         print_rank0(f"> nothing to do: the checkpoint in {cfg.ckpt.load} is at iteration {saved} and this "

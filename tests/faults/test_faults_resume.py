@@ -77,7 +77,7 @@ def test_resume_with_another_schedule_is_refused(trained):
             fault_class="resume", case="resume with another --train-iters (LR decay horizon)",
             expect=["--lr-decay-iters 4 (checkpoint) vs 8 (run)", "--use-checkpoint-opt_param-scheduler",
                     "--override-opt_param-scheduler"], watch=[trained.ck])
-    refused(TRAIN + trained.base + ["--train-iters", str(ITERS), "--lr", "2e-3", "--weight-decay", "0.1",
+    refused(TRAIN + trained.base + ["--train-iters", str(ITERS + 1), "--lr", "2e-3", "--weight-decay", "0.1",
                                     "--load", trained.ck, "--save", trained.ck],
             fault_class="resume", case="resume with another --lr and --weight-decay",
             expect=["--lr 0.001 (checkpoint) vs 0.002 (run)", "--weight-decay 0.01 (checkpoint) vs 0.1 (run)"],
