@@ -62,3 +62,26 @@ def test_compare_losses_missing_log_is_one_error_line(tmp_path):
     refused([sys.executable, str(ROOT / "tools" / "compare_losses.py"), str(tmp_path / "a.log"), "/dev/null"],
             fault_class="bad input", case="compare_losses: a missing log", expect=["no such log file", "a.log"],
             watch=[tmp_path])
+
+
+def test_every_tool_flag_is_explained():
+    """Every flag of the tools (megapar/cli, tools/) has a help text; plan_layout, which prints its own usage
+    text instead of argparse's, names every flag in it."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    missing = []
+    for path in [*sorted((root / "megapar" / "cli").glob("*.py")), *sorted((root / "tools").glob("*.py"))]:
+        tree = ast.parse(path.read_text())
+        own_usage = ast.get_docstring(tree) or ""
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "add_argument"):
+                continue
+            if any(k.arg == "help" for k in node.keywords):
+                continue
+            names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            if path.name == "plan_layout.py" and (not names or all(n in own_usage for n in names)):
+                continue          # the loop over shape flags (no literal names) and the flags the usage text names
+            missing.append(f"{path.relative_to(root)}:{node.lineno} {names}")
+    assert not missing, "flags without help:\n" + "\n".join(missing)

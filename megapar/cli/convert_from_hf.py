@@ -27,9 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load-dir", "--load", dest="load_dir", required=True,
                    help="Hugging Face folder: config.json + model.safetensors or pytorch_model.bin")
-    p.add_argument("--save-dir", "--save", dest="save_dir", required=True)
-    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
-    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--save-dir", "--save", dest="save_dir", required=True,
+                   help="new folder for the megapar checkpoint (refused if it holds anything else)")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1, help="tensor-parallel size to write")
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1, help="pipeline-parallel size to write")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="vocabulary padding, as in training (default 128; padded to a multiple of it x tp)")
     p.add_argument("--vocab-file", default=None,

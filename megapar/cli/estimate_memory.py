@@ -33,12 +33,13 @@ from megapar.model import set_vocab
 def _own_flags(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
     """This tool's flags (the rest are training flags). A bad value ends in one `error:` line."""
     pre = OneLineErrorParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--world-size", type=int, default=1)
-    pre.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE)
-    pre.add_argument("--gpus-per-node", type=int, default=None)
-    pre.add_argument("--gpu-memory", default=None)
-    pre.add_argument("--host-memory", default=None)
-    pre.add_argument("--compare-stages", action="store_true")
+    pre.add_argument("--world-size", type=int, default=1, help="processes (GPUs) in all")
+    pre.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE,
+                     help="the tokenizer's vocabulary (GPT-2's by default)")
+    pre.add_argument("--gpus-per-node", type=int, default=None, help="GPUs sharing one host's memory (offload)")
+    pre.add_argument("--gpu-memory", default=None, help="a GPU's memory, e.g. 80GB: adds a fits / does not fit verdict")
+    pre.add_argument("--host-memory", default=None, help="a host's memory, e.g. 512GB: the offload verdict")
+    pre.add_argument("--compare-stages", action="store_true", help="one row for each ZeRO stage")
     return pre.parse_known_args(argv)
 
 

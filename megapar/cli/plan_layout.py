@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--global-batch-size",
                  "--gpus"):
         p.add_argument(name, type=int, default=None)
-    p.add_argument("--ffn-hidden-size", type=int, default=None)
+    p.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 x --hidden-size)")
     p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE)
     p.add_argument("--gpus-per-node", type=int, default=None)
     p.add_argument("--gpu", choices=sorted(calibration_.DEFAULTS), default="h100")
@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--show-rejected", type=int, default=0)
     p.add_argument("--calibrate", action="store_true")
     p.add_argument("--out", default=None)
-    p.add_argument("-h", "--help", action="store_true")
+    p.add_argument("-h", "--help", action="store_true", help="print the usage text and exit")
     return p
 
 

@@ -39,11 +39,11 @@ def _jsonl_to_text(path: str, keys: list[str], out) -> None:
 
 def main(argv=None) -> int:
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True)
-    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--input", nargs="+", required=True, help="JSON-lines or text files to train on")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="the JSON keys whose text is read")
     p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
-    p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
+    p.add_argument("--vocab-size", type=int, default=8000, help="pieces in the SentencePiece model")
+    p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"], help="SentencePiece's model type")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         inputs = []
