@@ -150,7 +150,7 @@ def check_flags(flags: Sequence[str], world: Optional[int]) -> None:
 def _process_count_hint(flags: Sequence[str], world: int) -> str:
     """Where the launcher chose the process count itself (scripts/pretrain_gpt2.sh without --nproc-per-node:
     it sets MEGAPAR_NPROC_CHOSEN to what it counted), the count these flags work with (a recipe's or a DeepSpeed
-    config's batch triple imply one the script cannot see), as the flag to add."""
+    config's batch triple imply one the script cannot see), as the flag to add; nothing when no count fits."""
     import contextlib
     import io
 
@@ -170,7 +170,7 @@ def _process_count_hint(flags: Sequence[str], world: int) -> str:
             continue
         return (f" (this launch counted {world} process(es): {chosen}; these flags work with {size}: add "
                 f"--nproc-per-node {size})")
-    return f" (this launch counted {world} process(es): {chosen}; give --nproc-per-node N)"
+    return ""   # no process count fixes it: the error is not about the count
 
 
 def _children(pid: int) -> list[int]:

@@ -316,6 +316,14 @@ def test_process_count_the_flags_imply_is_named(tmp_path, flags, size):
             expect=f"add --nproc-per-node {size}", watch=[tmp_path], env={"CUDA_VISIBLE_DEVICES": ""})
 
 
+def test_an_error_no_process_count_fixes_names_none(tmp_path):
+    out = refused(["bash", "scripts/pretrain_gpt2.sh", "--lr", "nan", "--train-iters", "1", "--save", tmp_path / "ck"],
+                  fault_class="flags", case="--lr nan without --nproc-per-node (CPU)",
+                  expect="--lr nan is out of range",
+                  watch=[tmp_path], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert "--nproc-per-node" not in out.output
+
+
 def test_sbatch_script_outside_a_slurm_job(tmp_path):
     refused(["bash", "scripts/slurm_pretrain_gpt2.sbatch", "--train-iters", "1"], fault_class="several nodes",
             case="scripts/slurm_pretrain_gpt2.sbatch run outside a SLURM job", expect="not inside a SLURM job",
