@@ -200,7 +200,7 @@ def _load_and_train(cfg: Config, run, argv: Optional[Sequence[str]], state: Trai
     saved = read_tracker(cfg.ckpt.load) if cfg.ckpt.load and not cfg.ckpt.finetune else None
     if isinstance(saved, int) and saved >= train_iters(cfg) > 0:
         check_tracked_iteration(cfg.ckpt.load, saved, iter_dir(cfg.ckpt.load, saved))
-        # at (or past) the end: nothing to train or save, and nothing to check (a rerun of the first command
+        # at (or past) the end: nothing to train or save, and no schedule to compare (a rerun of the first command
         # after a "train longer" one must not trip on the longer run's LR schedule)
         print_rank0(f"> nothing to do: the checkpoint in {cfg.ckpt.load} is at iteration {saved} and this "
                     f"run ends at iteration {train_iters(cfg)}; give a larger --train-iters to train longer")
