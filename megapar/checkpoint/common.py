@@ -101,7 +101,10 @@ def read_tracker(root: str) -> Optional[int | str]:
     if text == "release":
         return "release"
     if not text.isdigit():
-        raise CheckpointError(f"{path} should hold an iteration number or 'release', found {text[:40]!r}")
+        saved = [n for n in saved_iterations(root) if not n.endswith(".old")]
+        fix = (f"write the iteration to resume from into it (saved: {', '.join(saved[-3:])})" if saved
+               else "it names no saved iteration: remove it, or load another checkpoint")
+        raise CheckpointError(f"{path} should hold an iteration number or 'release', found {text[:40]!r}; {fix}")
     return int(text)
 
 
@@ -347,6 +350,11 @@ def saved_iterations(root: str) -> list[str]:
     return sorted(n for n in names if _SAVED.match(n) and os.path.isdir(os.path.join(root, n)))
 
 
+def shown_iterations(saved: list[str]) -> str:
+    """The last three of `saved` (folder names), and how many there are when more."""
+    return ", ".join(saved[-3:]) + (f" ({len(saved)} in all)" if len(saved) > 3 else "")
+
+
 def untracked_line(root: str, what: str) -> Optional[str]:
     """The refusal for a checkpoint directory that holds saved iterations but no tracker (a resume
     would otherwise start from scratch over them), or None when it holds none."""
@@ -355,10 +363,9 @@ def untracked_line(root: str, what: str) -> Optional[str]:
         return None
     numbers = [int(m.group(2)) for m in map(_SAVED.match, saved) if m.group(2)]
     latest = str(max(numbers)) if numbers else "release"
-    shown = ", ".join(saved[-3:]) + (f" ({len(saved)} in all)" if len(saved) > 3 else "")
-    return (f"{what} {root} holds saved iterations ({shown}) but no {TRACKER}, so a resume would start from "
-            f"scratch over them; name the one to resume from (echo {latest} > {os.path.join(root, TRACKER)}), "
-            f"or give a new directory")
+    return (f"{what} {root} holds saved iterations ({shown_iterations(saved)}) but no {TRACKER}, so a resume "
+            f"would start from scratch over them; name the one to resume from (echo {latest} > "
+            f"{os.path.join(root, TRACKER)}), or give a new directory")
 
 
 def check_tracked_iteration(root: str, iteration: int | str, published: str) -> None:
