@@ -38,7 +38,8 @@ from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, Checkpo
                      flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, loaded_line,
                      nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
                      shard_dir_name, shard_dirs, untracked_line, identity,
-                     write_manifest, read_manifest, check_crc, check_file, check_identity, IDENTITY_FILE)
+                     write_manifest, read_manifest, check_checksum, check_file, check_identity, IDENTITY_FILE,
+                     file_checksum)
 from .stream import LazyTensor, StreamingSaver
 from .publish import published_dir, staged_iteration
 
@@ -143,7 +144,7 @@ def _write_shard(shard: str, obj: dict, dist_obj: Optional[dict], model_stream: 
     for name, o, stream in files:
         with StreamingSaver(os.path.join(shard, name), o) as saver:
             feed(saver, stream)
-        sums[name] = saver.checksum
+        sums[name] = file_checksum(os.path.join(shard, name))     # read back from the page cache
     write_manifest(shard, ident, sums)
 
 
@@ -262,12 +263,12 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
     path = os.path.join(shard, MODEL_FILE)
     if not os.path.isfile(path):
         _explain_missing_shard(root, iteration, path, topo, model_config)
-    with ThreadPoolExecutor(max_workers=2) as pool:     # the files' CRC-32s are computed while the shard is read
-        ident, crcs = _check_files(folder, shard, iteration, topo.pp, c.dp == 0, pool)
+    with ThreadPoolExecutor(max_workers=1) as pool:     # the files' checksums are computed while the shard is read
+        ident, sums = _check_files(folder, shard, iteration, topo.pp, c.dp == 0, pool)
         try:
             state = read_shard(path)
         finally:
-            for done in crcs:
+            for done in sums:
                 done.result()                            # a changed file is named as such, not as unreadable
     check_shard_identity(path, state.get("identity"), ident)
     if ident is not None and found is not None:
@@ -290,7 +291,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
 
 def _check_files(folder: str, shard: str, iteration: int | str, pp: int, verify_all: bool,
                  pool: ThreadPoolExecutor) -> tuple[Optional[dict], list[Future]]:
-    """This shard's files against its manifest: their sizes now; the model file's CRC-32 and (when
+    """This shard's files against its manifest: their sizes now; the model file's checksum and (when
     `verify_all`: one data-parallel rank per shard) every file's on `pool` (the futures returned
     raise a mismatch); its identity must be of this iteration and of the run of the first shard.
     Returns that identity (None: saved before identities)."""
@@ -309,23 +310,23 @@ def _check_files(folder: str, shard: str, iteration: int | str, pp: int, verify_
                               f"{first['run_id']}: the shard was copied from another run; put back the shard saved "
                               f"with it, or load an earlier iteration")
     present = [n for n in (MODEL_FILE, DISTRIB_OPTIM_FILE) if os.path.exists(os.path.join(shard, n))]
-    crcs = []
+    sums = []
     for name in sorted(set(manifest["files"]) | set(present)):
         saved = manifest["files"].get(name)
         check_file(shard, name, saved, verify=False)
         if verify_all or name == MODEL_FILE:
-            crcs.append(pool.submit(check_crc, os.path.join(shard, name), saved["crc32"]))
-    return ident, crcs
+            sums.append(pool.submit(check_checksum, os.path.join(shard, name), saved))
+    return ident, sums
 
 
 def verify_shards(folder: str, shards: list[str], iteration: int | str, pp: int) -> dict[str, Optional[dict]]:
     """Every file of the shard folders `shards` of the iteration folder `folder` against its manifest
-    (sizes, and CRC-32s on a few threads); each shard's identity (None: saved before identities).
+    (sizes and checksums); each shard's identity (None: saved before identities).
     What a reader of a whole checkpoint (the conversion tools) calls before reading it."""
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=1) as pool:         # one file at a time: file_checksum runs threads
         found = {shard: _check_files(folder, shard, iteration, pp, True, pool) for shard in shards}
-        for _, crcs in found.values():
-            for done in crcs:
+        for _, sums in found.values():
+            for done in sums:
                 done.result()
     return {shard: ident for shard, (ident, _) in found.items()}
 

@@ -93,6 +93,16 @@ def to_hf(load, save, *extra) -> list:
     return ["python", TO_HF, "--load-dir", load, "--save-dir", save, *extra]
 
 
+def strip_identities(shard: Path) -> None:
+    """Make a legacy shard folder as one saved before identities: no identity.json, none in its files."""
+    (shard / "identity.json").unlink()
+    for name in ("model_optim_rng.pt", "distrib_optim.pt"):
+        if (shard / name).exists():
+            state = torch.load(shard / name, weights_only=False)
+            del state["identity"]
+            torch.save(state, shard / name)
+
+
 def leftovers(folder: Path) -> list[str]:
     return [p.name for p in folder.iterdir() if ".partial." in p.name or ".old." in p.name]
 
@@ -263,7 +273,7 @@ def test_another_models_optimizer_file_is_refused(data, tmp_path):
             fault_class="load", case="--load a checkpoint holding another model's distrib_optim.pt",
             expect=[f"checkpoint file {one / optim} is not the file saved with this checkpoint",
                     "put back the file saved with it"], watch=[one], allow_new=[tmp_path / "cache"])
-    (one / "iter_0000001" / "mp_rank_00" / "identity.json").unlink()      # saved before identities: the shapes
+    strip_identities(one / "iter_0000001" / "mp_rank_00")             # saved before identities: the shapes
     refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--use-distributed-optimizer", "--load", one,
              "--save", one, "--train-iters", "2", "--data-cache-path", tmp_path / "cache"],
             fault_class="load", case="the same, in a checkpoint saved before identities",
@@ -467,7 +477,7 @@ def test_torch_dist_shard_of_another_run_is_refused(data, dist_trained, tmp_path
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_flipped_bytes_inside_a_saved_weight_are_refused(data, trained, dist_trained, tmp_path, fmt):
-    """Same size, bytes changed in the middle (where the tensors are): the CRC-32 names the file."""
+    """Same size, bytes changed in the middle (where the tensors are): the checksum names the file."""
     ck = tmp_path / "ck"
     shutil.copytree(trained if fmt == "torch" else dist_trained, ck)
     path = ck / (MODEL if fmt == "torch" else "iter_0000001/__0_0.distcp")
@@ -475,16 +485,13 @@ def test_flipped_bytes_inside_a_saved_weight_are_refused(data, trained, dist_tra
     raw[len(raw) // 2: len(raw) // 2 + 8] = b"\x7f" * 8          # finite garbage in a weight
     path.write_bytes(bytes(raw))
     refused(_resume(data, ck), fault_class="identity", case=f"{fmt}: 8 bytes changed inside a saved weight",
-            expect=[str(path), "CRC-32 differs", "load an earlier iteration"], watch=[ck])
+            expect=[str(path), "checksum differs", "load an earlier iteration"], watch=[ck])
 
 
 def test_checkpoint_saved_before_identities_still_loads(data, trained, dist_trained, tmp_path):
     legacy, torch_dist = tmp_path / "legacy", tmp_path / "torch_dist"
     shutil.copytree(trained, legacy)
-    (legacy / "iter_0000001" / "mp_rank_00" / "identity.json").unlink()
-    model = torch.load(legacy / MODEL, weights_only=False)
-    del model["identity"]
-    torch.save(model, legacy / MODEL)
+    strip_identities(legacy / "iter_0000001" / "mp_rank_00")
     shutil.copytree(dist_trained, torch_dist)
     common_path = torch_dist / "iter_0000001" / "common.pt"
     common = torch.load(common_path, weights_only=False)
@@ -538,7 +545,7 @@ def test_conversion_of_a_changed_checkpoint_is_refused(data, zero_pair, dist_tra
         raw = bytearray(path.read_bytes())
         raw[len(raw) // 2: len(raw) // 2 + 8] = b"\x7f" * 8
         path.write_bytes(bytes(raw))
-        expect = [str(path), "CRC-32 differs"]
+        expect = [str(path), "checksum differs"]
     refused(reshard(ck, tmp_path / "out", "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size",
                     "1"), fault_class="identity", case=f"checkpoint_util over a changed {fmt} checkpoint",
             expect=expect, watch=[tmp_path])

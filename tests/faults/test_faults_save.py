@@ -481,21 +481,25 @@ def test_tracker_write_failing_puts_the_previous_folder_back(trained, tmp_path):
 
 
 def test_kill_between_the_renames_of_a_resave_resumes(data, trained, tmp_path):
-    """A run started from scratch into a --save that already holds iteration 1 is killed (-9) after
-    setting the old iteration 1 aside and before renaming its own in; the tracker names 1. The
-    next run takes over the dead run's lock, loads the copy set aside, and trains on."""
+    """The tracker rolled back to iteration 1 beside a saved iteration 2: the resume re-saves 2 and is
+    killed (-9) after setting the old iteration 2 aside and before renaming its own in. The tracker
+    still names 1; the next run takes over the dead run's lock, puts the copy set aside back before
+    its own publish, and trains on to the same iteration 2."""
     ck = tmp_path / "ck"
     shutil.copytree(trained, ck)
-    flags = [*TINY, *data, "--data-cache-path", cache_of(trained)]
-    killed = run(["python", "-c", KILL_AT, "iter_0000001", "1", *flags, "--save", ck])
+    flags = [*TINY, *data, "--data-cache-path", cache_of(trained), "--train-iters", "2", "--load", ck, "--save", ck]
+    assert run([*PRETRAIN, *flags]).rc == 0
+    (ck / TRACKER).write_text("1")
+    killed = run(["python", "-c", KILL_AT, "iter_0000002", "1", *flags])
     assert killed.rc == -9, killed.output[-3000:]
-    assert not (ck / "iter_0000001").exists() and (ck / "iter_0000001.old").is_dir()
-    resumed = run([*PRETRAIN, *flags, "--train-iters", "2", "--load", ck, "--save", ck])
+    assert not (ck / "iter_0000002").exists() and (ck / "iter_0000002.old").is_dir()
+    assert (ck / TRACKER).read_text() == "1"
+    resumed = run([*PRETRAIN, *flags])
     assert resumed.rc == 0, resumed.output[-3000:]
-    assert "taking over" in resumed.output and "loading the copy it replaced" in resumed.output
+    assert "taking over" in resumed.output
     assert f"successfully loaded checkpoint from {ck} at iteration 1" in resumed.output
     assert 2 in losses(resumed.output)
-    assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000002", TRACKER]
+    assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000002", TRACKER] and (ck / TRACKER).read_text() == "2"
 
 
 # ---- what --force may replace: the torch_dist layout --------------------------------------------------------
