@@ -49,9 +49,8 @@ from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from ..pinned import host_buffer
 from .layout import HEAD, WORD, canonical_key, chunk_layout
 from .common import (CHECKPOINT_VERSION, CHECKSUM, CheckpointError, atomic_torch_save, check_checksum, check_file,
-                     check_same_model,
-                     file_checksum, get_rng_state, identity, load_file, loaded_line, read_saved_config, read_tracker,
-                     restore_scheduler, set_rng_state)
+                     check_same_model, file_checksum, get_rng_state, identity, load_file, loaded_line,
+                     read_saved_config, read_tracker, restore_scheduler, set_rng_state)
 from .publish import published_dir, staged_iteration
 from .stream import exact_storage
 
