@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .config.arguments import (DEEPSPEED_CONFIG, ORIGINS, Config, ConfigError, Origin, config_from_namespace,
                                default_of, parse_flags)
 from .errors import USER_ERROR_EXIT, MegaparError, die_with_parent
-from .checkpoint import check_finetune_dirs, check_load_dir
+from .checkpoint import check_load_dir, check_save_dirs
 
 if TYPE_CHECKING:
     from .run.training import TrainState
@@ -71,7 +71,7 @@ def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
             parse_data_path(cfg.data.data_path)
         except DatasetError as e:
             raise ConfigError(str(e)) from None
-    check_finetune_dirs(cfg.ckpt)                  # a fine-tune never writes over what it loads
+    check_save_dirs(cfg.ckpt)                      # never from scratch over saved iterations
     return cfg
 
 

@@ -6,7 +6,7 @@
                 loadable at any layout; `--async-save`
     stream.py   torch.save's zip format written one tensor at a time
     publish.py  staging folders and publishing (training's iterations, the conversion tools' outputs)
-    guard.py    one job per --save (its lock file), the --finetune rule, the disk checks
+    guard.py    one job per --save (its lock file), what a --save may write over, the disk checks
 
 `save_checkpoint` writes the format asked for; `load_checkpoint` reads whichever the tracker's
 iteration holds.
@@ -25,7 +25,7 @@ from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, SHAPE_F
 from ..optimizer.base import OPTIM_KINDS
 from .common import parse_shard_dir, shard_dirs
 from .legacy import load_model_state
-from .guard import SaveDirLock, check_finetune_dirs, check_save_space
+from .guard import SaveDirLock, check_save_dirs, check_save_space
 from .publish import published_dir, publish_iteration, staged_iteration, staging_dir
 
 if TYPE_CHECKING:

@@ -30,7 +30,6 @@ import os
 import threading
 import traceback
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Optional
 
@@ -49,9 +48,9 @@ from ..config.arguments import ModelConfig
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from ..pinned import host_buffer
 from .layout import HEAD, WORD, canonical_key, chunk_layout
-from .common import (CHECKPOINT_VERSION, CheckpointError, atomic_torch_save, check_crc, check_file, check_same_model,
-                     file_checksum, get_rng_state, identity, load_file, loaded_line, read_saved_config, read_tracker,
-                     restore_scheduler, set_rng_state)
+from .common import (CHECKPOINT_VERSION, CHECKSUM, CheckpointError, atomic_torch_save, check_checksum, check_file,
+                     check_same_model, file_checksum, get_rng_state, identity, load_file, loaded_line,
+                     read_saved_config, read_tracker, restore_scheduler, set_rng_state)
 from .publish import published_dir, staged_iteration
 from .stream import exact_storage
 
@@ -443,7 +442,7 @@ def _cause(e: BaseException) -> BaseException:
 def _write(root: str, iteration: int, entries: dict[str, Entry], common: dict, group, rank: int,
            announce: bool = False) -> None:
     """Collective over `group`: every rank's chunks into the staging folder, then common.pt (rank 0)
-    with each file's size and CRC-32 (every rank sums its own files); published by rank 0 (folder,
+    with each file's size and checksum (every rank sums its own files); published by rank 0 (folder,
     then tracker) once every rank's files are complete and synced (publish.py)."""
     with staged_iteration(root, iteration, rank, group) as staging:
         error, sums = None, {}
@@ -457,8 +456,8 @@ def _write(root: str, iteration: int, entries: dict[str, Entry], common: dict, g
         if error is not None:
             raise error
         if rank == 0:
-            files = {name: n_crc for mine in every for name, n_crc in mine.items()}
-            atomic_torch_save({**common, "files": files}, os.path.join(staging, COMMON_FILE))
+            files = {name: n_sum for mine in every for name, n_sum in mine.items()}
+            atomic_torch_save({**common, "files": files, "checksum": CHECKSUM}, os.path.join(staging, COMMON_FILE))
     if rank == 0 and announce:
         print(f"  successfully saved checkpoint at iteration {iteration:7d} to {root} (in the background)", flush=True)
 
@@ -562,18 +561,18 @@ class AsyncSaves:
 
 
 def _own_files(folder: str, group_rank: int) -> dict[str, tuple[int, int]]:
-    """(bytes, CRC-32) of the files this rank wrote into `folder`: DCP's __{rank}_{i}.distcp, and
-    its .metadata on the coordinator (group rank 0). Read back once they are synced."""
+    """(bytes, checksum) of the files this rank wrote into `folder`: DCP's __{rank}_{i}.distcp, and
+    its .metadata on the coordinator (group rank 0). Read back once they are synced (from the page
+    cache; file_checksum runs its own threads)."""
     names = [n for n in os.listdir(folder) if n.startswith(f"__{group_rank}_") and n.endswith(".distcp")]
     names = sorted(names + ([".metadata"] if group_rank == 0 else []))
-    with ThreadPoolExecutor(max_workers=WRITE_THREADS) as pool:      # zlib releases the GIL: one pass per core
-        return dict(zip(names, pool.map(file_checksum, [os.path.join(folder, n) for n in names])))
+    return {name: file_checksum(os.path.join(folder, name)) for name in names}
 
 
 def check_files(folder: str, common: dict, iteration, group, rank: int) -> None:
     """Collective over `group`: every file of the torch_dist checkpoint in `folder` is the one saved
     with its common.pt -- the identity of this iteration, each file's size (every rank), each file's
-    CRC-32 (the files split among the ranks: one pass over each) -- or every rank raises the first
+    checksum (the files split among the ranks: one pass over each) -- or every rank raises the first
     problem's line. Checkpoints saved before identities are not checked."""
     ident, files = common.get("identity"), common.get("files")
     if ident is None or files is None:
@@ -587,15 +586,14 @@ def check_files(folder: str, common: dict, iteration, group, rank: int) -> None:
                                   f"{iteration}: it was copied from another iteration; put back the file saved "
                                   f"with it, or load an earlier iteration")
         present = {n for n in os.listdir(folder) if n == ".metadata" or n.endswith(".distcp")}
-        mine = []
+        kind, mine = common.get("checksum", "crc32"), []     # crc32: the first identities' common.pt
         for i, name in enumerate(sorted(set(files) | present)):
-            saved = files.get(name)
-            check_file(folder, name, None if saved is None else {"bytes": saved[0], "crc32": saved[1]}, verify=False)
+            saved = None if name not in files else {"bytes": files[name][0], kind: files[name][1]}
+            check_file(folder, name, saved, verify=False)
             if i % world == me:
-                mine.append((os.path.join(folder, name), saved[1]))
-        with ThreadPoolExecutor(max_workers=WRITE_THREADS) as pool:
-            for done in [pool.submit(check_crc, path, crc) for path, crc in mine]:
-                done.result()
+                mine.append((os.path.join(folder, name), saved))
+        for file, saved in mine:
+            check_checksum(file, saved)
     except CheckpointError as e:
         line = str(e)
     lines = [line]

@@ -3,7 +3,8 @@
 
     SaveDirLock         one job per --save directory: DIR/megapar.lock, created with O_EXCL by rank 0,
                         holding the owner (host, PID, start time, command); removed at exit
-    check_finetune_dirs --finetune never writes into the directory it loads (parse time)
+    check_save_dirs     a run from iteration 0 never saves over saved iterations, a --finetune
+                        never into the directory it loads (parse time)
     check_save_space    --save has room for one more checkpoint of this model
 
 A lock whose owner is gone (same host, no such process, or the PID now belongs to a younger
@@ -29,7 +30,7 @@ from typing import Callable, Optional
 from ..config.arguments import CheckpointConfig, Config, ConfigError
 from ..topology import padded_vocab_size
 from ..errors import size_text
-from .common import CheckpointError, same_dir
+from .common import CheckpointError, same_dir, saved_iterations, shown_iterations
 
 LOCK_FILE = "megapar.lock"
 OPTIMIZER_BYTES_PER_PARAM = 12   # fp32 master weight + Adam's two moments, when optimizer state is saved
@@ -194,12 +195,24 @@ class SaveDirLock:
 
 
 # ---- fine-tuning and disk space ------------------------------------------------------------------
-def check_finetune_dirs(ckpt: CheckpointConfig) -> None:
-    """--finetune starts a new run from a checkpoint: saving it into the --load directory would
-    write over (and, at the same iterations, replace) the checkpoint it was started from."""
-    if ckpt.finetune and ckpt.load and ckpt.save and same_dir(ckpt.load, ckpt.save):
+def check_save_dirs(ckpt: CheckpointConfig) -> None:
+    """What a run's --save may write over, at parse time. A run that starts at iteration 0 (no
+    --load, or --finetune) never saves into a directory holding saved iterations: it would replace
+    them (and a fine-tune into its own --load, the checkpoint it starts from)."""
+    if not ckpt.save:
+        return
+    if ckpt.finetune and ckpt.load and same_dir(ckpt.load, ckpt.save):
         raise ConfigError(f"--finetune with --save {ckpt.save} equal to --load: a fine-tune would overwrite the "
                           f"checkpoint it starts from; give a new --save directory")
+    saved = saved_iterations(ckpt.save)
+    if not saved or (ckpt.load and not ckpt.finetune):
+        return
+    held = f"--save {ckpt.save} holds saved iterations ({shown_iterations(saved)})"
+    if ckpt.finetune:
+        raise ConfigError(f"{held}; a --finetune starts at iteration 0 and would replace them; give a new --save "
+                          f"(to continue that fine-tune: --load {ckpt.save} without --finetune)")
+    raise ConfigError(f"{held} and this run has no --load, so it would start from scratch and replace them; add "
+                      f"--load {ckpt.save} to resume from them, or give a new --save")
 
 
 def checkpoint_bytes(cfg: Config, vocab_size: int) -> int:

@@ -38,7 +38,8 @@ from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, Checkpo
                      flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, loaded_line,
                      nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
                      shard_dir_name, shard_dirs, untracked_line, identity,
-                     write_manifest, read_manifest, check_crc, check_file, check_identity, IDENTITY_FILE)
+                     write_manifest, read_manifest, check_checksum, check_file, check_identity, IDENTITY_FILE,
+                     file_checksum)
 from .stream import LazyTensor, StreamingSaver
 from .publish import published_dir, staged_iteration
 
@@ -143,7 +144,7 @@ def _write_shard(shard: str, obj: dict, dist_obj: Optional[dict], model_stream: 
     for name, o, stream in files:
         with StreamingSaver(os.path.join(shard, name), o) as saver:
             feed(saver, stream)
-        sums[name] = saver.checksum
+        sums[name] = file_checksum(os.path.join(shard, name))     # read back from the page cache
     write_manifest(shard, ident, sums)
 
 
@@ -262,17 +263,16 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
     path = os.path.join(shard, MODEL_FILE)
     if not os.path.isfile(path):
         _explain_missing_shard(root, iteration, path, topo, model_config)
-    with ThreadPoolExecutor(max_workers=2) as pool:     # the files' CRC-32s are computed while the shard is read
-        ident, crcs = _check_files(folder, shard, iteration, topo, c.dp == 0, pool)
+    with ThreadPoolExecutor(max_workers=1) as pool:     # the files' checksums are computed while the shard is read
+        ident, sums = _check_files(folder, shard, iteration, topo.pp, c.dp == 0, pool)
         try:
             state = read_shard(path)
         finally:
-            for done in crcs:
+            for done in sums:
                 done.result()                            # a changed file is named as such, not as unreadable
-    if ident is not None:
-        check_identity(path, state.get("identity"), ident)
-        if found is not None:
-            found["run_id"] = ident["run_id"]
+    check_shard_identity(path, state.get("identity"), ident)
+    if ident is not None and found is not None:
+        found["run_id"] = ident["run_id"]
     check_compatible(read_saved_config(state, path), model_config, topo, path)
     load_model_state(model, flatten_model_states(state), path, sharded)
     if load_optim and not finetune and optimizer is not None:
@@ -289,9 +289,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, model_config: ModelC
     return it, int(getattr(state["args"], "consumed_train_samples", 0))
 
 
-def _check_files(folder: str, shard: str, iteration: int | str, topo, verify_all: bool,
+def _check_files(folder: str, shard: str, iteration: int | str, pp: int, verify_all: bool,
                  pool: ThreadPoolExecutor) -> tuple[Optional[dict], list[Future]]:
-    """This shard's files against its manifest: their sizes now; the model file's CRC-32 and (when
+    """This shard's files against its manifest: their sizes now; the model file's checksum and (when
     `verify_all`: one data-parallel rank per shard) every file's on `pool` (the futures returned
     raise a mismatch); its identity must be of this iteration and of the run of the first shard.
     Returns that identity (None: saved before identities)."""
@@ -304,19 +304,42 @@ def _check_files(folder: str, shard: str, iteration: int | str, topo, verify_all
         raise CheckpointError(f"checkpoint file {where} is of iteration {manifest['iteration']}, its folder of "
                               f"{iteration}: the shard was copied from another iteration; put back the shard saved "
                               f"with it, or load an earlier iteration")
-    first = read_manifest(os.path.join(folder, shard_dir_name(0, 0, topo.pp)))
+    first = read_manifest(os.path.join(folder, shard_dir_name(0, 0, pp)))
     if first is not None and first["run_id"] != manifest["run_id"]:
         raise CheckpointError(f"checkpoint file {where} is of run {manifest['run_id']}, the first shard's of run "
                               f"{first['run_id']}: the shard was copied from another run; put back the shard saved "
                               f"with it, or load an earlier iteration")
     present = [n for n in (MODEL_FILE, DISTRIB_OPTIM_FILE) if os.path.exists(os.path.join(shard, n))]
-    crcs = []
+    sums = []
     for name in sorted(set(manifest["files"]) | set(present)):
         saved = manifest["files"].get(name)
         check_file(shard, name, saved, verify=False)
         if verify_all or name == MODEL_FILE:
-            crcs.append(pool.submit(check_crc, os.path.join(shard, name), saved["crc32"]))
-    return ident, crcs
+            sums.append(pool.submit(check_checksum, os.path.join(shard, name), saved))
+    return ident, sums
+
+
+def verify_shards(folder: str, shards: list[str], iteration: int | str, pp: int) -> dict[str, Optional[dict]]:
+    """Every file of the shard folders `shards` of the iteration folder `folder` against its manifest
+    (sizes and checksums); each shard's identity (None: saved before identities).
+    What a reader of a whole checkpoint (the conversion tools) calls before reading it."""
+    with ThreadPoolExecutor(max_workers=1) as pool:         # one file at a time: file_checksum runs threads
+        found = {shard: _check_files(folder, shard, iteration, pp, True, pool) for shard in shards}
+        for _, sums in found.values():
+            for done in sums:
+                done.result()
+    return {shard: ident for shard, (ident, _) in found.items()}
+
+
+def check_shard_identity(path: str, found: Optional[dict], ident: Optional[dict]) -> None:
+    """The identity a shard's file carries (`found`) must be its manifest's (`ident`); a file that
+    carries one in a shard without a manifest lost its identity.json (no check would be made)."""
+    if ident is not None:
+        check_identity(path, found, ident)
+    elif found is not None:
+        manifest = os.path.join(os.path.dirname(path), IDENTITY_FILE)
+        raise CheckpointError(f"checkpoint file {manifest} is missing ({os.path.basename(path)} was saved with it); "
+                              f"the checkpoint is incomplete: put it back, or load an earlier iteration")
 
 
 def _load_optimizer(state: dict, path: str, optimizer, ident: Optional[dict]) -> None:
@@ -325,8 +348,8 @@ def _load_optimizer(state: dict, path: str, optimizer, ident: Optional[dict]) ->
         raise CheckpointError(f"checkpoint {path} has no optimizer state (saved with --no-save-optim); "
                               f"load it with --no-load-optim or --finetune")
     saved, where = found
-    if ident is not None and where != path:
-        check_identity(where, saved.get("identity"), ident)
+    if where != path:
+        check_shard_identity(where, saved.get("identity"), ident)
     check_optimizer_state(saved, dict(optimizer.saved_shapes()), where,
                           "it does not belong to this checkpoint: load an earlier iteration, or pass "
                           "--no-load-optim to load the weights alone")

@@ -38,6 +38,7 @@ anything they did not write:
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -61,8 +62,18 @@ _STAGING = re.compile(r"^(iter_\d{7}|release)\.partial$")
 
 
 def discard(staging: str) -> None:
-    """Remove a staging folder (after a failure, or a leftover of a killed save)."""
+    """Remove a staging folder (after a failure, or a leftover of a killed save). shutil.rmtree holds
+    two descriptors per folder level; a process out of them (EMFILE: the very failure being cleaned
+    up) still removes it one name at a time."""
     shutil.rmtree(staging, ignore_errors=True)
+    if not os.path.isdir(staging):
+        return
+    for folder, dirs, files in os.walk(staging, topdown=False):
+        for name in files:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def _swap_in(staging: str, final: str, aside: str) -> bool:
@@ -132,8 +143,9 @@ def staged_iteration(root: str, iteration: int | str, rank: int, group=None) -> 
     file size limit -- rank 0 removes the staging folder and every rank raises the same one-line
     CheckpointError (a rank whose block raised something other than a file-system error
     re-raises it, so a bug keeps its traceback); the checkpoints published before stay as they
-    were. The block must finish its collectives on every rank (raise after the last one). `group`:
-    the process group the ranks agree over (None: the world)."""
+    were. A peer that stops answering (the group's timeout) ends the save as well: rank 0 removes
+    the staging folder and the timeout propagates. The block must finish its collectives on every
+    rank (raise after the last one). `group`: the process group the ranks agree over (None: the world)."""
     staging = staging_dir(root, iteration)
     _agree(_attempt(lambda: _fresh(root, staging), rank == 0), root, iteration, staging, rank, group)
     failure = None
@@ -173,7 +185,12 @@ def _agree(failure: Optional[Exception], root: str, iteration: int | str, stagin
     lines = [line]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         lines = [None] * dist.get_world_size(group)
-        dist.all_gather_object(lines, line, group=group)
+        try:
+            dist.all_gather_object(lines, line, group=group)
+        except BaseException:   # a peer gone or frozen (the group's timeout): this save is over
+            if rank == 0:
+                discard(staging)
+            raise
     first = next((x for x in lines if x is not None), None)
     if first is None:
         return
@@ -196,7 +213,9 @@ def _file_system_error(e: BaseException) -> Optional[OSError]:
 _FIXES = {errno.EROFS: "make it writable or give another --save",
           errno.EACCES: "fix its permissions or give another --save",
           errno.EPERM: "fix its permissions or give another --save",
-          errno.EFBIG: "raise the file size limit (ulimit -f), give another --save, or save less with --no-save-optim"}
+          errno.EFBIG: "raise the file size limit (ulimit -f), give another --save, or save less with --no-save-optim",
+          errno.EMFILE: "raise the open-file limit (ulimit -n)",
+          errno.ENFILE: "the system's open-file table is full: close other programs' files or raise fs.file-max"}
 _SPACE = "free space there, give another --save, or save less with --no-save-optim"
 
 

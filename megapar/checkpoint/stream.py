@@ -13,7 +13,6 @@ import os
 import pickle
 import sys
 import warnings
-import zlib
 from collections import OrderedDict
 
 from typing import Optional
@@ -98,14 +97,12 @@ class _Sink:
     def __init__(self, path: str):
         self.file = open(path, "wb")
         self.error: Optional[OSError] = None
-        self.nbytes, self.crc32 = 0, 0      # of the bytes written: the checkpoint's per-file checksum
 
     def write(self, data) -> int:
         n = memoryview(data).nbytes
         if self.error is None:
             try:
                 self.file.write(data)
-                self.nbytes, self.crc32 = self.nbytes + n, zlib.crc32(data, self.crc32)
             except OSError as e:
                 self.error = e
         return n
@@ -175,11 +172,6 @@ class StreamingSaver:
         t = exact_storage(t.detach().cpu().contiguous())
         self._record(f"data/{lazy.key}", t.untyped_storage(), t.numel() * t.element_size())
         self.next += 1
-
-    @property
-    def checksum(self) -> tuple[int, int]:
-        """(bytes, CRC-32) of the file written (complete once the saver is closed)."""
-        return self.sink.nbytes, self.sink.crc32
 
     def close(self) -> None:
         if self.remaining():

@@ -22,7 +22,7 @@ from ..atomic import atomic_write_text
 from ..optimizer.base import OPTIM_KINDS
 from ..checkpoint.common import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TRACKER, iter_dir,
                                  shard_dir_name)
-from ..checkpoint.common import identity, new_run_id, write_manifest
+from ..checkpoint.common import file_checksum, identity, new_run_id, write_manifest
 from ..checkpoint.legacy import shard_objects
 from . import retarget
 from ..checkpoint.publish import CANONICAL, CHECKPOINT, staged_output
@@ -132,8 +132,7 @@ def _write_stages(src, target: SavedConfig, staging: str, tp: int, pp: int, with
                 s.abort()
             raise
         for tp_rank, saver in enumerate(model_savers):
-            sums = {MODEL_FILE: saver.checksum}
-            if optim_savers:
-                sums[DISTRIB_OPTIM_FILE] = optim_savers[tp_rank].checksum
-            write_manifest(os.path.join(it_dir, shard_dir_name(tp_rank, pp_rank, pp)), ident, sums)
+            shard = os.path.join(it_dir, shard_dir_name(tp_rank, pp_rank, pp))
+            names = [MODEL_FILE] + ([DISTRIB_OPTIM_FILE] if optim_savers else [])
+            write_manifest(shard, ident, {name: file_checksum(os.path.join(shard, name)) for name in names})
         log(f"  wrote pipeline stage {pp_rank + 1}/{pp} ({tp} tensor-parallel shards)")

@@ -21,7 +21,8 @@ from ..optimizer.base import OPTIM_KINDS
 from ..checkpoint.common import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError,
                                  flatten_model_states, load_file, read_saved_config, read_tracker,
                                  shard_dir_name, shard_dirs)
-from ..checkpoint.legacy import check_optimizer_state, read_optimizer_state, read_shard
+from ..checkpoint.legacy import (check_optimizer_state, check_shard_identity, read_optimizer_state, read_shard,
+                                 verify_shards)
 from ..checkpoint.publish import published_dir
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from ..checkpoint.layout import HEAD, canonical_key, chunk_layout, expected_full_shape, stage_of
@@ -85,6 +86,8 @@ class ShardedCheckpoint:
         if not os.path.isdir(self.dir):
             raise CheckpointError(f"checkpoint directory {self.dir} (named by the tracker) does not exist")
         self.tp, self.pp = self._detect_layout()
+        self.idents = verify_shards(self.dir, [os.path.dirname(self._path(t, p, MODEL_FILE)) for t in range(self.tp)
+                                               for p in range(self.pp)], iteration, self.pp)
         self.budget = _Budget(budget_bytes)
         self.shards = {(t, p): _ShardFile(self._path(t, p, MODEL_FILE), self.budget, is_model=True)
                        for t in range(self.tp) for p in range(self.pp)}
@@ -124,7 +127,11 @@ class ShardedCheckpoint:
         sf = self.shards[key]
         st = sf.state()
         keys = {k: tuple(v.shape) for k, v in flatten_model_states(st).items()}
+        ident = self.idents[os.path.dirname(sf.path)]
+        check_shard_identity(sf.path, st.get("identity"), ident)
         optim = read_optimizer_state(st, sf.path, mmap=True)
+        if optim is not None and optim[1] != sf.path:
+            check_shard_identity(optim[1], optim[0].get("identity"), ident)
         if optim is not None:
             check_optimizer_state(optim[0], keys, optim[1], "convert with --no-optim to leave the optimizer state "
                                                             "out, or load an earlier iteration")

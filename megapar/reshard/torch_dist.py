@@ -20,8 +20,8 @@ from ..atomic import atomic_write_text
 from ..optimizer.base import OPTIM_KINDS
 from ..checkpoint.common import (TRACKER, CheckpointError, atomic_torch_save, iter_dir,
                                  read_saved_config, read_tracker)
-from ..checkpoint.dist import (COMMON_FILE, Chunk, Deferred, Entry, common_record, fqn, load_entries, read_common,
-                               save_entries)
+from ..checkpoint.dist import (COMMON_FILE, Chunk, Deferred, Entry, check_files, common_record, fqn, load_entries,
+                               read_common, save_entries)
 from ..checkpoint.publish import CANONICAL, CHECKPOINT, staged_output
 from .source import _model_order
 
@@ -38,6 +38,7 @@ class DistSource:
                                       f"pick one")
         self.iteration, self.dir = iteration, iter_dir(root, iteration)
         self.common = read_common(self.dir)
+        check_files(self.dir, self.common, iteration, None, 0)     # every file is the one saved with common.pt
         self.saved = read_saved_config(self.common, os.path.join(self.dir, COMMON_FILE))
         try:
             stored = dcp.FileSystemReader(self.dir).read_metadata().state_dict_metadata

@@ -25,7 +25,8 @@ from ..topology import Topology
 from .heartbeat import Heartbeat, is_timeout, timeout_error
 from .initialize import build_run, init_distributed, print_rank0, schedule_horizon, train_iters
 from .scalar_writer import build_writer
-from .training import TrainState, evaluate, finish_saves, load, log_eval, reserve_saves, save, train
+from .training import (TrainState, evaluate, finish_saves, load, log_eval, reserve_saves, save, settle_saves,
+                       train)
 
 EMBEDDED_DIR = os.path.join("data_cache", "embedded")   # the embedded default's corpus and tokenizer
 
@@ -216,11 +217,14 @@ def _load_and_train(cfg: Config, run, argv: Optional[Sequence[str]], state: Trai
     writer = build_writer(cfg, run.rank)  # TensorBoard and/or W&B on rank 0, as the flags ask
     try:
         state = train(run, train_ds, valid_ds, state, writer)
+        if state.exit_reason is None:
+            _finish(run, state, valid_ds, test_ds)
+    except Exception:
+        settle_saves(run)       # a background save is published (or removed) before an error ends the run
+        raise
     finally:
         if writer is not None:
             writer.close()
-    if state.exit_reason is None:
-        _finish(run, state, valid_ds, test_ds)
     finish_saves(run)
     print_rank0(f"> training done in {time.time() - start:.1f} s at iteration {state.iteration}")
     _print_next_steps(cfg, run.scheduler, argv, stopped=state.exit_reason is not None)

@@ -20,7 +20,7 @@ from .cuda_graph import GraphedStep
 from ..errors import MegaparError
 from .initialize import Run, checkpoint_args, print_rank0, train_iters
 from ..model import VirtualStages
-from ..pipeline.p2p import current_step
+from ..pipeline.p2p import current_step, set_step
 from ..pipeline.schedules import ScheduleConfig, average_logs, get_forward_backward_func
 from ..kernels.readback import to_host, wait_host
 from ..tensor_parallel.linear import use_gemv_bias_grads
@@ -326,6 +326,9 @@ def save(run: Run, state: TrainState) -> None:
     refuse_non_finite_weights(run, state.iteration)
     ck = run.cfg.ckpt
     print_rank0(f" saving checkpoint at iteration {state.iteration:7d} to {ck.save}")
+    # where a collective timeout during the save says this rank was (the next step's schedule resets it)
+    set_step(label=f"saving iteration {state.iteration} to {ck.save}", schedule=None, phase=None, microbatch=None,
+             chunk=None, op=None)
     if state.run_id is None:        # this run's first save: one id for every rank
         drawn = [new_run_id() if run.rank == 0 else None]
         dist.broadcast_object_list(drawn, src=0)
@@ -593,9 +596,6 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
     handler, start_time = SignalHandler(run.cfg.train.exit_signal_handler, run.rank), time.time()
     try:
         return _train_loop(run, train_ds, valid_ds, state, writer, handler, start_time)
-    except Exception:
-        settle_saves(run)       # a background save is published (or removed) before the error ends the run
-        raise
     finally:
         handler.close()
 

@@ -93,6 +93,16 @@ def to_hf(load, save, *extra) -> list:
     return ["python", TO_HF, "--load-dir", load, "--save-dir", save, *extra]
 
 
+def strip_identities(shard: Path) -> None:
+    """Make a legacy shard folder as one saved before identities: no identity.json, none in its files."""
+    (shard / "identity.json").unlink()
+    for name in ("model_optim_rng.pt", "distrib_optim.pt"):
+        if (shard / name).exists():
+            state = torch.load(shard / name, weights_only=False)
+            del state["identity"]
+            torch.save(state, shard / name)
+
+
 def leftovers(folder: Path) -> list[str]:
     return [p.name for p in folder.iterdir() if ".partial." in p.name or ".old." in p.name]
 
@@ -263,7 +273,7 @@ def test_another_models_optimizer_file_is_refused(data, tmp_path):
             fault_class="load", case="--load a checkpoint holding another model's distrib_optim.pt",
             expect=[f"checkpoint file {one / optim} is not the file saved with this checkpoint",
                     "put back the file saved with it"], watch=[one], allow_new=[tmp_path / "cache"])
-    (one / "iter_0000001" / "mp_rank_00" / "identity.json").unlink()      # saved before identities: the shapes
+    strip_identities(one / "iter_0000001" / "mp_rank_00")             # saved before identities: the shapes
     refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--use-distributed-optimizer", "--load", one,
              "--save", one, "--train-iters", "2", "--data-cache-path", tmp_path / "cache"],
             fault_class="load", case="the same, in a checkpoint saved before identities",
@@ -467,7 +477,7 @@ def test_torch_dist_shard_of_another_run_is_refused(data, dist_trained, tmp_path
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_flipped_bytes_inside_a_saved_weight_are_refused(data, trained, dist_trained, tmp_path, fmt):
-    """Same size, bytes changed in the middle (where the tensors are): the CRC-32 names the file."""
+    """Same size, bytes changed in the middle (where the tensors are): the checksum names the file."""
     ck = tmp_path / "ck"
     shutil.copytree(trained if fmt == "torch" else dist_trained, ck)
     path = ck / (MODEL if fmt == "torch" else "iter_0000001/__0_0.distcp")
@@ -475,13 +485,13 @@ def test_flipped_bytes_inside_a_saved_weight_are_refused(data, trained, dist_tra
     raw[len(raw) // 2: len(raw) // 2 + 8] = b"\x7f" * 8          # finite garbage in a weight
     path.write_bytes(bytes(raw))
     refused(_resume(data, ck), fault_class="identity", case=f"{fmt}: 8 bytes changed inside a saved weight",
-            expect=[str(path), "CRC-32 differs", "load an earlier iteration"], watch=[ck])
+            expect=[str(path), "checksum differs", "load an earlier iteration"], watch=[ck])
 
 
 def test_checkpoint_saved_before_identities_still_loads(data, trained, dist_trained, tmp_path):
     legacy, torch_dist = tmp_path / "legacy", tmp_path / "torch_dist"
     shutil.copytree(trained, legacy)
-    (legacy / "iter_0000001" / "mp_rank_00" / "identity.json").unlink()
+    strip_identities(legacy / "iter_0000001" / "mp_rank_00")
     shutil.copytree(dist_trained, torch_dist)
     common_path = torch_dist / "iter_0000001" / "common.pt"
     common = torch.load(common_path, weights_only=False)
@@ -507,3 +517,61 @@ def test_run_id_is_kept_across_a_resume(data, trained, dist_trained, tmp_path, f
     first, second = ident(1), ident(2)
     assert first["run_id"] == second["run_id"] and len(first["run_id"]) == 16
     assert (first["iteration"], second["iteration"]) == (1, 2)
+
+
+def test_shard_that_lost_its_identity_json_is_refused(data, trained, tmp_path):
+    """Its files carry an identity: without the manifest they would load unchecked."""
+    ck = tmp_path / "ck"
+    shutil.copytree(trained, ck)
+    manifest = ck / "iter_0000001" / "mp_rank_00" / "identity.json"
+    manifest.unlink()
+    refused(_resume(data, ck), fault_class="identity", case="a shard without its identity.json",
+            expect=[f"{manifest} is missing (model_optim_rng.pt was saved with it)", "put it back"], watch=[ck])
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_conversion_of_a_changed_checkpoint_is_refused(data, zero_pair, dist_trained, tmp_path, fmt):
+    """checkpoint_util checks the files it reads as training's --load does: another run's
+    distrib_optim.pt (legacy) or changed bytes in a .distcp (torch_dist) are named, and no output
+    (with a fresh identity and checksums that would hide the change) is written."""
+    ck = tmp_path / "ck"
+    shutil.copytree(zero_pair[0] if fmt == "torch" else dist_trained, ck)
+    if fmt == "torch":
+        path = ck / "iter_0000001" / "mp_rank_00" / "distrib_optim.pt"
+        shutil.copy(zero_pair[1] / "iter_0000001" / "mp_rank_00" / "distrib_optim.pt", path)
+        expect = [str(path), "not the file saved with this checkpoint"]
+    else:
+        path = ck / "iter_0000001" / "__0_0.distcp"
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2: len(raw) // 2 + 8] = b"\x7f" * 8
+        path.write_bytes(bytes(raw))
+        expect = [str(path), "checksum differs"]
+    refused(reshard(ck, tmp_path / "out", "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size",
+                    "1"), fault_class="identity", case=f"checkpoint_util over a changed {fmt} checkpoint",
+            expect=expect, watch=[tmp_path])
+
+
+# ---- never from scratch over saved iterations ------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["no --load", "--finetune"])
+def test_a_run_from_iteration_0_never_saves_over_saved_iterations(data, trained, dist_trained, tmp_path, how):
+    ck = tmp_path / "ck"
+    shutil.copytree(trained, ck)
+    if how == "no --load":
+        cmd, expect = [], ["and this run has no --load, so it would start from scratch and replace them",
+                           f"add --load {ck} to resume"]
+    else:
+        cmd, expect = ["--load", dist_trained, "--finetune"], ["a --finetune starts at iteration 0",
+                                                                f"--load {ck} without --finetune"]
+    refused(["python", "-m", "megapar.pretrain_gpt2", *TINY, *data, "--save", ck, *cmd], fault_class="load",
+            case=f"--save over saved iterations, {how}", watch=[ck, dist_trained],
+            expect=[f"--save {ck} holds saved iterations (iter_0000001)", *expect])
+
+
+@pytest.mark.parametrize("text", ["", "  \n", "latest", "-1"])
+def test_a_tracker_that_names_no_iteration_says_which_are_saved(data, trained, tmp_path, text):
+    ck = tmp_path / "ck"
+    shutil.copytree(trained, ck)
+    (ck / "latest_checkpointed_iteration.txt").write_text(text)
+    refused(_resume(data, ck, "--save", ck), fault_class="load", case=f"a tracker holding {text!r}",
+            expect=["should hold an iteration number or 'release'", "write the iteration to resume from into it "
+                    "(saved: iter_0000001)"], watch=[ck], allow_new=[ck / "megapar.lock"])

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import ROOT, refused, run
+from harness import ROOT, ROWS, Row, refused, run
 from test_faults_checkpoints import (KILL_AT, MODEL, TINY, data, dist_trained, leftovers, losses, reshard,  # noqa: F401
                                     train, trained)
 
@@ -256,6 +256,96 @@ def test_torch_dist_save_failing_is_one_line(data, dist_trained, tmp_path, previ
         assert not ck.exists()
 
 
+NOFILE = '''import os, resource, runpy, sys
+import megapar.checkpoint.dist as d
+real = d.save_entries
+
+
+def limited(*args):   # the open-file limit reached as DCP's writer threads open their files
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 1,
+                                                resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    real(*args)
+
+
+d.save_entries = limited
+sys.argv = ["megapar.pretrain_gpt2"] + sys.argv[1:]
+runpy.run_module("megapar.pretrain_gpt2", run_name="__main__")
+'''
+
+
+def test_torch_dist_save_out_of_file_descriptors_is_one_line(data, dist_trained, tmp_path):
+    """Too many open files (EMFILE) while DCP's writer threads open the data files: the cause and its
+    own fix (not 'free space'), the partial save removed, the checkpoint before it kept."""
+    ck = tmp_path / "ck"
+    shutil.copytree(dist_trained, ck)
+    flags = [*TINY, *data, "--train-iters", "2", "--save-interval", "2", "--load", ck, "--save", ck,
+             "--ckpt-format", "torch_dist", "--data-cache-path", cache_of(dist_trained)]
+    refused(["python", "-c", NOFILE, *flags], fault_class="failed save",
+            case="torch_dist save out of file descriptors (EMFILE)",
+            expect=[f"saving iteration 2 to {ck} failed writing __0_", "Too many open files (EMFILE)",
+                    "partial save was removed and the checkpoints already there are unchanged",
+                    "raise the open-file limit (ulimit -n)"], watch=[ck], allow_new=[ck / LOCK])
+    assert sorted(os.listdir(ck)) == ["iter_0000001", TRACKER]
+
+
+def test_torch_dist_save_on_a_full_disk_is_one_line(data, dist_trained, tmp_path):
+    """A real full disk (a tmpfs with room for one iteration and a half): the second save fails with
+    ENOSPC in one line, its partial files removed, the first checkpoint kept and loadable."""
+    from test_faults_machine import _small_disk
+    pages = sum(-(-f.stat().st_size // 4096) for f in (dist_trained / "iter_0000001").iterdir())
+    with _small_disk(tmp_path / "disk", f"{(pages * 3 // 2 + 4) * 4}k") as disk:
+        ck = disk / "ck"
+        flags = [*TINY, *data, "--train-iters", "2", "--save-interval", "1", "--save", ck, "--ckpt-format",
+                 "torch_dist", "--data-cache-path", cache_of(dist_trained)]
+        refused([*PRETRAIN, *flags], fault_class="failed save", case="torch_dist save on a full disk (tmpfs)",
+                expect=[f"saving iteration 2 to {ck} failed", "No space left on device (ENOSPC)",
+                        "partial save was removed and the checkpoints already there are unchanged", "free space"],
+                allow_new=[disk])
+        assert sorted(os.listdir(ck)) == ["iter_0000001", TRACKER] and (ck / TRACKER).read_text() == "1"
+        out = run([*PRETRAIN, *TINY, *data, "--train-iters", "2", "--load", ck, "--data-cache-path",
+                   cache_of(dist_trained)])
+        assert out.rc == 0 and f"successfully loaded checkpoint from {ck} at iteration 1" in out.output, \
+            out.output[-3000:]
+
+
+def test_a_rank_frozen_during_a_torch_dist_save_ends_within_the_timeout(data, tmp_path):
+    """tp 2 through the launcher: rank 1 is SIGSTOPped the moment the save of iteration 4 begins (its
+    staging folder appears). Rank 0's checkpoint collectives honour --distributed-timeout-minutes:
+    one line naming rank 1 and the save, in seconds (not torch's 30 minutes); the staging folder
+    removed, the checkpoint of iteration 2 kept."""
+    from test_faults_launch import LAUNCHER, TINY as LAUNCH_TINY, _popen
+    from test_faults_machine import _worker
+    ck = tmp_path / "ck"
+    proc = _popen([*LAUNCHER, *LAUNCH_TINY, *data, "--train-iters", "1000", "--save", ck, "--save-interval", "2",
+                   "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "0.1",
+                   "--data-cache-path", tmp_path / "cache"])
+    seen, rank1, stopped_at, waited = [], None, None, float("inf")
+    for line in proc.stdout:
+        seen.append(line)
+        if rank1 is None and " iteration        3/" in line:
+            rank1 = _worker(proc.pid, 1)
+            deadline = time.monotonic() + 60
+            while not (ck / "iter_0000004.partial").exists() and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            os.kill(rank1, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+        if line.startswith("error:") and stopped_at is not None:
+            waited = time.monotonic() - stopped_at
+            os.kill(rank1, signal.SIGCONT)       # so that torchrun's SIGTERM ends it
+    rc = proc.wait(timeout=120)
+    out = "".join(seen)
+    errors = [line for line in seen if line.startswith("error:")]
+    ROWS.append(Row("failed save", "rank 1 SIGSTOPped as a torch_dist save begins: rank 0 names it after "
+                                   "--distributed-timeout-minutes 0.1", len(errors) == 1 and waited < 60,
+                    sorted(os.listdir(ck)) == ["iter_0000002", TRACKER]))
+    assert stopped_at is not None and rc != 0 and "Traceback" not in out, out[-3000:]
+    assert len(errors) == 1, out[-3000:]
+    assert (f"rank 0 waited --distributed-timeout-minutes 0.1 in a collective (saving iteration 4 to {ck}) for "
+            f"rank 1") in errors[0] and "stopped answering" in errors[0], errors[0]
+    assert waited < 60, f"the error came {waited:.0f} s after the stop"
+    assert sorted(os.listdir(ck)) == ["iter_0000002", TRACKER] and (ck / TRACKER).read_text() == "2"
+
+
 def _rank1_fills_the_disk(rank, world, root):
     """Rank 1's writes fail for real (a file size limit); every rank must raise the same line."""
     import resource
@@ -391,21 +481,25 @@ def test_tracker_write_failing_puts_the_previous_folder_back(trained, tmp_path):
 
 
 def test_kill_between_the_renames_of_a_resave_resumes(data, trained, tmp_path):
-    """A run started from scratch into a --save that already holds iteration 1 is killed (-9) after
-    setting the old iteration 1 aside and before renaming its own in; the tracker names 1. The
-    next run takes over the dead run's lock, loads the copy set aside, and trains on."""
+    """The tracker rolled back to iteration 1 beside a saved iteration 2: the resume re-saves 2 and is
+    killed (-9) after setting the old iteration 2 aside and before renaming its own in. The tracker
+    still names 1; the next run takes over the dead run's lock, puts the copy set aside back before
+    its own publish, and trains on to the same iteration 2."""
     ck = tmp_path / "ck"
     shutil.copytree(trained, ck)
-    flags = [*TINY, *data, "--data-cache-path", cache_of(trained)]
-    killed = run(["python", "-c", KILL_AT, "iter_0000001", "1", *flags, "--save", ck])
+    flags = [*TINY, *data, "--data-cache-path", cache_of(trained), "--train-iters", "2", "--load", ck, "--save", ck]
+    assert run([*PRETRAIN, *flags]).rc == 0
+    (ck / TRACKER).write_text("1")
+    killed = run(["python", "-c", KILL_AT, "iter_0000002", "1", *flags])
     assert killed.rc == -9, killed.output[-3000:]
-    assert not (ck / "iter_0000001").exists() and (ck / "iter_0000001.old").is_dir()
-    resumed = run([*PRETRAIN, *flags, "--train-iters", "2", "--load", ck, "--save", ck])
+    assert not (ck / "iter_0000002").exists() and (ck / "iter_0000002.old").is_dir()
+    assert (ck / TRACKER).read_text() == "1"
+    resumed = run([*PRETRAIN, *flags])
     assert resumed.rc == 0, resumed.output[-3000:]
-    assert "taking over" in resumed.output and "loading the copy it replaced" in resumed.output
+    assert "taking over" in resumed.output
     assert f"successfully loaded checkpoint from {ck} at iteration 1" in resumed.output
     assert 2 in losses(resumed.output)
-    assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000002", TRACKER]
+    assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000002", TRACKER] and (ck / TRACKER).read_text() == "2"
 
 
 # ---- what --force may replace: the torch_dist layout --------------------------------------------------------
