@@ -11,6 +11,11 @@ bench.py's own configurator flags: batch size as megapar's recipe, seq 1024, ran
 (`real_data=False`), compiled, bf16, and `bias=True` (GPT-2's layers have biases, as megapar's do;
 `--nanogpt-no-bias` measures bench.py's bias-free default instead).
 
+`--nanogpt-variants published expert` also runs an expert's bench.py: the same file with three lines
+changed (`torch.compile(model, mode="max-autotune")`, which autotunes the GEMMs and replays the model in
+CUDA graphs; Inductor's coordinate-descent tuning on; the loss read back once per timed stage instead of
+after every iteration, so the host runs ahead of the GPU as megapar's does). Nothing else changes.
+
 Each round runs megapar's recipe (benchmarks/bench_train.py: the mean of the last 10 of 50 iterations)
 and then bench.py (its mean over 20 iterations after 10 of burn-in), so drifting clocks hit both. Both
 models have the same shape and padded vocabulary (50304), so the ratio of step times is the ratio of
@@ -35,6 +40,15 @@ NANO_SIZE_LINE = "n_layer = 12, n_head = 12, n_embd = 768, # size of the model"
 NANO_TIME_RE = re.compile(r"time per iteration: ([\d.]+)ms")
 VOCAB, SEQ = 50304, 1024   # nanoGPT's padded vocabulary = megapar's for GPT-2 BPE; both recipes' seq
 SHAPES = {"124m": "124m-graph", "345m": "345m-graph", "1.3b": "1.3b-graph"}
+NANO_COMPILE_LINE = "model = torch.compile(model) # pytorch 2.0"
+NANO_ITEM_LINE = "lossf = loss.item()"
+VARIANTS = {   # variant -> the (line, replacement) pairs that make its script from bench.py
+    "published": (),
+    "expert": ((NANO_COMPILE_LINE, 'model = torch.compile(model, mode="max-autotune")\n'
+                                   "    import torch._inductor.config\n"
+                                   "    torch._inductor.config.coordinate_descent_tuning = True"),
+               (NANO_ITEM_LINE, 'lossf = loss.item() if k == num_steps - 1 else float("nan")')),
+}
 
 
 @dataclass(frozen=True)
@@ -60,22 +74,27 @@ class Shape:
         return flops_per_token(self.layers, self.hidden, SEQ, VOCAB) * SEQ * self.micro
 
 
-def nanogpt_script(nano_dir: str, name: str, shape: Shape) -> str:
-    """bench.py with the model-size line set to `shape` (bench.py itself when it is 124M)."""
+def nanogpt_script(nano_dir: str, name: str, shape: Shape, variant: str) -> str:
+    """bench.py with the model-size line set to `shape` and `variant`'s lines changed (bench.py itself
+    when nothing changes)."""
     src = open(os.path.join(nano_dir, "bench.py")).read()
-    if NANO_SIZE_LINE not in src:
-        sys.exit(f"error: {nano_dir}/bench.py has no line {NANO_SIZE_LINE!r}; use nanoGPT's bench.py as published")
     size = f"n_layer = {shape.layers}, n_head = {shape.heads}, n_embd = {shape.hidden}, # size of the model"
-    if size == NANO_SIZE_LINE:
+    changes = ((NANO_SIZE_LINE, size),) + VARIANTS[variant]
+    for line, _ in changes:
+        if line not in src:
+            sys.exit(f"error: {nano_dir}/bench.py has no line {line!r}; use nanoGPT's bench.py as published")
+    if all(line == new for line, new in changes):
         return "bench.py"
-    path = os.path.join(nano_dir, f"bench_{name}.py")
+    for line, new in changes:
+        src = src.replace(line, new)
+    path = os.path.join(nano_dir, f"bench_{name}_{variant}.py")
     with open(path, "w") as f:
-        f.write(src.replace(NANO_SIZE_LINE, size))
+        f.write(src)
     return os.path.basename(path)
 
 
-def run_nanogpt(nano_dir: str, name: str, shape: Shape, bias: bool, log_path: str) -> dict:
-    script = nanogpt_script(nano_dir, name, shape)
+def run_nanogpt(nano_dir: str, name: str, shape: Shape, variant: str, bias: bool, log_path: str) -> dict:
+    script = nanogpt_script(nano_dir, name, shape, variant)
     cmd = [sys.executable, script, f"--batch_size={shape.micro}", f"--block_size={SEQ}", "--real_data=False",
            f"--bias={bias}", "--compile=True", "--dtype=bfloat16"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=nano_dir)
@@ -98,6 +117,8 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--rounds", type=int, default=1, help="megapar / nanoGPT pairs per shape")
     p.add_argument("--nanogpt-no-bias", action="store_true", help="bench.py's default bias=False")
+    p.add_argument("--nanogpt-variants", nargs="+", default=["published"], choices=list(VARIANTS),
+                   help="bench.py as published, and/or the expert's (max-autotune, no per-iteration read-back)")
     p.add_argument("--vocab-file", required=True)
     p.add_argument("--merge-file", required=True)
     p.add_argument("--log-dir", default=".")
@@ -117,20 +138,19 @@ def main() -> None:
         shape = Shape.of(SHAPES[name])
         for r in range(args.rounds):
             ours = run_config(shape.recipe, args)
-            theirs = run_nanogpt(nano_dir, name, shape, not args.nanogpt_no_bias,
-                                 os.path.join(args.log_dir, f"nanogpt_{name}_{r}.log"))
-            rows.append((name, r, ours, theirs))
-            print(name, r, ours, theirs, flush=True)
-    print(f"\n| shape | round | megapar recipe | megapar ms | MFU "
-          f"| nanoGPT bench.py ms (bias={not args.nanogpt_no_bias}) | MFU | megapar speed-up |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, r, ours, theirs in rows:
+            rows.append((name, r, "megapar " + shape.recipe, ours, ours))
+            for variant in args.nanogpt_variants:
+                theirs = run_nanogpt(nano_dir, name, shape, variant, not args.nanogpt_no_bias,
+                                     os.path.join(args.log_dir, f"nanogpt_{name}_{variant}_{r}.log"))
+                rows.append((name, r, f"nanoGPT bench.py, {variant}", theirs, ours))
+                print(name, r, ours, variant, theirs, flush=True)
+    print(f"\n| shape | round | run (nanoGPT bias={not args.nanogpt_no_bias}) | ms | MFU | megapar speed-up |")
+    print("|---|---|---|---|---|---|")
+    for name, r, label, res, ours in rows:
         shape = Shape.of(SHAPES[name])
-        a = f"{ours['ms']:.1f} | {mfu(shape, ours['ms'], peak)}" if "ms" in ours else f"failed: {ours['error']} |"
-        b = (f"{theirs['ms']:.1f} | {mfu(shape, theirs['ms'], peak)}" if "ms" in theirs
-             else f"failed: {theirs['error']} |")
-        ratio = f"{theirs['ms'] / ours['ms']:.3f}x" if "ms" in ours and "ms" in theirs else ""
-        print(f"| {name} | {r} | {shape.recipe} | {a} | {b} | {ratio} |")
+        a = f"{res['ms']:.1f} | {mfu(shape, res['ms'], peak)}" if "ms" in res else f"failed: {res['error']} |"
+        ratio = f"{res['ms'] / ours['ms']:.3f}x" if "ms" in ours and "ms" in res and res is not ours else ""
+        print(f"| {name} | {r} | {label} | {a} | {ratio} |")
 
 
 if __name__ == "__main__":
