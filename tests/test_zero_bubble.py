@@ -73,12 +73,12 @@ STATE = {"sync": []}
 class ToyStage(nn.Module):
     """Layers [start, end) of a stack of fused column-parallel linears with tanh; layer g seeded by g."""
 
-    def __init__(self, start: int, end: int):
+    def __init__(self, start: int, end: int, **grad_buffer):
         super().__init__()
         self.first, self.input_tensor = start == 0, None
-        self.layers = nn.ModuleList(ColumnParallelLinear(H, H, Init(1000 + g, f"l{g}", 0.5), fused_grad_accumulation=True)
-                                    for g in range(start, end))
-        self.buf = GradBuffer(self.parameters(), None)
+        self.layers = nn.ModuleList(ColumnParallelLinear(H, H, Init(1000 + g, f"l{g}", 0.5),
+                                                         fused_grad_accumulation=True) for g in range(start, end))
+        self.buf = GradBuffer(self.parameters(), grad_buffer.pop("dp_group", None), **grad_buffer)
 
     def set_input_tensor(self, t):
         self.input_tensor = t
@@ -228,6 +228,41 @@ def test_toy_pp4_order_is_zb_h1(toy_pp4, m):
     if m >= p:
         assert (zb_time, f1b_time) == (3 * m + p - 1, 3 * m + 3 * (p - 1))
     assert zb_time < f1b_time
+
+
+def _overlap_body(rank, world_size, m):
+    """pp 2 x dp 2 (rank = 2 pp_rank + dp_rank), GradBuffer reduce-scattering (ZeRO-1) with the
+    overlapped, hook-triggered bucket reduction of GPUs, one bucket per parameter."""
+    import torch.distributed as dist
+    from megapar.pipeline import ScheduleConfig, get_forward_backward_func
+    pp_rank, dp_rank = divmod(rank, 2)
+    pp_groups = [dist.new_group([d, 2 + d]) for d in range(2)]
+    dp_groups = [dist.new_group([2 * p, 2 * p + 1]) for p in range(2)]
+    per = LAYERS // 2
+    model = ToyStage(pp_rank * per, (pp_rank + 1) * per, dp_group=dp_groups[pp_rank], mode="reduce_scatter",
+                     overlap=True, bucket_numel=1)
+    store = WeightGradStore.attach(model.parameters())
+    out = {}
+    for name, zb in (("1f1b", False), ("zb", True)):
+        cfg = ScheduleConfig(num_microbatches=m, tensor_shape=(S, B, H), pp_group=pp_groups[dp_rank],
+                             prev_rank=rank - 2 if pp_rank else None, next_rank=rank + 2 if not pp_rank else None,
+                             no_sync=model.buf.no_sync, p2p_timeout=30, wgrad_store=store if zb else None)
+        model.buf.start_step()
+        get_forward_backward_func(2, "1f1b", zero_bubble=zb)(toy_forward_step, iter(toy_data(m + 10 * dp_rank)),
+                                                             model, cfg)
+        model.buf.finish()
+        out[name] = [model.buf.data[lo:hi].clone() for lo, hi, _ in model.buf.layout.ranges()]
+    return out
+
+
+def test_overlapped_zero1_reduction_sees_the_deferred_weight_gradients():
+    """With the GPU's overlapped reduction (a bucket reduced once its parameters' hooks ran in the last
+    backward) the fused weights' hooks run in B, before their W: ZB-H1 runs B and W under no_sync and
+    the reduction happens in finish(), so the owned, reduced shards equal 1F1B's."""
+    for res in run_distributed(_overlap_body, 4, args=(3,)):
+        assert len(res["zb"]) > 1
+        for zb, f1b in zip(res["zb"], res["1f1b"]):
+            torch.testing.assert_close(zb, f1b, rtol=1e-6, atol=1e-7)
 
 
 # ---- GPT-2 through pretrain ------------------------------------------------------------------------------------
