@@ -330,3 +330,50 @@ def test_flag_picks_the_schedule():
     assert get_forward_backward_func(2, "1f1b", None, zero_bubble=True) is forward_backward_pipelining_zb_h1
     with pytest.raises(ValueError, match="zero-bubble"):
         get_forward_backward_func(2, "afab", zero_bubble=True)
+
+
+@pytest.mark.slow  # torch.compile on the CPU: about a minute
+def test_gpt2_pp2_compiled(embedded_data):
+    """Compiled layers: the deferring linears run eagerly inside them (a graph break each)."""
+    base = _base(embedded_data, 2)
+    serial = losses(run_training(base, 1))
+    zb = losses(run_training(base + ["--pipeline-parallel", "2", "--torch-compile", *ZB], 2))
+    assert zb == pytest.approx(serial, rel=2e-5), (serial, zb)
+
+
+def test_cuda_graph_takes_the_flag(monkeypatch):
+    """--enable-cuda-graph with --enable-zero-bubble passes the configuration's checks (on GPUs)."""
+    from megapar.config.arguments import parse_config
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    parse_config(["--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropout", "0",
+                  "--pipeline-parallel", "2", *ZB], 2)
+
+
+# ---- GPU (NCCL, 2 GPUs): ZB-H1 == 1F1B, eager and as one CUDA graph ----------------------------------------
+PP2 = ("--pipeline-model-parallel-size", "2")
+GPU_LAYOUTS = {"fp32": ((), 2e-5), "bf16-compiled": (("--bf16", "--torch-compile"), 2e-3),
+               "bf16-zero1-recompute": (("--bf16", "--use-distributed-optimizer", "--recompute-granularity", "full"),
+                                        2e-3)}
+
+
+def _gpu_runs(extra):
+    from gpu_runs import Run
+    return (Run((*PP2, *extra), gpus=2), Run((*PP2, *extra, *ZB), gpus=2),
+            Run((*PP2, *extra, *ZB, "--enable-cuda-graph"), gpus=2))
+
+
+def _uses(extra):
+    from gpu_runs import uses
+    return uses(*_gpu_runs(extra))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra, rel", [pytest.param(extra, rel, marks=_uses(extra), id=name)
+                                        for name, (extra, rel) in GPU_LAYOUTS.items()])
+def test_gpu_zb_matches_1f1b_eager_and_graphed(gpu_runs, extra, rel):
+    from gpu_runs import assert_close
+    f1b, zb, graph = (gpu_runs.get(r) for r in _gpu_runs(extra))   # skips with fewer than 2 GPUs
+    assert "captured the training step as a CUDA graph" in graph["out"]
+    assert_close(zb["loss"], f1b["loss"], rel)
+    assert_close(graph["loss"], zb["loss"], rel)
+    assert_close(graph["norm"], zb["norm"], 10 * rel)
