@@ -10,7 +10,8 @@ Every schedule returns the list of per-microbatch logging dicts (empty off the l
 `average_logs` (collective over the pipeline group) makes their mean known to every stage, so
 rank 0 can log it. The loss of each microbatch is divided by num_microbatches, and multiplied by
 `cfg.loss_scale` (fp16) before backward. `cfg.no_sync()` wraps the backward of every microbatch
-but the last, in every schedule, so data-parallel gradient reduction runs once per step.
+but the last, so data-parallel gradient reduction runs once per step (ZB-H1 wraps every pass: its
+gradients are complete only after the last W, and the caller reduces them after the schedule).
 
 Schedules for pp > 1 (inter-stage tensors are `cfg.tensor_shape` [s, b, h] in `cfg.dtype`):
   afab   all forwards, then all backwards (the simple reference; holds m microbatches).
