@@ -299,13 +299,25 @@ def test_gpt2_pp2_recompute(embedded_data, recompute):
     assert zb == pytest.approx(serial, rel=2e-5), (serial, zb)
 
 
-@pytest.mark.slow  # 4-process runs
-@pytest.mark.parametrize("layout", [["--pipeline-parallel", "4"],
-                                    ["--tensor-parallel", "2", "--sequence-parallel", "--pipeline-parallel", "2"],
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_gpt2_pp4_matches_serial(embedded_data, m):
+    """pp 4 (one layer per stage) with m < pp, m = pp, m > pp; at m = 8 also 1F1B's losses."""
+    base = _base(embedded_data, m)
+    serial = losses(run_training(base, 1))
+    zb = losses(run_training(base + ["--pipeline-parallel", "4", *ZB], 4))
+    assert zb == pytest.approx(serial, rel=2e-5), (serial, zb)
+    if m == 8:
+        f1b = losses(run_training(base + ["--pipeline-parallel", "4"], 4))
+        assert zb == pytest.approx(f1b, rel=1e-6), (f1b, zb)
+
+
+@pytest.mark.parametrize("layout", [["--tensor-parallel", "2", "--sequence-parallel", "--pipeline-parallel", "2"],
+                                    ["--tensor-parallel", "2", "--pipeline-parallel", "2",
+                                     "--recompute-granularity", "full"],
                                     ["--pipeline-parallel", "2", "--use-distributed-optimizer"]],
-                         ids=["pp4", "tp2-sp-pp2", "dp2-zero1-pp2"])
+                         ids=["tp2-sp-pp2", "tp2-pp2-recompute", "dp2-zero1-pp2"])
 def test_gpt2_layouts_match_serial(embedded_data, layout):
-    """pp 4 (m 4 = pp), tp 2 with sequence parallelism, dp 2 with ZeRO-1 (4 microbatches per step)."""
+    """tp 2 with sequence parallelism, tp 2 with full recompute, dp 2 with ZeRO-1 (4 microbatches per step)."""
     base = _base(embedded_data, 4)
     serial = losses(run_training(base, 1))
     zb = losses(run_training(base + layout + ZB, 4))
@@ -313,13 +325,17 @@ def test_gpt2_layouts_match_serial(embedded_data, layout):
 
 
 def test_gpt2_save_and_resume(embedded_data, tmp_path):
-    """Saved after 2 of 4 steps with ZB-H1 (ZeRO-1 at dp 1), resumed: the uninterrupted run's last losses."""
+    """Saved after 2 of 4 steps with ZB-H1 (ZeRO-1 at dp 1), resumed with it and without it: the
+    uninterrupted run's last losses."""
     base = _base(embedded_data, 2, iters=4) + ["--pipeline-parallel", "2", "--use-distributed-optimizer", *ZB]
     whole = losses(run_training(base, 2))
     first = run_training(base + ["--exit-interval", "2", "--save", str(tmp_path / "ck")], 2)
     assert first["iteration"] == 2
     resumed = losses(run_training(base + ["--load", str(tmp_path / "ck")], 2))
     assert resumed == pytest.approx(whole[2:], rel=1e-6), (whole, resumed)
+    plain = [a for a in base if a not in ZB]                       # the checkpoint is 1F1B's too
+    resumed_1f1b = losses(run_training(plain + ["--load", str(tmp_path / "ck")], 2))
+    assert resumed_1f1b == pytest.approx(whole[2:], rel=1e-6), (whole, resumed_1f1b)
 
 
 def test_flag_picks_the_schedule():
