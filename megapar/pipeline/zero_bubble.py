@@ -125,4 +125,3 @@ def forward_backward_pipelining_zb_h1(forward_step: ForwardStep, data_iterator: 
     except BaseException:
         run.store.clear()
         raise
-
