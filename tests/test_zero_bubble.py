@@ -290,6 +290,14 @@ def test_gpt2_pp2_matches_1f1b_and_serial(embedded_data, m):
         assert [l for _, l in zb["valid_losses"]] == pytest.approx([l for _, l in serial["valid_losses"]], rel=2e-5)
 
 
+def test_gpt2_pp2_bf16_matches_1f1b(embedded_data):
+    """bf16 weights, fp32 main_grad: the deferred GEMMs accumulate as the undeferred ones do."""
+    base = _base(embedded_data, 4) + ["--pipeline-parallel", "2", "--bf16"]
+    f1b = losses(run_training(base, 2))
+    zb = losses(run_training(base + ZB, 2))
+    assert zb == pytest.approx(f1b, rel=1e-6), (f1b, zb)
+
+
 @pytest.mark.parametrize("recompute", [["--recompute-granularity", "full"], ["--recompute-activations"]],
                          ids=["full", "selective"])
 def test_gpt2_pp2_recompute(embedded_data, recompute):
