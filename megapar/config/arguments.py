@@ -152,6 +152,11 @@ class ParallelConfig:
                                  choices=("fp32", "bf16", "fp16"))
     pipeline_schedule: str = arg("1f1b", "1f1b (default) or all-forward-all-backward (reference)",
                                  choices=("1f1b", "afab"))
+    enable_zero_bubble: bool = arg(
+        False, "ZB-H1 zero-bubble pipeline schedule (1F1B's activation memory): each backward is split into the "
+               "input gradient, sent to the previous stage at once, and the weight-gradient GEMMs, deferred to "
+               "fill 1F1B's cooldown bubbles (--pipeline-model-parallel-size > 1, --pipeline-schedule 1f1b, no "
+               "virtual pipeline, --zero-stage 0 or 1, gradient-accumulation fusion, no fp8)")
     distributed_backend: Optional[str] = arg(None, "torch.distributed backend; default nccl on GPUs, gloo on CPU",
                                              choices=("nccl", "gloo"))
     distributed_timeout_minutes: float = arg(10.0, "how long a collective waits for a silent peer before "
@@ -632,6 +637,32 @@ def _resolve_and_validate(cfg: Config, given: dict[str, Any], world_size: int, a
     _check_batch(t.global_batch_size, t.micro_batch_size, p.data_parallel_size)
     _check_rampup(t, p.data_parallel_size)
     _resolve_virtual_stages(cfg)
+    _check_zero_bubble(cfg)
+
+
+def _check_zero_bubble(cfg: Config) -> None:
+    """--enable-zero-bubble (pipeline/zero_bubble.py): what the B/W split cannot run with is refused."""
+    p, m = cfg.parallel, cfg.model
+    if not p.enable_zero_bubble:
+        return
+    blockers = [
+        (p.pipeline_model_parallel_size == 1, "it fills pipeline bubbles, so it needs "
+                                              "--pipeline-model-parallel-size > 1; add one"),
+        (p.pipeline_schedule != "1f1b", f"it is a form of the 1f1b schedule, not of --pipeline-schedule "
+                                        f"{p.pipeline_schedule}; drop --pipeline-schedule {p.pipeline_schedule}"),
+        (m.virtual_pipeline_model_parallel_size is not None,
+         f"the interleaved schedule (--virtual-pipeline-model-parallel-size "
+         f"{m.virtual_pipeline_model_parallel_size}) has no zero-bubble form here; drop the virtual-pipeline flags"),
+        (p.zero_stage >= 2, f"--zero-stage {p.zero_stage} reduces each layer's gradients as soon as its backward "
+                            f"ends, before the deferred weight gradients exist; use --zero-stage 0 or 1"),
+        (not m.gradient_accumulation_fusion, "the weight-gradient GEMMs are deferred on the fused path only; drop "
+                                             "--no-gradient-accumulation-fusion"),
+        (m.fp8_format is not None, f"--fp8-format {m.fp8_format}'s GEMMs (torchao's) compute their weight "
+                                   f"gradients in one pass; drop --fp8-format"),
+    ]
+    for blocked, why in blockers:
+        if blocked:
+            _fail(f"--enable-zero-bubble: {why} (or drop --enable-zero-bubble)")
 
 
 def virtual_stages(num_layers: int, pp: int, v: Optional[int], per_stage: Optional[int]) -> Optional[int]:

@@ -104,6 +104,9 @@ RECIPES: dict[str, Recipe] = {
                               about="345M, pipeline parallel 2, 8 microbatches, interleaved (2 chunks per rank)"),
     "345m-pp2-m8-graph": _recipe(2, GPT2_345M, 8, 64, *_pp(2), *GRAPH,
                                  about="345M, pipeline parallel 2, 8 microbatches, CUDA graph"),
+    # ZB-H1: the same run with each backward split in two and the weight gradients filling the cooldown bubble
+    "345m-pp2-m8-zb-graph": _recipe(2, GPT2_345M, 8, 64, *_pp(2), "--enable-zero-bubble", *GRAPH,
+                                    about="345M, pipeline parallel 2, 8 microbatches, zero-bubble (ZB-H1), CUDA graph"),
     "345m-pp2-m8-v2-graph": _recipe(2, GPT2_345M, 8, 64, *_pp(2), "--virtual-pipeline-model-parallel-size", "2",
                                     *GRAPH, about="345M, pipeline parallel 2, 8 microbatches, interleaved, CUDA graph"),
     "345m-pp4-m8-v2": _recipe(4, GPT2_345M, 8, 64, *_pp(4), "--virtual-pipeline-model-parallel-size", "2",

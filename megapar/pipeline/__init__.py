@@ -4,10 +4,12 @@ from .schedules import (ScheduleConfig, average_logs, backward_step, forward_bac
                         forward_backward_pipelining_1f1b, forward_backward_pipelining_afab,
                         forward_only_pipelining, forward_step_and_loss, get_forward_backward_func)
 from .interleaved import forward_backward_pipelining_interleaved
+from .zero_bubble import forward_backward_pipelining_zb_h1
 
 __all__ = ["PipelineP2PError", "PipelineTimeoutError", "ScheduleConfig", "average_logs", "backward_step",
            "current_step",
            "forward_backward_no_pipelining", "forward_backward_pipelining_1f1b",
-           "forward_backward_pipelining_afab", "forward_backward_pipelining_interleaved", "forward_only_pipelining",
+           "forward_backward_pipelining_afab", "forward_backward_pipelining_interleaved",
+           "forward_backward_pipelining_zb_h1", "forward_only_pipelining",
            "forward_step_and_loss",
            "get_forward_backward_func", "set_step"]

@@ -10,7 +10,8 @@ Every schedule returns the list of per-microbatch logging dicts (empty off the l
 `average_logs` (collective over the pipeline group) makes their mean known to every stage, so
 rank 0 can log it. The loss of each microbatch is divided by num_microbatches, and multiplied by
 `cfg.loss_scale` (fp16) before backward. `cfg.no_sync()` wraps the backward of every microbatch
-but the last, in every schedule, so data-parallel gradient reduction runs once per step.
+but the last, so data-parallel gradient reduction runs once per step (ZB-H1 wraps every pass: its
+gradients are complete only after the last W, and the caller reduces them after the schedule).
 
 Schedules for pp > 1 (inter-stage tensors are `cfg.tensor_shape` [s, b, h] in `cfg.dtype`):
   afab   all forwards, then all backwards (the simple reference; holds m microbatches).
@@ -19,6 +20,8 @@ Schedules for pp > 1 (inter-stage tensors are `cfg.tensor_shape` [s, b, h] in `c
   forward_only=True runs the forward-only schedule (evaluation) for either.
   interleaved 1F1B (v model chunks per rank, Megatron's virtual pipeline stages) lives in
          interleaved.py; `get_forward_backward_func(pp, "1f1b", virtual=v)` picks it.
+  ZB-H1 (1F1B with each backward split into B and a deferred W, zero_bubble.py):
+         `get_forward_backward_func(pp, "1f1b", zero_bubble=True)` picks it.
 A sent activation's storage is freed at once (`deallocate_output`); its autograd graph stays
 and `backward_step` runs the autograd engine directly, without torch.autograd.backward's shape
 check. A p2p wait longer than `cfg.p2p_timeout` raises p2p.PipelineTimeoutError naming the
@@ -29,13 +32,16 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from . import p2p
+
+if TYPE_CHECKING:
+    from ..tensor_parallel.wgrad_store import WeightGradStore
 
 ForwardStep = Callable[[Iterator, nn.Module], tuple[torch.Tensor, Callable]]
 Logs = list[dict[str, Any]]
@@ -58,6 +64,7 @@ class ScheduleConfig:
     stats: Optional[dict] = None                       # interleaved: receives "peak_live_outputs"
     pp_grad_group: Optional[dist.ProcessGroup] = None  # interleaved, pp == 2: gradients travel on this group
     log_keys: tuple[str, ...] = ()                     # what every microbatch's loss_func logs (average_logs)
+    wgrad_store: Optional["WeightGradStore"] = None    # zero-bubble: where B queues the weight gradients
 
     @property
     def is_first_stage(self) -> bool:
@@ -247,9 +254,17 @@ def average_logs(logs: Logs, cfg: ScheduleConfig) -> dict[str, torch.Tensor]:
     return {k: torch.tensor(v, dtype=torch.float64, device=cfg.device) for k, v in box[0].items()}
 
 
-def get_forward_backward_func(pp: int, schedule: str = "1f1b", virtual: Optional[int] = None) -> Callable[..., Logs]:
+def get_forward_backward_func(pp: int, schedule: str = "1f1b", virtual: Optional[int] = None,
+                              zero_bubble: bool = False) -> Callable[..., Logs]:
     """The schedule for this pipeline size: no pipelining for pp == 1, else 1F1B or AFAB; with
-    virtual (model chunks per rank) > 1, interleaved 1F1B (pipeline/interleaved.py)."""
+    virtual (model chunks per rank) > 1, interleaved 1F1B (pipeline/interleaved.py); with
+    zero_bubble, ZB-H1 (pipeline/zero_bubble.py: pp > 1, the 1f1b schedule, no model chunks)."""
+    if zero_bubble:
+        if pp == 1 or schedule != "1f1b" or (virtual is not None and virtual > 1):
+            raise ValueError(f"the zero-bubble schedule needs pp > 1, the 1f1b schedule and no virtual pipeline "
+                             f"(pp {pp}, {schedule}, virtual {virtual})")
+        from .zero_bubble import forward_backward_pipelining_zb_h1
+        return forward_backward_pipelining_zb_h1
     if virtual is not None and virtual > 1:
         if pp == 1 or schedule != "1f1b":
             raise ValueError(f"the interleaved schedule needs pp > 1 and the 1f1b schedule (pp {pp}, {schedule})")

@@ -21,6 +21,7 @@ from ..optimizer.lr_schedule import OptimizerParamScheduler
 from ..optimizer.sharded_params import ShardedParams
 from ..optimizer.zero import build_zero
 from ..tensor_parallel.random import seed_everything
+from ..tensor_parallel.wgrad_store import WeightGradStore
 from ..topology import Topology
 
 
@@ -75,6 +76,7 @@ class Run:
     saves: Optional[AsyncSaves] = None   # --async-save: the save in flight
     sharded: Optional[ShardedParams] = None   # ZeRO-3: the store of the layers' weights (checkpoints read and
                                               # write them through it)
+    wgrad_store: Optional[WeightGradStore] = None   # --enable-zero-bubble: the deferred weight gradients
 
     @property
     def coord(self):
@@ -96,7 +98,9 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
         f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}{offload_text(p, nvme.io_mode if nvme else '')})")
     scheduler = build_scheduler(cfg, optimizer)
     saves = AsyncSaves(device) if cfg.ckpt.async_save else None
-    return Run(cfg, topo, rank, device, model, zero.grad_buffer, optimizer, scheduler, saves, zero.sharded)
+    wgrad_store = WeightGradStore.attach(model.parameters()) if p.enable_zero_bubble else None
+    return Run(cfg, topo, rank, device, model, zero.grad_buffer, optimizer, scheduler, saves, zero.sharded,
+               wgrad_store)
 
 
 def offload_text(p, nvme_io: str = "") -> str:

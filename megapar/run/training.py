@@ -71,9 +71,10 @@ def data_iterators(run: Run, dataset, first_sample: int, count: int):
 
 
 def schedule_func(run: Run):
-    """The pipeline schedule of this run (interleaved 1F1B with model chunks)."""
+    """The pipeline schedule of this run (interleaved 1F1B with model chunks, ZB-H1 with --enable-zero-bubble)."""
     return get_forward_backward_func(run.topo.pp, run.cfg.parallel.pipeline_schedule,
-                                     run.cfg.model.virtual_pipeline_model_parallel_size)
+                                     run.cfg.model.virtual_pipeline_model_parallel_size,
+                                     zero_bubble=run.cfg.parallel.enable_zero_bubble)
 
 
 LOG_KEYS = ("lm loss",)  # what forward_step's loss_func logs
@@ -100,7 +101,7 @@ def schedule_config(run: Run, num_microbatches: int, label: str = "") -> Schedul
                       cfg.train.micro_batch_size, cfg.model.hidden_size),                  # [s(/tp), b, h]
         pp_group=run.topo.groups.pp, prev_rank=run.topo.prev_rank(run.rank), next_rank=run.topo.next_rank(run.rank),
         loss_scale=run.optimizer.loss_scale, no_sync=run.grad_buffer.no_sync, pp_grad_group=run.topo.groups.pp_grad,
-        log_keys=LOG_KEYS)
+        log_keys=LOG_KEYS, wgrad_store=run.wgrad_store)
 
 
 def average_loss(run: Run, logs: list[dict], sched: ScheduleConfig) -> torch.Tensor:

@@ -27,6 +27,12 @@ sequence parallelism forward
 all-gathers the input's sequence first and backward reduce-scatters the input gradient instead
 (both Megatron's; the gathered input is kept for the weight gradient, not gathered again).
 
+Zero-bubble pipeline schedules (--enable-zero-bubble, wgrad_store.py) split the backward in two: a
+weight that carries a `WeightGradStore` (`wgrad_store`) has its weight-gradient GEMM queued as
+work for the schedule's W pass when its backward runs inside the store's `deferring()`; the input
+gradient and the bias gradient are computed at once. Such layers run eagerly under torch.compile,
+like the tensor-parallel ones (the queue is Python state a traced backward cannot hold).
+
 An fp8 layer (--fp8-format, megapar/fp8.py) computes its GEMM through torchao's float8 autograd
 function instead; its weight is not marked `fused_grad_accumulation` (torchao returns a bf16 weight
 gradient, which the GradBuffer hook adds to `main_grad`) and its bias is added by `add_bias`.
@@ -46,6 +52,7 @@ from .mappings import Group, all_gather_dim0, reduce_scatter_dim0, to_tp_region,
 
 if TYPE_CHECKING:
     from ..fp8 import Fp8Gemm
+    from .wgrad_store import WeightGradStore
 
 
 def _add_wgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
@@ -113,18 +120,20 @@ class _LinearAccumulateGrad(torch.autograd.Function):
     """forward: x W^T + b (x all-gathered along dim 0 first with sequence_parallel; with bias_after_gemm
     the bias is added to the GEMM's rounded output, as a separate add would);
     backward: dx = g W (all-reduced, or reduce-scattered with sequence_parallel, over grad_x_group,
-    overlapping the next two), W.main_grad += g^T x, b.main_grad += sum(g), dW, db = None."""
+    overlapping the next two), W.main_grad += g^T x (or, inside a zero-bubble B, queued in
+    wgrad_store for the schedule's W), b.main_grad += sum(g), dW, db = None."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 weight_main_grad: torch.Tensor, bias_main_grad: Optional[torch.Tensor], gemv: bool,
-                grad_x_group: Group, sequence_parallel: bool, bias_after_gemm: bool) -> torch.Tensor:
+                grad_x_group: Group, sequence_parallel: bool, bias_after_gemm: bool,
+                wgrad_store: Optional["WeightGradStore"] = None) -> torch.Tensor:
         if sequence_parallel:
             x = all_gather_dim0(x, grad_x_group)                                  # [s/tp, b, in] -> [s, b, in]
         ctx.save_for_backward(x, weight)
         # not saved tensors: every accumulation into the buffer bumps their version
         ctx.weight_main_grad, ctx.bias_main_grad, ctx.gemv = weight_main_grad, bias_main_grad, gemv
-        ctx.grad_x_group, ctx.sequence_parallel = grad_x_group, sequence_parallel
+        ctx.grad_x_group, ctx.sequence_parallel, ctx.wgrad_store = grad_x_group, sequence_parallel, wgrad_store
         if bias_after_gemm:
             return F.linear(x, weight) + bias
         return F.linear(x, weight, bias)
@@ -139,12 +148,14 @@ class _LinearAccumulateGrad(torch.autograd.Function):
             grad_x, pending = reduce_scatter_dim0(grad_x, group, async_op=True)
         elif tp_world(group) > 1:  # grad_x is ours alone: reduced in place, in the background
             pending = dist.all_reduce(grad_x, group=group, async_op=True)
-        accumulate_wgrad_(ctx.weight_main_grad, g2d, x.reshape(-1, x.shape[-1]))  # [out, in] += [out, T] @ [T, in]
+        x2d, store = x.reshape(-1, x.shape[-1]), ctx.wgrad_store                # [T, in]
+        if store is None or not store.defer(functools.partial(accumulate_wgrad_, ctx.weight_main_grad, g2d, x2d)):
+            accumulate_wgrad_(ctx.weight_main_grad, g2d, x2d)                   # [out, in] += [out, T] @ [T, in]
         if ctx.bias_main_grad is not None:
             accumulate_bgrad_(ctx.bias_main_grad, g2d, ctx.gemv)
         if pending is not None:
             pending.wait()
-        return grad_x, None, None, None, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None, None, None, None
 
 
 class _BiasAddAccumulateGrad(torch.autograd.Function):
@@ -236,17 +247,19 @@ def linear(x: torch.Tensor, weight: nn.Parameter, bias: Optional[nn.Parameter] =
         y = fp8_matmul(to_tp_region(x, grad_x_group, sequence_parallel) if tp > 1 else x, weight, fp8)
         return y if bias is None else add_bias(y, bias)
     if _active(weight) and (bias is None or _active(bias)):
-        accumulate = _linear_accumulate_eager if tp > 1 else _linear_accumulate
-        return accumulate(x, weight, bias, grad_x_group, sequence_parallel and tp > 1, bias_after_gemm)
+        store = getattr(weight, "wgrad_store", None)  # zero-bubble: its weight gradient may be deferred
+        accumulate = _linear_accumulate_eager if tp > 1 or store is not None else _linear_accumulate
+        return accumulate(x, weight, bias, grad_x_group, sequence_parallel and tp > 1, bias_after_gemm, store)
     x = to_tp_region(x, grad_x_group, sequence_parallel)
     if bias_after_gemm and bias is not None:
         return add_bias(F.linear(x, weight), bias)
     return F.linear(x, weight, bias)
 
 
-def _linear_accumulate(x, weight, bias, group: Group, sequence_parallel: bool, bias_after_gemm: bool) -> torch.Tensor:
+def _linear_accumulate(x, weight, bias, group: Group, sequence_parallel: bool, bias_after_gemm: bool,
+                       store: Optional["WeightGradStore"] = None) -> torch.Tensor:
     return _apply(_LinearAccumulateGrad, x, weight, bias, weight.main_grad, None if bias is None else bias.main_grad,
-                  _gemv(bias), group, sequence_parallel, bias_after_gemm and bias is not None)
+                  _gemv(bias), group, sequence_parallel, bias_after_gemm and bias is not None, store)
 
 
 # With TP collectives inside: eager under torch.compile, like those of mappings.py (a collective
