@@ -15,7 +15,7 @@ while [ $# -gt 0 ]; do
     kernels) bash scripts/gpu_kernel_checks.sh 2>&1 | tee "$OUT/kernels.log" | tail -30; shift;;
     tests) shift; selected=()  # optional pytest selections (files, file::test); training runs: tests/gpu_runs.py
            while [ $# -gt 0 ] && [ "$1" != kernels ] && [ "$1" != bench ]; do selected+=("$1"); shift; done
-           [ ${#selected[@]} -gt 0 ] || selected=($(grep -l "mark.gpu" tests/test_*.py))
+           [ ${#selected[@]} -gt 0 ] || selected=($(grep -rl --include="test_*.py" "mark.gpu" tests))
            python3 -m pytest -q -m gpu -rf --durations=10 "${selected[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25;;
     bench) shift; configs=()
            while [ $# -gt 0 ] && [ "$1" != kernels ] && [ "$1" != tests ]; do configs+=("$1"); shift; done

@@ -35,7 +35,7 @@ PYTORCH_NO_CUDA_MEMORY_CACHING=1 MEGAPAR_FORCE_JIT=1 timeout 150 compute-sanitiz
   --print-limit 20 $PY benchmarks/bench_kernels.py --quick --parity-only --out /tmp/san >"$OUT/sanitizer.log" 2>&1
 echo "sanitizer rc=$?"; grep -E "ERROR SUMMARY|parity:" "$OUT/sanitizer.log"
 
-MEGAPAR_FORCE_JIT=1 timeout 60 $PY -m pytest -q -m gpu tests/test_kernels_gpu.py 2>&1 | tail -3
+MEGAPAR_FORCE_JIT=1 timeout 60 $PY -m pytest -q -m gpu tests/kernels/test_kernels_gpu.py 2>&1 | tail -3
 echo "== LayerNorm backward, 1024-thread blocks (comparison)"
 MEGAPAR_LN_BWD_THREADS=1024 MEGAPAR_FORCE_JIT=1 timeout 60 $PY benchmarks/bench_kernels.py --bench-only --ln-bwd-only \
   --out /tmp/bt512 2>&1 | grep -E "ln_bwd .*fused"

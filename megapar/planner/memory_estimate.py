@@ -36,7 +36,7 @@ training flags.
     head        = last stage: logits kept for the loss + their gradient (s·b·V/tp each)
 
 Calibrated against `max allocated` of the benchmark runs in docs/performance.md (GPT-2 345M, bf16, flash,
-dropout 0); see tests/test_memory_estimate.py.
+dropout 0); see tests/planner/test_memory_estimate.py.
 """
 from __future__ import annotations
 

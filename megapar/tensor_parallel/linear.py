@@ -9,7 +9,7 @@ fp32 into `main_grad` (cuBLAS with bf16 inputs, an fp32 C and beta = 1:
 hook, and autograd receives no gradient for either (no dummy to allocate, hand over and free):
 it still runs the GradBuffer's per-parameter post-accumulate-grad hook, with `p.grad` None, which
 adds nothing but drives the bucketed all-reduce
-(`tests/test_wgrad_fusion.py::test_fused_parameters_get_no_gradient_but_their_hooks_run`). Tried
+(`tests/tensor_parallel/test_wgrad_fusion.py::test_fused_parameters_get_no_gradient_but_their_hooks_run`). Tried
 against a 345M H100 profile that put several ms of the step in the unfused path; the step's wall
 time moved by less than the run-to-run spread (it is partly launch-bound;
 docs/performance.md#performance-log-predicted-vs-measured).

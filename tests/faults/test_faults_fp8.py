@@ -1,7 +1,7 @@
 """--fp8-format, faulted the way users meet it: every setting that cannot run fp8 GEMMs is refused by
 `bash scripts/pretrain_gpt2.sh` before torchrun starts a process (one `error:` line naming the flags
 and a fix, exit 2, no traceback, nothing written). A GPU without FP8 and a missing torchao are
-checked in-process (tests/test_fp8.py), as this machine has neither kind of GPU."""
+checked in-process (tests/model/test_fp8.py), as this machine has neither kind of GPU."""
 from __future__ import annotations
 
 import pytest

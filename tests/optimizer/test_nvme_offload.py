@@ -20,7 +20,7 @@ CHUNK = 20_000   # elements per streamed chunk in these runs: many chunks per bu
 
 def _body(rank, world_size, argv, cpu_offload):
     """pretrain; CPU offload is refused on a CPU-only run at the command line, so it is switched on
-    after validation (as tests/test_zero_stages.py does); NVMe offload comes as its flag, streamed
+    after validation (as tests/optimizer/test_zero_stages.py does); NVMe offload comes as its flag, streamed
     in chunks of CHUNK elements (the tiny model would otherwise be one chunk per bucket). Returns
     the losses, the last iteration and the (rank 0) log."""
     import contextlib
@@ -308,7 +308,7 @@ def test_the_benchmark_measures_the_disk_through_o_direct(tmp_path, monkeypatch)
     """benchmarks/bench_nvme_offload.py's O_DIRECT measurement: two positive rates (or None where
     refused), and its file is gone after."""
     import importlib
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
     bench = importlib.import_module("bench_nvme_offload")
     rates = bench.direct_speed(str(tmp_path), mib=8)
     assert rates is None or (len(rates) == 2 and min(rates) > 0)

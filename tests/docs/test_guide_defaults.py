@@ -24,7 +24,7 @@ import pytest
 
 from megapar.config.arguments import build_parser, default_of
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guide.md"
 
 FLAG = r"`(--[a-z0-9-]+)`"

@@ -14,7 +14,7 @@ import pytest
 from megapar.data.indexed_dataset import IndexedDataset, validate
 from megapar.data.preprocess import PreprocessConfig, PreprocessError, preprocess
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOOL = str(ROOT / "tools" / "preprocess_data.py")
 
 

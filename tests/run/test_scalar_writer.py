@@ -19,7 +19,7 @@ import pytest
 
 from megapar.run.scalar_writer import ScalarWriter
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--log-interval", "1",
         "--eval-iters", "0", "--eval-interval", "0"]

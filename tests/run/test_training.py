@@ -11,7 +11,7 @@ import pytest
 from megapar.checkpoint import TRACKER
 from train_helpers import TINY_TRAIN, run_training
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def losses(result):

@@ -9,7 +9,7 @@ import pytest
 
 from megapar.run.throughput import flops_per_token, throughput_fields
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import pytest
 
 from megapar.checkpoint import TRACKER, iter_dir
 from megapar.checkpoint.dist import COMMON_FILE, WRITE_THREADS, read_common
+from data_dirs import ROOT
 from distributed import run_distributed
 from train_helpers import TINY_TRAIN
 
@@ -142,7 +143,7 @@ def test_async_save_killed_mid_write_resumes_from_the_previous_one(embedded_data
     ck = str(tmp_path / "ck")
     proc = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, *base, "--save", ck, "--save-interval", "2",
                            "--ckpt-format", "torch_dist", "--async-save", "--log-interval", "1"],
-                          capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 9, proc.stdout + proc.stderr
     assert "successfully saved checkpoint at iteration       2" in proc.stdout
     assert open(os.path.join(ck, TRACKER)).read() == "2"

@@ -8,7 +8,7 @@ import pytest
 
 from megapar.config.arguments import DEEPSPEED_CONFIG, ConfigError, config_from_namespace, parse_config, parse_flags
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32"]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COPIED = ["scripts", "tools", "benchmarks", "megapar", "data_prep", "configs", "csrc", "setup.py", "pyproject.toml",
           "requirements.txt", "requirements-dev.txt"]
 MAIN = '__name__ == "__main__"'

@@ -11,7 +11,7 @@ from megapar.kernels import fused_kernels_available, load_fused_kernels
 from megapar.kernels.layernorm import LayerNorm, fused_add_layer_norm, layer_norm
 from megapar.kernels.softmax import scaled_masked_softmax
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 
 def naive_softmax(x, scale, mask, causal):

@@ -17,7 +17,7 @@ import pytest
 from data_prep.openwebtext import blacklist_urls, dedup_urls, extract_urls
 from data_prep.openwebtext.fake_web import FakeWeb
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "prepare_openwebtext.sh"
 
 

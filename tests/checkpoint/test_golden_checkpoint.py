@@ -3,7 +3,7 @@ as the reference in tests/data/golden_checkpoint.pt (written by the code before 
 
 Everything is generated here from fixed seeds (a byte-level GPT-2 vocabulary, random token
 documents), so the test needs no external data. Regenerate the reference only for an intended
-change of numerics or format:  python tests/test_golden_checkpoint.py --regenerate
+change of numerics or format:  python tests/checkpoint/test_golden_checkpoint.py --regenerate
 """
 import json
 import os
@@ -15,11 +15,10 @@ import torch
 
 from megapar.checkpoint.common import IDENTITY_FILE
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from data_dirs import SHIPPED
+from train_helpers import run_training
 
-from train_helpers import run_training  # noqa: E402
-
-GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "golden_checkpoint.pt")
+GOLDEN = str(SHIPPED / "golden_checkpoint.pt")
 LAYOUTS = {"serial": (1, []),
            "tp2_dp2_zero1": (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"])}
 ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",

@@ -261,7 +261,7 @@ def test_the_launchers_help_names_the_script_and_its_own_flags():
     from pathlib import Path
 
     from megapar.launch import LAUNCHER_FLAGS
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-m", "megapar.launch", "--standalone", "--nproc-per-node", "2", "--",
                           "--train-iters", "3", "--help"], capture_output=True, text=True, cwd=root)
     assert out.returncode == 0 and not out.stderr, out.stderr

@@ -28,7 +28,7 @@ from megapar.model import GPT2Model, Stage
 from megapar.inference.text_generation_server import make_server, response_for
 from megapar.topology import Topology
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VOCAB, EOD, SEED, ATOL = 100, 99, 1234, 1e-4
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]

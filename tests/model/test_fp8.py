@@ -18,7 +18,7 @@ from gpt_helpers import batch, tiny_model_config
 from gpu_runs import SAVE_AT, TRAIN_ITERS, Run, after, assert_close, uses
 from megapar.config.arguments import ConfigError, config_from_namespace, parse_flags
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not TORCHAO, reason="torchao not installed (pip install -e .[fp8])")
 FP8 = ["--fp8-format", "hybrid", "--bf16", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",

@@ -10,7 +10,7 @@ import pytest
 
 from megapar.config.recipes import GPT_1_3B, RECIPES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NANOGPT = ROOT / ".gpu" / "nanogpt"  # nanoGPT's model.py is never committed: git-ignored, where present
 
 

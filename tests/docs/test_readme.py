@@ -42,7 +42,7 @@ import pytest
 from data_dirs import GPT2_DIR
 from megapar.launch import LAUNCHER_FLAGS as LAUNCHER_SCRIPT_FLAGS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "docs/guide.md"]
 ENV_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
@@ -392,7 +392,7 @@ def check_command(line: str, cwd: Path) -> str | None:
         main = importlib.import_module(f"megapar.cli.{tool}").main
         run_python(main, rest, module=False, parse_only="--help" not in rest, cwd=cwd)
     else:
-        raise AssertionError(f"no checker for {prog!r} commands; add one to tests/test_readme.py")
+        raise AssertionError(f"no checker for {prog!r} commands; add one to tests/docs/test_readme.py")
 
 
 # ---- tests --------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli_tools() -> list[str]:
@@ -69,7 +69,7 @@ def test_every_tool_flag_is_explained():
     text instead of argparse's, names every flag in it."""
     import ast
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     missing = []
     for path in [*sorted((root / "megapar" / "cli").glob("*.py")), *sorted((root / "tools").glob("*.py"))]:
         tree = ast.parse(path.read_text())

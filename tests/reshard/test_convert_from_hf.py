@@ -299,7 +299,7 @@ def test_a_folder_with_only_tokenizer_json_imports_with_its_bpe(tmp_path, capsys
 
     from megapar.data.tokenizer import build_tokenizer
     from megapar.pretrain_gpt2 import parse
-    gpt2 = Path(__file__).parent / "data" / "gpt2"
+    gpt2 = Path(__file__).resolve().parents[1] / "data" / "gpt2"
     write_hf_gpt2(tmp_path / "hf")
     (tmp_path / "src").mkdir()
     shutil.copy(gpt2 / "encoder.json", tmp_path / "src" / "vocab.json")
