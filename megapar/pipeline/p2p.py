@@ -2,12 +2,14 @@
 
 Activations go forward (stage i -> i+1), their gradients backward (i+1 -> i). Shapes and dtype
 are known up front (`cfg.tensor_shape`, `cfg.dtype`), so nothing but the payload is exchanged.
-Every call issues its sends and receives together through `dist.batch_isend_irecv` (one NCCL
-group; plain isend/irecv on gloo), ordered so that they cannot deadlock even on a backend that
-ran them one at a time: a rank lists its ops with the previous stage before those with the next
-stage, and within one neighbouring pair the lower stage lists send-then-recv while the upper
-lists recv-then-send, so both sides post matching ops in the same order. The pipeline is a
-line, so no cycle of waits can form.
+Every call posts its sends and receives together through `dist.batch_isend_irecv` (one NCCL
+group; non-blocking isend/irecv on gloo) before it waits on any, and neighbouring stages make
+matching calls at the same schedule step. A rank lists its ops with the previous stage before
+those with the next, and within one neighbouring pair the lower stage lists send-then-recv while
+the upper lists recv-then-send, so both sides post matching ops in the same order: on a line of
+stages that order alone would rule out a cycle of waits even on a backend that ran the ops one at
+a time. The interleaved schedule's ring (interleaved.py) relies on the posting of every op before
+any wait.
 
 Waits poll the requests against a deadline (`cfg.p2p_timeout` seconds). On timeout every
 waiting rank raises `PipelineTimeoutError` naming the schedule step it was stuck on, e.g.
