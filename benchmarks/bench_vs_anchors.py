@@ -3,12 +3,15 @@ shape, alternating.
 
     python benchmarks/bench_vs_anchors.py [--shape {345m,1.3b}] [--stages 2 3] \
         [--systems megapar deepspeed fsdp2] [--megapar-variants graph compile] [--iters 30] [--warmup 10] \
-        [--rounds 1] [--timeout 420] [--budget SECONDS] [--nanogpt-dir .gpu/nanogpt] [--fsdp2-eager] [--out DIR]
+        [--rounds 1] [--timeout 420] [--budget SECONDS] [--nanogpt-dir .gpu/nanogpt] [--fsdp2-eager] \
+        [--gpus {1,2}] [--fsdp2-profile] [--out DIR]
 
 The shape (--shape): 345m is GPT-2 345M (24 layers, hidden 1024, 16 heads), 1.3b GPT-3's 1.3B (24
 layers, hidden 2048, 16 heads); both at seq 1024, bf16, the padded vocabulary (50304), dropout 0, on 2
 GPUs with the micro-batch of megapar's recipes (8 per GPU, global batch 16: no accumulation). For each
-ZeRO stage each round runs, one after the other on the same two GPUs:
+ZeRO stage each round runs, one after the other on the same two GPUs (--gpus 1: the same harness on
+one GPU, global batch 8, against megapar's one-GPU recipes `<shape>-graph` / `<shape>-compile`, so
+that each system's own scaling from one GPU to two is visible):
 
 - megapar: scripts/pretrain_gpt2.sh with the recipe `<shape>-dp2-zero<stage>-graph` (compiled layers,
   the whole step one CUDA graph, csrc's AdamW; --megapar-variants compile adds the non-graphed
@@ -21,18 +24,21 @@ ZeRO stage each round runs, one after the other on the same two GPUs:
   git-ignored folder, never committed) with biases, fp32 parameters and a bf16 MixedPrecisionPolicy
   (fp32 gradient reduction), each block compiled and then sharded, then the root;
   reshard_after_forward=False is the ZeRO-2-like row, True the ZeRO-3-like one; torch's fused AdamW.
+  Timed as megapar is: CUDA events around each step and no host synchronisation inside the timed
+  steps (the loss is read once, after them); --fsdp2-profile also writes a torch.profiler trace of
+  two steps after the warm-up (summarise it with benchmarks/profile_summary.py).
 
 The anchors take the model, batch and AdamW settings (lr, betas, eps, weight decay off biases and
 LayerNorm weights, clipping) from megapar's parsed flags (bench_offload_vs_deepspeed.ds_spec) and
-train on random tokens (the speed does not depend on the data). Every system's step ends in a host
-synchronisation (megapar's per-iteration log line, the anchors' synchronize and perf_counter); the
-first --warmup steps of each run (compilation, graph capture, allocator growth) are left out of its
-mean. tokens/s, TFLOP/s per GPU and MFU use megapar's FLOP formula and GPU peak for every row; memory
-is torch.cuda.max_memory_allocated, the larger of the two ranks for the anchors, megapar's "max
-allocated" log field (dp rank 0, after its first iteration) for megapar. The last table gives, per
-stage and round, megapar's tokens/s per GPU over each anchor's. A failed or timed-out run is a
-"failed: ..." row; --budget skips the runs that would start after it is spent, so that the tables
-still print inside a caller's time limit.
+train on random tokens (the speed does not depend on the data). megapar's step and DeepSpeed's end in a host
+synchronisation (megapar's per-iteration log line, DeepSpeed's synchronize and perf_counter), FSDP2's do not
+(CUDA events); the first --warmup steps of each run (compilation, graph capture, allocator growth) are left
+out of its mean. tokens/s, TFLOP/s per GPU and MFU use megapar's FLOP formula and GPU peak for every row;
+memory is torch.cuda.max_memory_allocated, the larger of the two ranks for the anchors, megapar's "max
+allocated" log field (dp rank 0, after its first iteration) for megapar. The last table gives, per stage and
+round, megapar's tokens/s per GPU over each anchor's. A failed or timed-out run is a "failed: ..." row;
+--budget skips the runs that would start after it is spent, so that the tables still print inside a caller's
+time limit.
 
 DeepSpeed and transformers are imported only in DeepSpeed's worker, nanoGPT's model only in FSDP2's.
 """
@@ -53,9 +59,9 @@ from bench_train import bench_flags  # benchmarks/bench_train.py
 from megapar.config.recipes import GPT2_345M, GPT_1_3B
 from megapar.errors import USER_ERROR_EXIT, MegaparError
 
-GPUS = 2
 MODELS = {"345m": GPT2_345M, "1.3b": GPT_1_3B}  # --shape: its model flags, also the prefix of megapar's recipes
 VARIANTS = {"graph": "{shape}-dp2-zero{stage}-graph", "compile": "{shape}-dp2-zero{stage}"}  # megapar's recipes
+ONE_GPU_VARIANTS = {"graph": "{shape}-graph", "compile": "{shape}-compile"}                    # at --gpus 1
 SYSTEMS = ("megapar", "deepspeed", "fsdp2")
 FSDP2_WORKER = "--_fsdp2-worker"  # the internal flag: run FSDP2 from the payload file it names
 MIN_RUN_S = 60  # --budget: a run that would get less than this is skipped
@@ -82,10 +88,11 @@ def model_size(model_flags: Sequence[str]) -> tuple[int, int, int]:
 def stage_plan(stage: int, args: argparse.Namespace, token_vocab: int) -> StagePlan:
     """The runs of `stage` at args.shape, megapar's flags parsed as megapar parses them (MegaparError,
     e.g. for an unknown recipe, before anything runs)."""
-    shape = Shape(MODELS[args.shape], GPUS, stage)
+    shape = Shape(MODELS[args.shape], args.gpus, stage)
     bench = argparse.Namespace(iters=args.iters, log_window=1, vocab_file=args.vocab_file, merge_file=args.merge_file)
+    variants = VARIANTS if args.gpus == 2 else ONE_GPU_VARIANTS
     megapar = {name: ["--recipe", name, *bench_flags(bench)]
-               for name in (VARIANTS[v].format(shape=args.shape, stage=stage) for v in args.megapar_variants)}
+               for name in (variants[v].format(shape=args.shape, stage=stage) for v in args.megapar_variants)}
     specs = {ds_spec(flags, shape, token_vocab, stage, args.iters, os.path.join(args.out, f"result_zero{stage}.json"))
              for flags in megapar.values()}
     assert len(specs) == 1, f"megapar's ZeRO-{stage} recipes differ in model, batch or AdamW: {specs}"
@@ -95,26 +102,31 @@ def stage_plan(stage: int, args: argparse.Namespace, token_vocab: int) -> StageP
     return StagePlan(shape, megapar, replace(spec, offload=False))
 
 
-def fsdp2_payload(spec: DsSpec, nanogpt_dir: str, compile_blocks: bool, device: str = "cuda") -> dict:
-    """What FSDP2's worker reads: the run, nanoGPT's folder, whether each block is compiled, the device."""
-    return {"spec": asdict(spec), "nanogpt_dir": nanogpt_dir, "compile": compile_blocks, "device": device}
+def fsdp2_payload(spec: DsSpec, nanogpt_dir: str, compile_blocks: bool, device: str = "cuda", warmup: int = 0,
+                  profile_path: Optional[str] = None, blocks_per_unit: int = 1) -> dict:
+    """What FSDP2's worker reads: the run, nanoGPT's folder, whether each block is compiled, the device,
+    where to write a trace of the two steps after `warmup` (None: no trace), and how many consecutive
+    blocks share one FSDP2 unit (one all-gather and one reduce-scatter, one set of hooks)."""
+    return {"spec": asdict(spec), "nanogpt_dir": nanogpt_dir, "compile": compile_blocks, "device": device,
+            "warmup": warmup, "profile_path": profile_path, "blocks_per_unit": blocks_per_unit}
 
 
-def run_fsdp2(spec: DsSpec, payload: dict, peak: Optional[float], log_path: str, timeout: float,
+def run_fsdp2(spec: DsSpec, payload: dict, gpus: int, peak: Optional[float], log_path: str, timeout: float,
               warmup: int) -> dict:
     """FSDP2's row: this script with FSDP2_WORKER in a subprocess (torch.distributed.run)."""
-    system = f"FSDP2 reshard_after_forward={spec.stage == 3}"
-    result, why = run_worker([os.path.abspath(__file__), FSDP2_WORKER], payload, spec.result_path, GPUS, log_path,
+    system = f"FSDP2 reshard_after_forward={spec.stage == 3}, {payload['blocks_per_unit']} block(s) per unit"
+    result, why = run_worker([os.path.abspath(__file__), FSDP2_WORKER], payload, spec.result_path, gpus, log_path,
                              timeout)
     if result is None:
         return {"system": system, "error": why}
-    return worker_row(f"{system} (torch {result['version']})", result, spec, GPUS, peak, warmup)
+    return worker_row(f"{system} (torch {result['version']})", result, spec, gpus, peak, warmup)
 
 
 def fsdp2_worker(payload_path: str) -> None:
     """One rank of the FSDP2 run of the payload at `payload_path` (fsdp2_payload); rank 0 writes the
     step times, torch's version and the larger peak memory of the ranks to the spec's result_path.
-    The weights are drawn from one seed on every rank before fully_shard keeps each rank's shard."""
+    The weights are drawn from one seed on every rank before fully_shard keeps each rank's shard. Each
+    step is timed by CUDA events recorded around it; nothing waits for the GPU until the last step."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -142,21 +154,25 @@ def fsdp2_worker(payload_path: str) -> None:
         model = GPT(config)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     reshard = spec.stage == 3
-    blocks = model.transformer.h
+    blocks, per_unit = model.transformer.h, payload.get("blocks_per_unit", 1)
     for i in range(len(blocks)):
         if payload["compile"]:  # compiled first, then sharded: FSDP2's hooks stay outside the compiled code
             blocks[i] = torch.compile(blocks[i])
-        fully_shard(blocks[i], mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    for first in range(0, len(blocks), per_unit):  # a list of modules is one unit: one gather, one set of hooks
+        unit = [blocks[i] for i in range(first, min(first + per_unit, len(blocks)))]
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     optimizer = torch.optim.AdamW(decay_groups(model), lr=spec.lr, betas=spec.betas, eps=spec.eps,
                                   weight_decay=spec.weight_decay, fused=True)
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     accumulation = spec.global_batch // (spec.micro_batch * world)
     gen = torch.Generator(device=device).manual_seed(1234 + rank)
-    step_ms = []
+    clock = StepClock(device)
+    profiler = None
     for step in range(1, spec.iters + 1):
-        synchronize()
-        start = time.perf_counter()
+        if payload.get("profile_path") and step == payload["warmup"] + 1:
+            profiler = torch.profiler.profile(record_shapes=True)
+            profiler.start()
+        clock.start()
         for micro in range(accumulation):
             model.set_requires_gradient_sync(micro == accumulation - 1)  # reduce once, after the last
             tokens = torch.randint(0, spec.token_vocab, (spec.micro_batch, spec.seq + 1), device=device,
@@ -166,10 +182,17 @@ def fsdp2_worker(payload_path: str) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip_grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        synchronize()
-        step_ms.append((time.perf_counter() - start) * 1e3)
-        if rank == 0:
-            print(f" FSDP2 step {step}/{spec.iters} | ms: {step_ms[-1]:.1f} | lm loss: {loss.item():.4f}", flush=True)
+        clock.stop()
+        if profiler is not None and step == payload["warmup"] + 2:
+            profiler.stop()
+            if rank == 0:
+                profiler.export_chrome_trace(payload["profile_path"])
+            profiler = None
+    step_ms = clock.step_ms()
+    if rank == 0:
+        for step, ms in enumerate(step_ms, 1):
+            print(f" FSDP2 step {step}/{spec.iters} | ms: {ms:.1f}", flush=True)
+        print(f" FSDP2 last lm loss: {loss.item():.4f}", flush=True)
     peak_mib = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
     peak = torch.tensor([peak_mib], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -178,6 +201,36 @@ def fsdp2_worker(payload_path: str) -> None:
             json.dump({"step_ms": step_ms, "max_allocated_mib": peak.item(), "version": torch.__version__}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+class StepClock:
+    """Step times without waiting for the GPU between steps: a CUDA event before and after each step
+    on the current stream, all read after the last (host time on CPU, where nothing runs ahead)."""
+
+    def __init__(self, device) -> None:
+        import torch
+        self.cuda = device.type == "cuda"
+        self.event = (lambda: torch.cuda.Event(enable_timing=True)) if self.cuda else None
+        self.marks: list = []
+
+    def start(self) -> None:
+        self.marks.append([self._mark(), None])
+
+    def stop(self) -> None:
+        self.marks[-1][1] = self._mark()
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = self.event()
+        event.record()
+        return event
+
+    def step_ms(self) -> list[float]:
+        if not self.cuda:
+            return [(b - a) * 1e3 for a, b in self.marks]
+        self.marks[-1][1].synchronize()
+        return [a.elapsed_time(b) for a, b in self.marks]
 
 
 def run_limit(timeout: float, deadline: Optional[float]) -> float:
@@ -198,7 +251,7 @@ def run_stage(plan: StagePlan, args: argparse.Namespace, rnd: int, peak: Optiona
     def add(kind: str, system: str, run: Callable[[float], dict]) -> None:
         limit = timeout()
         row = run(limit) if limit > 0 else {"system": system, "error": "skipped: --budget spent"}
-        rows.append({"round": rnd, "stage": plan.stage, "kind": kind, **row})
+        rows.append({"round": rnd, "stage": plan.stage, "kind": kind, "label": system, **row})
         print(json.dumps(rows[-1]), flush=True)
 
     for kind in args.systems:
@@ -213,9 +266,15 @@ def run_stage(plan: StagePlan, args: argparse.Namespace, rnd: int, peak: Optiona
             add(kind, f"DeepSpeed ZeRO-{plan.stage}",
                 lambda t: run_deepspeed(plan.shape, plan.spec, peak, log, t, args.warmup))
         else:
-            payload = fsdp2_payload(plan.spec, args.nanogpt_dir, not args.fsdp2_eager)
-            add(kind, f"FSDP2 reshard_after_forward={plan.stage == 3}",
-                lambda t: run_fsdp2(plan.spec, payload, peak, log, t, args.warmup))
+            for per_unit in args.fsdp2_blocks_per_unit:
+                name = f"fsdp2_zero{plan.stage}_b{per_unit}_{rnd}"
+                trace = os.path.join(args.out, f"{name}_trace.json") if args.fsdp2_profile else None
+                payload = fsdp2_payload(plan.spec, args.nanogpt_dir, not args.fsdp2_eager, warmup=args.warmup,
+                                        profile_path=trace, blocks_per_unit=per_unit)
+                add(kind, f"FSDP2 reshard_after_forward={plan.stage == 3}, {per_unit} block(s) per unit",
+                    lambda t, payload=payload, name=name: run_fsdp2(
+                        plan.spec, payload, plan.shape.gpus, peak, os.path.join(args.out, f"{name}.log"), t,
+                        args.warmup))
     return rows
 
 
@@ -237,14 +296,17 @@ def format_runs(rows: list[dict], peak_desc: str) -> str:
 
 def ratios(rows: list[dict]) -> list[tuple[int, str, str, list[Optional[float]]]]:
     """(stage, megapar's system, the anchor's, [megapar's tokens/s per GPU over the anchor's, per
-    round; None where either failed]) for each megapar recipe and anchor of each stage."""
+    round; None where either failed]) for each megapar recipe and anchor run of each stage. An anchor
+    run is its row's "label" (the system asked for, without the version a successful run names), its
+    kind where it has none."""
     rounds = sorted({row["round"] for row in rows})
+    base = lambda row: row.get("label", row["kind"])  # noqa: E731
     out = []
     for stage in dict.fromkeys(row["stage"] for row in rows):
         at = [row for row in rows if row["stage"] == stage]
         ours = list(dict.fromkeys(row["system"] for row in at if row["kind"] == "megapar"))
-        for kind in dict.fromkeys(row["kind"] for row in at if row["kind"] != "megapar"):
-            theirs = [row for row in at if row["kind"] == kind]
+        for anchor in dict.fromkeys(base(row) for row in at if row["kind"] != "megapar"):
+            theirs = [row for row in at if row["kind"] != "megapar" and base(row) == anchor]
             name = next((row["system"] for row in theirs if "error" not in row), theirs[0]["system"])
             for system in ours:
                 per_round = []
@@ -283,6 +345,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--nanogpt-dir", default=os.path.join(ROOT, ".gpu", "nanogpt"),
                    help="a folder with nanoGPT's model.py (github.com/karpathy/nanoGPT; git-ignored)")
     p.add_argument("--fsdp2-eager", action="store_true", help="FSDP2's blocks not compiled")
+    p.add_argument("--fsdp2-blocks-per-unit", type=int, nargs="+", default=[1],
+                   help="FSDP2 runs with this many consecutive blocks per fully_shard unit (a sweep: one row each; "
+                        "fewer units, fewer hooks and larger collectives, less overlap)")
+    p.add_argument("--fsdp2-profile", action="store_true",
+                   help="also write a torch.profiler trace of FSDP2's two steps after --warmup to --out")
+    p.add_argument("--gpus", type=int, default=2, choices=(1, 2),
+                   help="2: data parallel 2 (megapar's <shape>-dp2-* recipes); 1: the same harness on one GPU "
+                        "(megapar's <shape>-graph / <shape>-compile)")
     p.add_argument("--vocab-file", default=os.path.join(ROOT, "tests", "data", "gpt2", "encoder.json"))
     p.add_argument("--merge-file", default=os.path.join(ROOT, "tests", "data", "gpt2", "vocab.bpe"))
     p.add_argument("--out", default=os.path.join(ROOT, ".gpu", "bench_vs_anchors"), help="folder for the logs")
@@ -311,7 +381,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     peak, gpu = gpu_peak()
     s = plans[0].spec
     print(f"{s.layers} layers x {s.hidden}, {s.heads} heads, seq {s.seq}, vocab {s.vocab}, micro-batch "
-          f"{s.micro_batch} x {GPUS} GPUs ({gpu}), global batch {s.global_batch}; mean of steps "
+          f"{s.micro_batch} x {args.gpus} GPUs ({gpu}), global batch {s.global_batch}; mean of steps "
           f"{args.warmup + 1}-{args.iters}", flush=True)
     rows = []
     for rnd in range(args.rounds):

@@ -132,13 +132,25 @@ def test_tables_and_ratios(bench, tmp_path):
     assert table[4] == "| 3 | megapar 345m-dp2-zero3-graph | DeepSpeed 0.19.8 ZeRO-3 | n/a, 2.00x |"
 
 
+def test_each_anchor_run_of_a_sweep_gets_its_own_ratio(bench, tmp_path):
+    s2 = spec(bench, tmp_path, 2)
+    units = {1: 200.0, 24: 150.0}   # FSDP2 runs of --fsdp2-blocks-per-unit 1 24: ms per step
+    rows = [row(bench, s2, "megapar", "megapar 345m-dp2-zero2-graph", 100.0)]
+    for n, ms in units.items():
+        label = f"FSDP2 reshard_after_forward=False, {n} block(s) per unit"
+        rows.append({**row(bench, s2, "fsdp2", f"{label} (torch x)", ms), "label": label})
+    got = [(theirs, round(per[0], 6)) for _, _, theirs, per in bench.ratios(rows)]
+    assert got == [("FSDP2 reshard_after_forward=False, 1 block(s) per unit (torch x)", 2.0),
+                   ("FSDP2 reshard_after_forward=False, 24 block(s) per unit (torch x)", 1.5)]
+
+
 @pytest.mark.slow
 def test_a_failed_worker_is_a_row_with_its_last_error(bench, tmp_path):
     s = replace(spec(bench, tmp_path), iters=3)
     payload = bench.fsdp2_payload(s, str(tmp_path), False, "cpu")  # a folder without nanoGPT's model.py
     (tmp_path / "out").mkdir()
-    got = bench.run_fsdp2(s, payload, None, str(tmp_path / "out" / "fsdp2.log"), 120, 1)
-    assert got["system"] == "FSDP2 reshard_after_forward=False"
+    got = bench.run_fsdp2(s, payload, 2, None, str(tmp_path / "out" / "fsdp2.log"), 120, 1)
+    assert got["system"] == "FSDP2 reshard_after_forward=False, 1 block(s) per unit"
     assert got["error"].startswith("rc=1: FileNotFoundError: ") and "model.py" in got["error"]
     assert (tmp_path / "out" / "fsdp2.log").read_text().count("Traceback") >= 1
 
@@ -151,9 +163,14 @@ def test_fsdp2_worker_trains_on_two_cpu_processes(bench, tmp_path, stage):
     s = DsSpec(layers=2, hidden=64, heads=4, seq=32, vocab=128, token_vocab=100, micro_batch=2, global_batch=8,
                stage=stage, lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, clip_grad=1.0, recompute=False,
                iters=3, result_path=str(tmp_path / "result.json"), offload=False)
-    log = tmp_path / "fsdp2.log"
-    result, why = bench.run_worker([bench.__file__, bench.FSDP2_WORKER],
-                                   bench.fsdp2_payload(s, str(NANOGPT), False, "cpu"), s.result_path, 2, str(log), 120)
+    log, trace = tmp_path / "fsdp2.log", tmp_path / "trace.json"
+    payload = bench.fsdp2_payload(s, str(NANOGPT), False, "cpu", warmup=1, profile_path=str(trace),
+                                  blocks_per_unit=stage - 1)  # 1: a unit per block; 2: both blocks in one unit
+    result, why = bench.run_worker([bench.__file__, bench.FSDP2_WORKER], payload, s.result_path, 2, str(log), 120)
     assert why == "" and len(result["step_ms"]) == 3 and result["max_allocated_mib"] == 0.0
-    losses = [float(line.split("lm loss: ")[1]) for line in log.read_text().splitlines() if "FSDP2 step" in line]
-    assert len(losses) == 3 and all(4.0 < x < 5.5 for x in losses)  # ln(100) = 4.6 on random tokens
+    assert all(ms > 0 for ms in result["step_ms"])
+    lines = log.read_text().splitlines()
+    assert sum("FSDP2 step" in line for line in lines) == 3
+    loss = float(next(line for line in lines if "last lm loss" in line).split(": ")[1])
+    assert 4.0 < loss < 5.5  # ln(100) = 4.6 on random tokens
+    assert "traceEvents" in trace.read_text()  # steps 2 and 3 profiled (--fsdp2-profile)
