@@ -4,6 +4,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -15,6 +16,7 @@ from harness import ROWS, Row, table  # noqa: E402
 
 
 SYSTEM_TEMP = Path(tempfile.gettempdir())
+TIER_SIZES = pytest.StashKey[Optional[dict]]()
 
 
 def _temp_entries() -> set[str]:
@@ -28,7 +30,16 @@ def pytest_configure(config):
                                        "reads; the session starts them together")
 
 
+TIERS = {"quick": lambda item: "gpu" not in item.keywords and "slow" not in item.keywords,   # docs/testing.md
+         "full CPU (CI)": lambda item: "gpu" not in item.keywords,
+         "GPU": lambda item: "gpu" in item.keywords}
+
+
 def pytest_collection_modifyitems(config, items):
+    # before -m/-k deselect any (pytest calls conftest hooks before its own): each tier's size, when the
+    # session collected the whole suite (tests/docs/test_testing_doc.py compares them with docs/testing.md)
+    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    config.stash[TIER_SIZES] = {tier: sum(map(keep, items)) for tier, keep in TIERS.items()} if whole else None
     try:
         import torch
         has_cuda = torch.cuda.is_available()
