@@ -36,9 +36,14 @@ def bench_flags(args) -> list[str]:
 
 
 def run_config(name: str, args) -> dict:
-    gpus = RECIPES[name].gpus
-    cmd = ["bash", os.path.join(ROOT, "scripts", "pretrain_gpt2.sh"), "--nproc-per-node", str(gpus),
-           *RECIPES[name].flags, *bench_flags(args), *args.extra]
+    """One recipe's run: its flags, the benchmark's and --extra (run_flags)."""
+    return run_flags(name, RECIPES[name].gpus, [*RECIPES[name].flags, *bench_flags(args), *args.extra], args)
+
+
+def run_flags(name: str, gpus: int, flags: list[str], args) -> dict:
+    """scripts/pretrain_gpt2.sh on `gpus` processes with `flags`; its log to args.log_dir/<name>.log and the
+    last logged window's ms/iteration, tokens/s, TFLOP/s per GPU, MFU and peak memory."""
+    cmd = ["bash", os.path.join(ROOT, "scripts", "pretrain_gpt2.sh"), "--nproc-per-node", str(gpus), *flags]
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=args.workdir)
     out = proc.stdout + proc.stderr
