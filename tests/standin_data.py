@@ -12,10 +12,13 @@ running the code under test: a fresh clone checks the same properties as the rea
 """
 from __future__ import annotations
 
+import functools
 import json
 import lzma
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from data_dirs import GPT2_DIR, SHIPPED
 
@@ -157,23 +160,17 @@ def expected_counts() -> dict:
             "june_kept": sum(s.extract == "kept" for s in submissions()["2005-06"])}
 
 
+@functools.cache
 def reference_gpt2():
     """GPT-2's encoding as tiktoken builds it from the shipped BPE files with its own loader and its own copy of
     GPT-2's pre-tokenizer pattern (no megapar code involved)."""
-    import os
-
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
 
-    cache = os.environ.pop("TIKTOKEN_CACHE_DIR", None)
-    os.environ["TIKTOKEN_CACHE_DIR"] = ""  # read the files as they are; write no cache
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", "")  # read the files as they are; write no cache
         ranks = data_gym_to_mergeable_bpe_ranks(str(GPT2_DIR / "vocab.bpe"), str(GPT2_DIR / "encoder.json"))
-    finally:
-        os.environ.pop("TIKTOKEN_CACHE_DIR")
-        if cache is not None:
-            os.environ["TIKTOKEN_CACHE_DIR"] = cache
     return tiktoken.Encoding("gpt2-reference", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": 50256})
 
