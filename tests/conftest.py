@@ -109,12 +109,12 @@ def real_data() -> Path:
 @pytest.fixture(scope="session")
 def unshipped_data():
     """unshipped_data(relative path) -> that path under ../shared/data; the test skips when it is absent
-    (tests/data/SOURCE.md lists what is not shipped and why)."""
+    (tests/data/SOURCE.md lists what is not shipped, why, and the stand-ins of tests/standin_data.py)."""
     def find(rel: str) -> Path:
         path = UNSHIPPED / rel
         if not path.exists():
             pytest.skip(f"optional data {rel} is not shipped with megapar (no licence to redistribute it); "
-                        f"put it under {UNSHIPPED} to run this test")
+                        f"put it under {UNSHIPPED} (or name its folder in MEGAPAR_UNSHIPPED_DATA) to run this test")
         return path
     return find
 

@@ -3,6 +3,7 @@ import json
 
 import numpy as np
 import pytest
+from standin_data import NON_ENGLISH, reference_gpt2, trunc63_documents
 
 from data_prep.openwebtext import cleanup, find_duplicates, group_duplicates, merge, remove_duplicates, shuffle
 from data_prep.openwebtext.fake_web import corpus_chunks, near_copy
@@ -31,6 +32,21 @@ def test_cleanup_length_threshold_on_webtext_sample(real_data, gpt2_files, tmp_p
     assert counts == {"documents": 9, "kept": 8, "removed:too_short": 1}  # 1.txt has 66 tokens
     kept = {d["url"] for d in read_jsonl(tmp_path / "out.jsonl")}
     assert "1.txt" not in kept and {"0.txt", "5.txt"} <= kept  # 138 and 161 tokens
+
+
+def test_cleanup_language_on_standin_trunc63(gpt2_files, tmp_path):
+    """63-token cuts of the shipped English texts with texts in German, French and Spanish among them."""
+    english = trunc63_documents(reference_gpt2())
+    docs = list(english)
+    for i, text in enumerate(NON_ENGLISH):
+        docs.insert(1 + i * len(english) // len(NON_ENGLISH), text)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in docs])
+    counts = clean(src, tmp_path / "out.jsonl", gpt2_files, "--min-tokens", "1", "--workers", "2")
+    assert counts == {"documents": len(docs), "kept": len(english), "removed:non_english": len(NON_ENGLISH)}
+    assert [d["text"] for d in read_jsonl(tmp_path / "out.jsonl")] == english
+    counts63 = clean(src, tmp_path / "out2.jsonl", gpt2_files)  # all are under 128 tokens
+    assert counts63 == {"documents": len(docs), "removed:too_short": len(english),
+                        "removed:non_english": len(NON_ENGLISH)}
 
 
 def test_cleanup_language_on_trunc63(unshipped_data, gpt2_files, tmp_path):
@@ -63,20 +79,25 @@ def test_minhash_estimates_jaccard(real_data):
     assert (sig[:39] == sig[1:40]).mean() < 0.05  # distinct documents rarely agree
 
 
-@pytest.fixture()
-def dup_corpus(unshipped_data, real_data, tmp_path):
-    """trunc63 test split (optional data; 2 exact-duplicate extra copies) + near copies of 30 Emma/Shakespeare
-    chunks."""
-    lines = unshipped_data("corpora/webtext_gpt2_trunc63/webtext.test.jsonl").read_text().splitlines()
-    docs = [{"text": json.loads(line)["text"], "url": f"web/{i}"} for i, line in enumerate(lines)]
+@pytest.fixture(params=["standin", "trunc63"])
+def dup_corpus(request, real_data, tmp_path):
+    """Short web-like documents with exact duplicates (63-token cuts of the shipped texts, 2 exact-duplicate extra
+    copies; or the optional trunc63 test split, 2 too) + near copies of 30 Emma/Shakespeare chunks."""
+    if request.param == "standin":  # cuts of distinct paragraphs: none is a near copy of another
+        web, slack = trunc63_documents(reference_gpt2()), 0
+    else:  # a few real web pages are near copies of others (3 of 4,721)
+        slack = 5
+        lines = request.getfixturevalue("unshipped_data")("corpora/webtext_gpt2_trunc63/webtext.test.jsonl")
+        web = [json.loads(line)["text"] for line in lines.read_text().splitlines()]
+    docs = [{"text": text, "url": f"web/{i}"} for i, text in enumerate(web)]
     chunks = corpus_chunks(real_data / "corpora")[100:160]
     docs += [{"text": c, "url": f"chunk/{i}"} for i, c in enumerate(chunks)]
     docs += [{"text": near_copy(c), "url": f"near/{i}"} for i, c in enumerate(chunks[:30])]
-    return write_jsonl(tmp_path / "docs.jsonl", docs), docs
+    return write_jsonl(tmp_path / "docs.jsonl", docs), docs, slack
 
 
 def test_exact_and_near_duplicates_removed_distinct_kept(dup_corpus, tmp_path):
-    src, docs = dup_corpus
+    src, docs, slack = dup_corpus
     pairs, groups, out = tmp_path / "pairs.jsonl", tmp_path / "groups.jsonl", tmp_path / "dedup.jsonl"
     find_duplicates.main([str(src), "--output", str(pairs), "--workers", "2", "--no-progress"])
     group_duplicates.main([str(pairs), str(groups), "--no-progress"])
@@ -87,7 +108,7 @@ def test_exact_and_near_duplicates_removed_distinct_kept(dup_corpus, tmp_path):
     assert not any(u.startswith("near/") for u in kept)  # every near copy removed
     assert {f"chunk/{i}" for i in range(60)} <= set(kept)  # originals (first in file) survive
     unique = len({d["text"] for d in docs if d["url"].startswith("web/")})
-    assert sum(u.startswith("web/") for u in kept) >= unique - 5  # distinct web docs kept (near-dups aside)
+    assert sum(u.startswith("web/") for u in kept) >= unique - slack  # distinct web docs kept
     assert counts["removed:near_duplicate"] == len(docs) - len(kept)
     again = tmp_path / "pairs2.jsonl"
     find_duplicates.main([str(src), "--output", str(again), "--workers", "1", "--no-progress"])

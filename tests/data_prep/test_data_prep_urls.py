@@ -1,9 +1,11 @@
-"""URL stages of the OpenWebText pipeline on the real Pushshift dumps (extract, cross-month dedup, blacklist)."""
+"""URL stages of the OpenWebText pipeline (extract, cross-month dedup, blacklist) on Pushshift dumps built by the
+test (tests/standin_data.py: every rule hit on purpose, counts from the construction) and on the real ones."""
 import bz2
 import json
 import lzma
 
 import pytest
+from standin_data import expected_counts, raw_urls, submissions, write_pushshift_dumps
 
 from data_prep.openwebtext import blacklist_urls, dedup_urls, extract_urls
 from data_prep.openwebtext.url_rules import megatron_bad_reason
@@ -13,6 +15,47 @@ from data_prep.openwebtext.url_rules import megatron_bad_reason
 def dumps(unshipped_data):
     """The real Pushshift dumps (not shipped: tests/data/SOURCE.md)."""
     return unshipped_data("openwebtext_urls/pushshift_dumps")
+
+
+@pytest.fixture(scope="module")
+def standin_dumps(tmp_path_factory):
+    """Two months of submissions in the real dumps' format, built by tests/standin_data.py."""
+    return write_pushshift_dumps(tmp_path_factory.mktemp("pushshift"))
+
+
+def test_extract_counts_on_standin_dumps(standin_dumps, tmp_path):
+    summary = extract_urls.main(["--psdir", str(standin_dumps), "--outdir", str(tmp_path), "--no-progress"])
+    assert summary["counts"] == expected_counts()["extract"]
+    june = (tmp_path / "RS_v2_2005-06.xz.goodlinks.txt").read_text().splitlines()
+    assert june == [s.url for s in submissions()["2005-06"] if s.extract == "kept"]  # raw, in dump order
+    again = extract_urls.main(["--psdir", str(standin_dumps), "--outdir", str(tmp_path), "--no-progress"])
+    assert again["counts"] == {"dumps_skipped_done": 2}  # resume: finished dumps are skipped
+
+
+def test_url_stages_in_turn_on_standin_dumps(standin_dumps, tmp_path):
+    """extract -> dedup (across months: another spelling of a URL is a duplicate) -> Megatron's blacklist."""
+    expected = expected_counts()
+    extract_urls.main(["--psdir", str(standin_dumps), "--outdir", str(tmp_path / "u"), "--no-progress"])
+    dedup = dedup_urls.main(["--input-dir", str(tmp_path / "u"), "--output-dir", str(tmp_path / "d"),
+                             "--no-progress"])
+    assert dedup["counts"] == expected["dedup"]
+    black = blacklist_urls.main([str(tmp_path / "d"), "--output", str(tmp_path / "clean.txt"), "--no-progress"])
+    assert black["counts"] == expected["blacklist"]
+    clean = [s.url.replace("&amp;", "&") for month in submissions().values() for s in month
+             if s.extract == "kept" and s.dedup == "kept" and s.megatron is None]
+    assert (tmp_path / "clean.txt").read_text().splitlines() == clean
+
+
+def test_blacklist_counts_on_standin_urls(tmp_path):
+    """The unfiltered URL list of the stand-in dumps through Megatron's blacklist alone."""
+    urls = raw_urls()
+    (tmp_path / "urls.txt").write_text("\n".join(urls) + "\n")
+    summary = blacklist_urls.main([str(tmp_path / "urls.txt"), "--output", str(tmp_path / "clean.txt"),
+                                   "--no-progress"])
+    assert summary["counts"] == expected_counts()["blacklist_raw"]
+    fate = {s.url: s.megatron for month in submissions().values() for s in month}
+    assert (tmp_path / "clean.txt").read_text().splitlines() == list(dict.fromkeys(u for u in urls
+                                                                                   if fate[u] is None))
 
 
 def test_extract_counts_on_real_dumps(dumps, tmp_path):
@@ -26,9 +69,9 @@ def test_extract_counts_on_real_dumps(dumps, tmp_path):
     assert again["counts"] == {"dumps_skipped_done": 2}  # resume: finished dumps are skipped
 
 
-def test_extract_reads_bz2_and_zst_like_xz(dumps, tmp_path):
+def test_extract_reads_bz2_and_zst_like_xz(standin_dumps, tmp_path):
     zstandard = pytest.importorskip("zstandard")
-    raw = lzma.decompress((dumps / "RS_v2_2005-06.xz").read_bytes())
+    raw = lzma.decompress((standin_dumps / "RS_v2_2005-06.xz").read_bytes())
     src = tmp_path / "src"
     src.mkdir()
     (src / "RS_2005-06.bz2").write_bytes(bz2.compress(raw))
@@ -36,7 +79,7 @@ def test_extract_reads_bz2_and_zst_like_xz(dumps, tmp_path):
     extract_urls.main(["--psdir", str(src), "--outdir", str(tmp_path / "out"), "--no-progress"])
     a = (tmp_path / "out" / "RS_2005-06.bz2.goodlinks.txt").read_text()
     b = (tmp_path / "out" / "RS_2005-07.zst.goodlinks.txt").read_text()
-    assert a == b and len(a.splitlines()) == 81
+    assert a == b and len(a.splitlines()) == expected_counts()["june_kept"]
 
 
 def test_dedup_normalisation_and_month_order(tmp_path):

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+from standin_data import NON_ENGLISH, corpus_documents, trunc63_documents
 
 from megapar.data.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer
 
@@ -46,6 +47,18 @@ def test_ids_equal_tiktoken_gpt2_on_real_corpora(real_data, gpt2, reference_enco
         assert gpt2.tokenize(t) == reference_encoding.encode_ordinary(t)
         assert gpt2.detokenize(gpt2.tokenize(t)) == t
     assert [len(gpt2.tokenize(t)) for t in texts] == [138, 66, 1024, 1024, 161, 1024, 725, 618, 1024, 338025, 223075]
+
+
+def test_ids_equal_tiktoken_gpt2_on_corpus_documents(gpt2, reference_encoding):
+    """The shipped corpora cut into 9,602 documents (web pages, paragraphs, speeches), 63-token cuts of them as
+    the optional trunc63 corpus has, and texts in German, French and Spanish."""
+    cuts = trunc63_documents(reference_encoding)
+    texts = corpus_documents() + cuts + NON_ENGLISH
+    assert len(texts) > 12_000
+    for t in texts:
+        assert gpt2.tokenize(t) == reference_encoding.encode_ordinary(t)
+        assert gpt2.detokenize(gpt2.tokenize(t)) == t
+    assert all(len(gpt2.tokenize(t)) == 63 for t in cuts)
 
 
 def test_ids_equal_tiktoken_gpt2_on_webtext_trunc63(unshipped_data, gpt2, reference_encoding):
