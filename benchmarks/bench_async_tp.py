@@ -8,7 +8,8 @@ GEMM then NCCL reduce-scatter) against torch's symmetric-memory fused ops (the G
 chunks that start as each chunk arrives), eager and captured in a CUDA graph (megapar captures its
 training step), and the row-parallel GEMMs with the all-reduce that replaces their reduce-scatter
 without sequence parallelism, whole and in 2 or 4 chunks whose all-reduces travel while the next
-chunk's GEMM runs. Prints max |difference| and microseconds per call (results: docs/performance.md).
+chunk's GEMM runs. Prints max |difference| and microseconds per call (results:
+docs/benchmarks/tp2-fsdp2_h100_20261127.md).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ of its weight and bias gradients, one row of partials per `split` tokens; the ge
 sums the partials with ATen (the 96 fp32 `aten::sum` calls of a 345M step's profile). Times forward
 and backward of add + LayerNorm at GPT-2 345M shapes ([1024, 8, 1024] bf16), replayed from a CUDA
 graph, for Inductor's tuned default, fixed split sizes and the fusion turned off. 2x H200
-(2026-11-21): 54.7 µs default, 51.7 µs at split 64, 60.4 µs off (docs/performance.md).
+(2026-11-21): 54.7 µs default, 51.7 µs at split 64, 60.4 µs off (docs/benchmarks/log_h100_20261121.md).
 """
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 """Host buffers for GPU transfers, page-locked at their exact size.
 
-PyTorch's pinned allocator (`pin_memory=True`, its CachingHostAllocator) rounds every request up to a
-power of two so that freed blocks can be reused by size class: a 13B rank's 25.7 GB gradient shard
-takes 32 GiB. The offload state, its staging copies and an async save's buffers are allocated once
-and live for the run, so the rounding only wastes host memory (at 13B, enough to push two ranks of the
-delayed update past a 256 GiB host; docs/performance.md). Buffers above EXACT_ABOVE_BYTES are therefore
-anonymous memory (zero-filled by the kernel) page-locked in place with cudaHostRegister, as PyTorch's
-own `pinned_use_cuda_host_register` does but without the rounding, and unregistered when the last
-tensor on them is freed. Smaller buffers keep the caching allocator (its reuse is worth the rounding).
-A buffer asked for `page_aligned` (O_DIRECT file I/O into it: nvme.py) is such anonymous memory at any
-size, pinned or not, as mmap's pages start on a page boundary and torch's allocator promises less.
+PyTorch's pinned allocator (`pin_memory=True`, its CachingHostAllocator) rounds every request up to a power of
+two so that freed blocks can be reused by size class: a 13B rank's 25.7 GB gradient shard takes 32 GiB. The
+offload state, its staging copies and an async save's buffers are allocated once and live for the run, so the
+rounding only wastes host memory (at 13B, enough to push two ranks of the delayed update past a 256 GiB host;
+docs/benchmarks/offload_h100_20261126.md). Buffers above EXACT_ABOVE_BYTES are therefore anonymous memory
+(zero-filled by the kernel) page-locked in place with cudaHostRegister, as PyTorch's own
+`pinned_use_cuda_host_register` does but without the rounding, and unregistered when the last tensor on them
+is freed. Smaller buffers keep the caching allocator (its reuse is worth the rounding). A buffer asked for
+`page_aligned` (O_DIRECT file I/O into it: nvme.py) is such anonymous memory at any size, pinned or not, as
+mmap's pages start on a page boundary and torch's allocator promises less.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ Upstream (Megatron tools/openwebtext/filter_ngrams.py) decisions:
   they came; pieces of cut documents get ``split_id``.
 * unparseable lines printed an error and vanished -> counted ("bad_json", "missing_text").
 * a bad evaluation line printed an error and was skipped -> FIXED: an error naming the file and line number.
-* 40 worker processes -> one process (set lookups dominate; docs/s in docs/performance.md).
+* 40 worker processes -> one process (set lookups dominate; docs/s in docs/benchmarks/data_cpu_20261124.md).
 """
 from __future__ import annotations
 

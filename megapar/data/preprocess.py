@@ -32,7 +32,7 @@ from ..errors import MegaparError, die_with_parent
 from .indexed_dataset import IndexedDatasetBuilder, best_dtype
 from .tokenizer import build_tokenizer
 
-try:  # optional, faster JSON parsing (docs/performance.md#data); same results for valid JSON lines
+try:  # optional, faster JSON parsing (docs/benchmarks/data_cpu_20261124.md#data); same results for valid JSON lines
     import orjson as _fastjson
 except ImportError:  # pragma: no cover
     _fastjson = None

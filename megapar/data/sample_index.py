@@ -8,7 +8,7 @@ For the documents `docs` (sequence ids of one split) with token counts `sizes`:
               samples share one token, as in Megatron), crossing document boundaries.
   shuffle_idx a random permutation of the S samples.
 Everything is numpy (permutation, cumsum, searchsorted): seconds for billions of tokens
-(docs/performance.md#data).
+(docs/benchmarks/data_cpu_20261124.md#data).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Inductor lowers `F.dropout` to `tl.rand(seed, index)` per element: one Philox4x32-10 call (ten
 rounds of 32-bit multiplies) makes 128 random bits, and the kernel keeps 32 of them: at GPT-2 345M
-shapes that made each residual join's forward and backward 57% slower (docs/performance.md).
+shapes that made each residual join's forward and backward 57% slower (docs/benchmarks/dropout-zero2_h200_20261126.md).
 `keep_mask` draws the mask with `tl.randint4x` and uses all four words: element 4i + j is kept
 where the top 31 bits of word j of call i are >= p * 2**31, so P(drop) is p to within 2**-31.
 

@@ -7,7 +7,7 @@ gradient-accumulation fusion were accumulated by backward itself (tensor_paralle
 which hands autograd no gradient for them: their hook (still run, with `param.grad` None) adds
 nothing. Vectors (LayerNorm weights and biases, unfused biases) are small and many, ~100 in GPT-2
 345M, and one launch each for their fp32 += bf16 adds showed in the H100 profile
-(docs/performance.md#performance-log-predicted-vs-measured): the hook queues them, and when the
+(docs/benchmarks/log_h100_20261121.md#performance-log-predicted-vs-measured): the hook queues them, and when the
 bucket is complete (or in `finish()`) they are concatenated, cast once and added with one
 multi-tensor add (a foreach add straight from bf16 into fp32 would fall back to one add per tensor,
 as torch's foreach ops need equal dtypes).

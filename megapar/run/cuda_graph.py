@@ -6,7 +6,7 @@ Why: the H100 profile of GPT-2 345M (micro-batch 8, compiled layers) showed the 
 of every step, waiting for the CPU to launch kernels through the autograd engine, the compiled
 layers' wrappers and the gradient hooks. A replay launches them all at once, which measured faster
 on H100 (more so with the bias-gradient GEMV and the queued read-back; see
-docs/performance.md#performance-log-predicted-vs-measured).
+docs/benchmarks/log_h100_20261121.md#performance-log-predicted-vs-measured).
 Per-layer graphs (Transformer Engine's way) would keep the hooks and the optimizer outside; one
 graph for the whole step is simpler here because the step is already free of host
 synchronisation (training.queue_step).

@@ -9,7 +9,7 @@ backward: grad = softmax - one_hot(target), restricted to this rank's range.
 
 Versions: the first one upcast the logits to an fp32 copy, masked it, and kept the fp32 softmax
 for backward: ~7 passes over a [tokens, V] fp32 tensor, a large share of a GPT-2 345M step in an
-H100 profile (docs/performance.md#performance-log-predicted-vs-measured). This one keeps only the
+H100 profile (docs/benchmarks/log_h100_20261121.md#performance-log-predicted-vs-measured). This one keeps only the
 logits (in their own dtype) plus two fp32 numbers per
 token, and does each step as one elementwise pass with fp32 math; on CUDA each pass is compiled
 into a single fused kernel. The math is identical on CPU (eager) and GPU.

@@ -17,10 +17,12 @@ runs and keeps only grad_hidden [N, h] and grad_weight [V/tp, h] (compute dtype)
 instead of [N, V/tp] logits. The price is the contract: the fused head returns the *mean* loss over every token
 (what training and evaluation use), not per-token losses. G is kept unscaled (entries in [-1, 1]) so that fp16
 never underflows. grad_weight accumulates over the chunks in the weight's dtype inside the GEMM (addmm: one
-rounding per chunk), which measured faster and smaller than an fp32 accumulator (docs/performance.md).
+rounding per chunk), which measured faster and smaller than an fp32 accumulator
+(docs/benchmarks/lmhead_h200_20261128.md).
 
 This trades time for memory: the unfused head keeps the logits and reads them in fewer, larger passes, and was
-faster in every configuration measured (docs/performance.md); use the fusion where the logits do not fit.
+faster in every configuration measured (docs/benchmarks/lmhead_h200_20261128.md); use the fusion where the logits
+do not fit.
 
 Padded vocabulary columns (global index >= true_vocab) are masked, so padding never changes the loss. The
 hidden state must already be in the tensor-parallel region (`to_tp_region`: its backward all-reduces, or

@@ -12,7 +12,7 @@ adds nothing but drives the bucketed all-reduce
 (`tests/tensor_parallel/test_wgrad_fusion.py::test_fused_parameters_get_no_gradient_but_their_hooks_run`). Tried
 against a 345M H100 profile that put several ms of the step in the unfused path; the step's wall
 time moved by less than the run-to-run spread (it is partly launch-bound;
-docs/performance.md#performance-log-predicted-vs-measured).
+docs/benchmarks/log_h100_20261121.md#performance-log-predicted-vs-measured).
 
 A parameter takes this path only when its layer marked it `fused_grad_accumulation` and it has a
 `main_grad` (set by the GradBuffer); the hook reads the same mark. Under torch.compile the
@@ -22,7 +22,7 @@ Column-parallel layers pass their TP group (`grad_x_group`): backward then all-r
 gradient asynchronously and computes the weight gradient while it travels (Megatron's async
 tensor-parallel all-reduce), instead of a separate all-reduce after the whole backward of the layer
 (mappings.copy_to_tp), which also cloned the gradient first; GPT-2 345M at tp 2 (compiled, CUDA
-graph) measured faster on 2x H200 (docs/performance.md#performance-log-predicted-vs-measured). With
+graph) measured faster on 2x H200 (docs/benchmarks/log_h100_20261121.md#performance-log-predicted-vs-measured). With
 sequence parallelism forward
 all-gathers the input's sequence first and backward reduce-scatters the input gradient instead
 (both Megatron's; the gathered input is kept for the weight gradient, not gathered again).
@@ -72,8 +72,9 @@ def _add_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> 
     by cuBLAS. On a 345M H100 step it cut GPU time against torch's column sum (grad_out.sum(0), then
     an fp32 add) and made the CUDA-graphed step faster. Without a graph it made the compiled step much
     slower (twice), although the profiler showed it cheaper on the CPU and on the GPU (numbers in
-    docs/performance.md#performance-log-predicted-vs-measured); until that is understood only graphed runs use it
-    (`use_gemv_bias_grads`), in their eager warm-up steps too, so the capture meets no new kernel."""
+    docs/benchmarks/log_h100_20261121.md#performance-log-predicted-vs-measured); until that is understood only
+    graphed runs use it (`use_gemv_bias_grads`), in their eager warm-up steps too, so the capture meets no new
+    kernel."""
     if gemv and main_grad.is_cuda and grad_out.dtype != main_grad.dtype:
         row = main_grad.view(1, -1)
         ones = torch.ones(1, grad_out.shape[0], dtype=grad_out.dtype, device=grad_out.device)
@@ -85,7 +86,7 @@ def _add_bgrad_(main_grad: torch.Tensor, grad_out: torch.Tensor, gemv: bool) -> 
 # The same accumulations as operators whose schema says they write main_grad, so torch.compile keeps
 # them (and their in-place writes) intact. Defined with torch.library.Library rather than the
 # torch.library.custom_op decorator, whose Python wrapper costs several times the accumulation itself
-# on every call (docs/performance.md#host-overhead-per-layer).
+# on every call (docs/benchmarks/host-overhead_cpu_20261126.md#host-overhead-per-layer).
 _OPS = torch.library.Library("megapar", "DEF")
 _OPS.define("accumulate_wgrad_(Tensor(a!) main_grad, Tensor grad_out, Tensor x) -> ()")
 _OPS.define("accumulate_bgrad_(Tensor(a!) main_grad, Tensor grad_out, bool gemv) -> ()")

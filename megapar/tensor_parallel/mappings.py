@@ -17,7 +17,7 @@ sequence, dim 0 of [s, b, h]:
 
 Under torch.compile every mapping over more than one rank runs eagerly (a graph break each): traced
 into a compiled layer, the in-place all-reduce inside an autograd.Function crashed the first tp 2 step
-on 2x H200 with an illegal memory access (docs/performance.md#performance-log-predicted-vs-measured).
+on 2x H200 with an illegal memory access (docs/benchmarks/log_h100_20261121.md#performance-log-predicted-vs-measured).
 Over one rank every mapping is the identity, decided in the graph (`group.size()` is a constant to
 torch.compile), so a layer at tp 1 compiles whole.
 """

@@ -1,12 +1,15 @@
 """Every link to a section of a markdown file (`file.md#section`) in the code and the docs names a heading that
-exists, with GitHub's anchors (lowercase; punctuation other than - and _ dropped; spaces become -)."""
+exists, with GitHub's anchors (lowercase; punctuation other than - and _ dropped; spaces become -); every relative
+markdown link in the docs names a file that exists; docs/performance.md indexes every dated benchmark file."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LINK = re.compile(r"((?:docs/)?\w+\.md)#([\w-]+)")
+LINK = re.compile(r"((?:[\w.-]+/)*[\w.-]+\.md)#([\w-]+)")
+MD_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+BENCHMARK_FILE = re.compile(r"[a-z0-9-]+(?:_[a-z0-9-]+)*_[a-z0-9-]+_\d{8}\.md")
 
 
 def anchors(md: Path) -> set[str]:
@@ -14,16 +17,27 @@ def anchors(md: Path) -> set[str]:
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
 
 
-def broken_links() -> list[str]:
-    sources = [*ROOT.glob("megapar/**/*.py"), *ROOT.glob("docs/*.md"), ROOT / "README.md"]
+def sources() -> list[Path]:
+    """The code, the benchmarks, the tests (this file's examples aside) and the docs."""
+    code = [*ROOT.glob("megapar/**/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("tests/**/*.py")]
+    return [*(p for p in code if p != Path(__file__).resolve()), *ROOT.glob("docs/**/*.md"), ROOT / "README.md"]
+
+
+def target(src: Path, name: str) -> Path:
+    """Where a link in src points: markdown links are relative to their file; code names paths from the root, and
+    a bare `x.md` in code means docs/x.md."""
+    if src.suffix == ".md":
+        return (src.parent / name).resolve()
+    return ROOT / name if "/" in name or name == "README.md" else ROOT / "docs" / name
+
+
+def broken_links(files: list[Path] | None = None) -> list[str]:
     bad = []
-    for src in sources:
+    for src in sources() if files is None else files:
         for m in LINK.finditer(src.read_text()):
-            name = m.group(1)
-            md = ROOT / name if "/" in name or name == "README.md" or src.suffix == ".md" and src.parent == ROOT \
-                else ROOT / "docs" / name
+            md = target(src, m.group(1))
             if not md.is_file() or m.group(2) not in anchors(md):
-                bad.append(f"{src.relative_to(ROOT)}: {m.group(0)}")
+                bad.append(f"{src.name if files else src.relative_to(ROOT)}: {m.group(0)}")
     return bad
 
 
@@ -31,11 +45,43 @@ def test_section_links_resolve():
     assert not broken_links(), "links to no heading:\n" + "\n".join(broken_links())
 
 
+def test_relative_markdown_links_name_files_that_exist():
+    bad = []
+    for src in [*ROOT.glob("docs/**/*.md"), ROOT / "README.md"]:
+        for m in MD_LINK.finditer(src.read_text()):
+            if re.match(r"[a-z]+:", m.group(1)):
+                continue
+            if not (src.parent / m.group(1)).exists():
+                bad.append(f"{src.relative_to(ROOT)}: {m.group(1)}")
+    assert not bad, "links to no file:\n" + "\n".join(bad)
+
+
+def test_a_broken_link_is_found(tmp_path):
+    """The check can fail: a link to a heading that is not there, or into a file that is not there, is reported;
+    a link to a heading of a sibling file, relative to the linking file, is not."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.md").write_text("# A real heading\n")
+    doc = tmp_path / "sub" / "a.md"
+    doc.write_text("[ok](../b.md#a-real-heading) [bad](../b.md#no-such-heading) [gone](c.md#a-real-heading)\n")
+    assert broken_links([doc]) == ["a.md: ../b.md#no-such-heading", "a.md: c.md#a-real-heading"]
+
+
 def test_anchors_follow_github():
-    assert anchors(ROOT / "docs" / "performance.md") >= {"performance-log-predicted-vs-measured",
-                                                         "where-the-cost-models-defaults-come-from", "data"}
+    assert anchors(ROOT / "docs" / "performance.md") >= {"how-training-throughput-is-measured", "current-results",
+                                                         "where-the-cost-models-defaults-come-from",
+                                                         "the-layout-planner-on-paper", "benchmark-files"}
+    assert "performance-log-predicted-vs-measured" in anchors(ROOT / "docs/benchmarks/log_h100_20261121.md")
+    assert "gpt-3-13b-on-two-gpus-zero-3--cpu-offload-saved-and-resumed-2026-11-26" in anchors(
+        ROOT / "docs/benchmarks/offload_h100_20261126.md")
 
 
+def test_every_benchmark_file_is_named_by_theme_hardware_date_and_indexed():
+    """docs/benchmarks/ holds `<theme>_<hardware>_<yyyymmdd>.md` files, each linked from performance.md's index."""
+    index = (ROOT / "docs" / "performance.md").read_text().split("## Benchmark files", 1)[1]
+    files = sorted(p.name for p in (ROOT / "docs" / "benchmarks").glob("*.md"))
+    assert len(files) >= 20
+    assert [f for f in files if not BENCHMARK_FILE.fullmatch(f)] == []
+    assert [f for f in files if f"(benchmarks/{f})" not in index] == []
 def test_the_design_maps_questions_to_names_that_exist():
     """docs/design.md's "Where to look": in each row, `path: name` names a file that defines `name`,
     and each bare `name` after it is defined in that file too; a folder named exists."""

@@ -1,5 +1,5 @@
 """The memory estimator: parameter counts equal the real model's; the model of the bytes
-reproduces the peak memory measured on GPUs (docs/performance.md) within 10%."""
+reproduces the peak memory measured on GPUs (docs/benchmarks/) within 10%."""
 import pytest
 
 from gpt_helpers import tiny_model_config
@@ -26,7 +26,8 @@ def _peak(flags, world):
     return max(s.total for s in estimate(cfg)) / GiB, cfg
 
 
-# max allocated GiB measured by benchmarks/bench_train.py on an H100 / 4x H200 (2026-11-21, docs/performance.md)
+# max allocated GiB measured by benchmarks/bench_train.py on an H100 / 4x H200
+# (2026-11-21, docs/benchmarks/*_20261121.md)
 MEASURED = [
     (["--micro-batch-size", "8"], 1, 13.6),
     (["--micro-batch-size", "8", "--global-batch-size", "32", "--use-distributed-optimizer"], 4, 10.6),
