@@ -22,7 +22,7 @@ from dataclasses import asdict
 
 import torch
 
-from megapar.config.arguments import parse_config
+from megapar.config.build import parse_config
 from megapar.checkpoint import read_saved_config
 from megapar.model import set_vocab
 from megapar.reshard import bounded_heap
@@ -38,7 +38,7 @@ class SyntheticSource:
         cfg = parse_config(["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads",
                             str(heads), "--seq-length", str(seq), "--use-distributed-optimizer"], world_size=1)
         set_vocab(cfg.model, vocab, 1, log=lambda *_: None)
-        args = cfg.namespace()
+        args = cfg.megatron_args()
         args.consumed_train_samples = 0
         self.saved = read_saved_config({"args": args, "model_config": asdict(cfg.model)})
         self.iteration, self.has_optim, self.distributed = 100, True, False

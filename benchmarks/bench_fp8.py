@@ -40,7 +40,7 @@ LAYER_SHAPE = dict(hidden=2048, heads=16, seq=2048, micro=4)
 
 # ---- 1. one layer, fp8 against bf16 ------------------------------------------------------------------
 def _layer(fmt, device):
-    from megapar.config.arguments import parse_config
+    from megapar.config.build import parse_config
     from megapar.model.transformer import TransformerLayer
     s = LAYER_SHAPE
     cfg = parse_config(["--num-layers", "24", "--hidden-size", str(s["hidden"]), "--num-attention-heads",

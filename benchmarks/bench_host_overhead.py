@@ -64,7 +64,7 @@ def nanogpt_step(nanogpt_dir: str, layers: int, dropout: float, device: str) -> 
 
 
 def megapar_step(layers: int, dropout: float, device: str, compiled: bool = False) -> Callable[[], None]:
-    from megapar.config.arguments import parse_config
+    from megapar.config.build import parse_config
     from megapar.run.initialize import build_run
     from megapar.topology import Topology
     cfg = parse_config(["--num-layers", str(layers), "--hidden-size", str(HIDDEN), "--num-attention-heads",

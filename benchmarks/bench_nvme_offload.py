@@ -84,13 +84,15 @@ def direct_speed(folder: str, mib: int) -> Optional[tuple[float, float]]:
 def step_seconds(layers: int, hidden: int, steps: int, nvme_root: str | None) -> tuple[int, float, float]:
     """(parameters, seconds per optimizer.step(), the last NVMe step's transfer GB/s or 0) of a
     GPT-2 model with CPU or NVMe offload."""
-    from megapar.config.arguments import TrainConfig, parse_flags, config_from_namespace
+    from megapar.config.build import build_config
+    from megapar.config.overlays import parse_flags
+    from megapar.config.settings import TrainConfig
     from megapar.model import GPT2Model, Stage, set_vocab
     from megapar.optimizer.distrib_optimizer import DistributedOptimizer
     from megapar.optimizer.grad_buffer import GradBuffer
     from megapar.optimizer.grad_scaler import ConstantGradScaler
 
-    cfg = config_from_namespace(parse_flags(["--num-layers", str(layers), "--hidden-size", str(hidden),
+    cfg = build_config(parse_flags(["--num-layers", str(layers), "--hidden-size", str(hidden),
                                              "--num-attention-heads", str(hidden // 64), "--seq-length", "1024"]), 1)
     set_vocab(cfg.model, 50257, 1, log=lambda *_: None)
     model = GPT2Model(cfg.model, Stage.of(layers, 1, 0), seed=1)

@@ -46,7 +46,8 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
 from bench_train import ITER_RE, MEM_RE, bench_flags  # benchmarks/bench_train.py
-from megapar.config.arguments import config_from_namespace, parse_flags
+from megapar.config.build import build_config
+from megapar.config.overlays import parse_flags
 from megapar.config.recipes import GPT3_6_7B, GPT3_13B, GPT_1_3B, RECIPES
 from megapar.errors import USER_ERROR_EXIT, MegaparError
 from megapar.launch import _children
@@ -107,7 +108,7 @@ def megapar_flags(shape: Shape, args) -> list[str]:
 def ds_spec(flags: Sequence[str], shape: Shape, token_vocab: int, stage: Optional[int], iters: int,
             result_path: str) -> DsSpec:
     """The DeepSpeed run that matches megapar's run of `flags` (parsed as megapar parses them)."""
-    cfg = config_from_namespace(parse_flags(list(flags)), shape.gpus, assume_gpus=True)
+    cfg = build_config(parse_flags(list(flags)), shape.gpus, assume_gpus=True)
     m, t = cfg.model, cfg.train
     return DsSpec(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads, seq=m.seq_length,
                   vocab=padded_vocab_size(token_vocab, m.make_vocab_size_divisible_by, 1), token_vocab=token_vocab,

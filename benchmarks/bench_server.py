@@ -49,14 +49,14 @@ class Result:
 
 def build_checkpoint(root: str, vocab_file: str, merge_file: str, layers: int, hidden: int, heads: int) -> None:
     """A tiny GPT-2 checkpoint with random weights whose args name the GPT-2 BPE tokenizer."""
-    from megapar.config.arguments import parse_config
+    from megapar.config.build import parse_config
     from megapar.checkpoint import save_checkpoint
     from megapar.model import GPT2Model, Stage, set_vocab
     from megapar.topology import Topology
     cfg = parse_config(["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads",
                         str(heads), "--seq-length", "128", "--attention-backend", "torch"], world_size=1)
     set_vocab(cfg.model, 50257, 1, log=lambda *_: None)
-    ns = cfg.namespace()
+    ns = cfg.megatron_args()
     ns.consumed_train_samples = 0
     ns.tokenizer_type, ns.vocab_file, ns.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
     model = GPT2Model(cfg.model, Stage.of(layers, 1, 0), 1234).eval()

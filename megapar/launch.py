@@ -84,7 +84,7 @@ LAUNCHER_FLAGS = (
 
 def print_help() -> None:
     """scripts/pretrain_gpt2.sh --help: its own flags, then the training flags."""
-    from .config.arguments import build_parser
+    from .config.settings import build_parser
     parser = build_parser(prog=TRAINING_SCRIPT)
     group = parser.add_argument_group("launcher (scripts/pretrain_gpt2.sh: how many processes, on which nodes)")
     for flag, metavar, help in LAUNCHER_FLAGS:
@@ -135,7 +135,7 @@ def check_rendezvous(torchrun_args: Sequence[str]) -> None:
 
 def check_flags(flags: Sequence[str], world: Optional[int]) -> None:
     """Parse and validate the training flags as every rank will (exit 2 with one line if bad)."""
-    from .config.arguments import ConfigError
+    from .config.settings import ConfigError
     from .pretrain_gpt2 import parse
 
     if world is None:
@@ -154,7 +154,7 @@ def _process_count_hint(flags: Sequence[str], world: int) -> str:
     import contextlib
     import io
 
-    from .config.arguments import ConfigError
+    from .config.settings import ConfigError
     from .pretrain_gpt2 import parse
 
     chosen = os.environ.get("MEGAPAR_NPROC_CHOSEN")

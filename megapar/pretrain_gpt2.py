@@ -21,49 +21,29 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch.distributed as dist
 
-from .config.arguments import (DEEPSPEED_CONFIG, ORIGINS, Config, ConfigError, Origin, config_from_namespace,
-                               default_of, parse_flags)
+from .config.build import build_config
+from .config.overlays import Overlay, embedded_default, parse_flags
+from .config.settings import DEFAULT, Config, ConfigError, default_of
 from .errors import USER_ERROR_EXIT, MegaparError, die_with_parent
 from .checkpoint import check_load_dir, check_save_dirs
 
 if TYPE_CHECKING:
     from .run.training import TrainState
 
-EMBEDDED_SAVE = os.path.join("checkpoints", "gpt2_embedded")  # + model shape: embedded_save_dir()
-
-
-def embedded_save_dir(layers: Optional[int] = None, hidden: Optional[int] = None) -> str:
-    """Where a run on the embedded default saves (and resumes from) without --save: one folder per
-    model shape, so that a run with other --num-layers/--hidden-size never loads another's."""
-    layers, hidden = layers or default_of("num_layers"), hidden or default_of("hidden_size")
-    return f"{EMBEDDED_SAVE}_{layers}l_{hidden}h"
-
-
 def parse(argv: Optional[Sequence[str]], world_size: int) -> Config:
+    """The Config of a training command line: the flags given over the embedded default when there
+    is no --data-path (overlays.embedded_default), checked, with the checkpoint folders."""
     given = parse_flags(argv)
-    eval_iters_given = "eval_iters" in given
-    if not given.get("data_path"):  # the embedded default: fill only what the user did not give
-        save_dir = embedded_save_dir(given.get("num_layers"), given.get("hidden_size"))
-        chosen = {"eval_interval": 100, "eval_iters": 4, "save": save_dir, "log_interval": 20}
-        ds = given.get(DEEPSPEED_CONFIG)
-        if ds is None or ds.gradient_accumulation_steps is None:  # else the DeepSpeed batch triple decides
-            chosen["global_batch_size"] = 8
-        if "train_samples" not in given:
-            chosen["train_iters"] = 300
-        if "lr_warmup_fraction" not in given:
-            chosen["lr_warmup_iters"] = 30
-        for k, v in chosen.items():
-            if k not in given:
-                given[k] = v
-                given.setdefault(ORIGINS, {})[k] = Origin("the embedded default (no --data-path)")
-        if given.get("load") is None and given["save"] == save_dir:  # re-running resumes; never overwrites
-            given["load"] = save_dir
-    if given.get("train_iters") is None and given.get("train_samples") is None:
+    eval_iters_given = "eval_iters" in given.values()
+    if not given.values().get("data_path"):
+        given.overlays.insert(0, embedded_default(given))
+    values = given.values()
+    if values.get("train_iters") is None and values.get("train_samples") is None:
         raise ConfigError("give --train-iters or --train-samples (how long to train)")
-    if not eval_iters_given and given.get("train_iters"):
-        chosen_eval_iters = given.get("eval_iters", default_of("eval_iters"))
-        given["eval_iters"] = fitting_eval_iters(chosen_eval_iters, given["train_iters"])
-    cfg = config_from_namespace(given, world_size)
+    if not eval_iters_given and values.get("train_iters"):  # a default that fits a short run
+        eval_iters = fitting_eval_iters(values.get("eval_iters", default_of("eval_iters")), values["train_iters"])
+        given.overlays.append(Overlay(DEFAULT, {"eval_iters": eval_iters}))
+    cfg = build_config(given, world_size)
     check_load_dir(cfg.ckpt.load, cfg.ckpt.save)  # a --load that names no checkpoint stops here
     if cfg.data.data_path:  # blend weights: before any process starts
         from .data.gpt_dataset import DatasetError, parse_data_path

@@ -21,15 +21,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .errors import MegaparError
-
-
-class ConfigError(MegaparError, ValueError):
-    """A bad flag or flag combination; the message says which flags and how to fix it."""
-
-
-def _fail(msg: str) -> None:
-    raise ConfigError(msg)
+from .config.settings import ConfigError, fail  # noqa: F401  (ConfigError: imported from here too)
 
 
 @dataclass(frozen=True)
@@ -154,12 +146,14 @@ def check_parallel_shape(num_layers: int, heads: int, ffn_hidden_size: int, tp: 
                          first: Optional[int] = None, last: Optional[int] = None) -> None:
     """Can a model of this shape be split tp x pp? (training, resharding and inference all ask)"""
     if tp < 1 or pp < 1:
-        _fail(f"{tp_flag} ({tp}) and {pp_flag} ({pp}) must be >= 1")
+        fail(f"{tp_flag} ({tp}) and {pp_flag} ({pp}) must be >= 1",
+             "tensor_model_parallel_size", "pipeline_model_parallel_size")
     if heads % tp:
-        _fail(f"--num-attention-heads {heads} is not divisible by {tp_flag} {tp}; each tensor-parallel rank "
-              f"must hold whole attention heads")
+        fail(f"--num-attention-heads {heads} is not divisible by {tp_flag} {tp}; each tensor-parallel rank "
+             f"must hold whole attention heads", "num_attention_heads", "tensor_model_parallel_size")
     if ffn_hidden_size % tp:
-        _fail(f"--ffn-hidden-size {ffn_hidden_size} is not divisible by {tp_flag} {tp}")
+        fail(f"--ffn-hidden-size {ffn_hidden_size} is not divisible by {tp_flag} {tp}",
+             "ffn_hidden_size", "tensor_model_parallel_size")
     pipeline_layer_counts(num_layers, pp, first, last, pp_flag)
 
 
@@ -176,22 +170,27 @@ def pipeline_layer_counts(num_layers: int, pp: int, first: Optional[int] = None,
     fixed = {0: first, pp - 1: last} if pp > 1 else {}
     fixed = {stage: n for stage, n in fixed.items() if n is not None}
     if pp == 1 and (first is not None or last is not None):
-        _fail("--decoder-first/last-pipeline-num-layers need a pipeline-parallel size > 1; drop them")
+        fail("--decoder-first/last-pipeline-num-layers need a pipeline-parallel size > 1; drop them",
+             "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_size")
     for stage, n in fixed.items():
         if not 1 <= n <= num_layers:
-            _fail(f"--decoder-{'first' if stage == 0 else 'last'}-pipeline-num-layers {n} must be between 1 and "
-                  f"--num-layers {num_layers}")
+            fail(f"--decoder-{'first' if stage == 0 else 'last'}-pipeline-num-layers {n} must be between 1 and "
+                 f"--num-layers {num_layers}", f"decoder_{'first' if stage == 0 else 'last'}_pipeline_num_layers",
+                 "num_layers")
     rest, others = num_layers - sum(fixed.values()), pp - len(fixed)
     if others == 0 and rest != 0:
-        _fail(f"--decoder-first-pipeline-num-layers {first} + --decoder-last-pipeline-num-layers {last} must equal "
-              f"--num-layers {num_layers} with {pp_flag} 2")
+        fail(f"--decoder-first-pipeline-num-layers {first} + --decoder-last-pipeline-num-layers {last} must equal "
+             f"--num-layers {num_layers} with {pp_flag} 2",
+             "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "num_layers")
     if others and not fixed and num_layers % pp:
-        _fail(f"--num-layers {num_layers} is not divisible by {pp_flag} {pp}; every pipeline stage must get an "
-              f"equal share of the {num_layers} layers (or set --decoder-first/last-pipeline-num-layers)")
+        fail(f"--num-layers {num_layers} is not divisible by {pp_flag} {pp}; every pipeline stage must get an "
+             f"equal share of the {num_layers} layers (or set --decoder-first/last-pipeline-num-layers)",
+             "num_layers", "pipeline_model_parallel_size")
     if others and (rest < others or rest % others):
-        _fail(f"the {rest} layers left after --decoder-first/last-pipeline-num-layers cannot be split evenly "
-              f"over the other {others} pipeline stages ({pp_flag} {pp}); pick values that leave a multiple "
-              f"of {others} (at least one layer per stage)")
+        fail(f"the {rest} layers left after --decoder-first/last-pipeline-num-layers cannot be split evenly "
+             f"over the other {others} pipeline stages ({pp_flag} {pp}); pick values that leave a multiple "
+             f"of {others} (at least one layer per stage)",
+             "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_size")
     return [fixed.get(stage, rest // others if others else 0) for stage in range(pp)]
 
 

@@ -70,7 +70,7 @@ def _save_body(rank, world, root, tp, pp, dp, zero, steps, iteration, extra):
             p.main_grad.copy_(_local_grad(name, p, model.stage.layer_start, tp, c.tp, step))
         opt.step()
         sched.step()
-    args = cfg.namespace()
+    args = cfg.megatron_args()
     args.consumed_train_samples = 8 * iteration
     save_checkpoint(root, iteration, model, opt, sched, args, cfg.model, topo, rank)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

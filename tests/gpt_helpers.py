@@ -1,7 +1,7 @@
 """Shared tiny-GPT-2 builders for tests."""
 import torch
 
-from megapar.config.arguments import parse_config
+from megapar.config.build import parse_config
 from megapar.model import set_vocab
 from megapar.model.sharding import tp_partition_dim
 

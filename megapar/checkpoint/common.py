@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..config.arguments import ConfigError, DataConfig, ModelConfig, ParallelConfig, flag, section_from_args
+from ..config.settings import ConfigError, DataConfig, ModelConfig, ParallelConfig, flag, section_from_args
 from ..topology import layer_counts
 from ..atomic import atomic_write
 from ..errors import MegaparError

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, T
     WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..config.arguments import ModelConfig
+from ..config.settings import ModelConfig
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from ..pinned import host_buffer
 from .layout import HEAD, WORD, canonical_key, chunk_layout

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-from ..config.arguments import CheckpointConfig, Config, ConfigError
+from ..config.settings import CheckpointConfig, Config, ConfigError
 from ..topology import padded_vocab_size
 from ..errors import size_text
 from .common import CheckpointError, same_dir, saved_iterations, shown_iterations

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..config.arguments import ModelConfig
+from ..config.settings import ModelConfig
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from ..topology import layer_counts
 

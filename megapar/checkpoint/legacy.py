@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..config.arguments import ModelConfig
+from ..config.settings import ModelConfig
 from ..optimizer.base import OPTIM_KINDS
 from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError, check_compatible,
                      flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, loaded_line,

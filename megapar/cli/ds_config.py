@@ -11,10 +11,11 @@ the one `error:` line a run would end with (every refusal, joined by "; "), exit
 import sys
 from typing import Optional
 
-from megapar.config.arguments import DEEPSPEED_CONFIG, ConfigError, build_parser, config_from_namespace
+from megapar.config.build import build_config
+from megapar.config.deepspeed.read import key_table
+from megapar.config.overlays import add_deepspeed, parse_flags
+from megapar.config.settings import ConfigError
 from megapar.errors import OneLineErrorParser
-from megapar.config.deepspeed.read import apply, key_table
-from megapar.config.recipes import expand_recipes
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -36,15 +37,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ConfigError("give the DeepSpeed config to read: megapar-ds-config FILE [--world-size N]")
         if known.world_size < 1:
             raise ConfigError(f"--world-size {known.world_size} must be >= 1")
-        given = vars(build_parser().parse_args(expand_recipes(rest)))
-        given.pop("deepspeed", None)
-        s = apply(known.config, given, strict=False)
+        given = parse_flags(rest)   # recipes and the command line
+        s = add_deepspeed(given, known.config, strict=False)
         if s.problems:  # what was read, then every refusal in the one error line a run would end with
             for line in s.summary():
                 print(line)
             s.check()
-        given[DEEPSPEED_CONFIG] = s
-        cfg = config_from_namespace(given, known.world_size, assume_gpus=True)
+        cfg = build_config(given, known.world_size, assume_gpus=True)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

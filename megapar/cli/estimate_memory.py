@@ -22,7 +22,9 @@ import argparse
 import sys
 from typing import Optional
 
-from megapar.config.arguments import ConfigError, build_parser, config_from_namespace, parse_flags
+from megapar.config.build import build_config
+from megapar.config.overlays import parse_flags
+from megapar.config.settings import ConfigError, build_parser
 from megapar.data.tokenizer import GPT2_VOCAB_SIZE
 from megapar.errors import OneLineErrorParser
 from megapar.planner.memory_estimate import (GiB, compare_zero, estimate, format_table, host_bytes_per_node,
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
     try:
         per_node, gpu_memory, host_memory = _check_own(known)
         given = parse_flags(rest, parser)
-        cfg = config_from_namespace(given, known.world_size, assume_gpus=True)  # a plan for GPUs, checked anywhere
+        cfg = build_config(given, known.world_size, assume_gpus=True)  # a plan for GPUs, checked anywhere
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -43,7 +43,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megapar.pretrain_gpt2 import embedded_save_dir
+    from megapar.config.overlays import embedded_save_dir
     p = OneLineErrorParser(prog="python tools/generate_text.py", usage="%(prog)s --load CKPT [FLAGS]",
                                 description=__doc__.format(embedded=embedded_save_dir()),
                                 formatter_class=_HelpFormatter, allow_abbrev=False)

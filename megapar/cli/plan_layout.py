@@ -27,7 +27,7 @@ import argparse
 import sys
 from typing import Optional
 
-from megapar.config.arguments import ConfigError, build_parser, flag
+from megapar.config.settings import ConfigError, build_parser, flag
 from megapar.data.tokenizer import GPT2_VOCAB_SIZE
 from megapar.errors import OneLineErrorParser
 from megapar.planner.memory_estimate import GiB, parse_size

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..config.arguments import ModelConfig
+from ..config.settings import ModelConfig
 from ..checkpoint import SavedConfig
 from ..model.gpt2 import GPT2Model, Stage
 from ..model.kv_cache import KVCache

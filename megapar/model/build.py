@@ -5,7 +5,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..config.arguments import ModelConfig
+from ..config.settings import ModelConfig
 from ..kernels.inductor import COMPILE_OPTIONS
 from ..topology import Topology, padded_vocab_size
 from .gpt2 import GPT2Model, Stage

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from ..config.arguments import ModelConfig
+from ..config.settings import ModelConfig
 from ..topology import layer_counts, pipeline_layer_counts
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.fused_cross_entropy import linear_cross_entropy_mean

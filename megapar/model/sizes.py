@@ -3,7 +3,7 @@ tensor-parallel rank, counted from the config as the model splits them (model/sh
 count the memory estimator, the planner's cost model, NVMe offload and the disk checks share."""
 from __future__ import annotations
 
-from ..config.arguments import Config
+from ..config.settings import Config
 from ..topology import layer_counts
 from .sharding import tp_partition_dim
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..config.arguments import ModelConfig
+from ..config.settings import ModelConfig
 from ..fp8 import layer_fp8
 from ..kernels import dropout as fast_dropout
 from ..kernels.softmax import scaled_masked_softmax

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.adamw import adamw as adamw_functional
 
-from ..config.arguments import TrainConfig
+from ..config.settings import TrainConfig
 from ..model.sharding import tp_partition_dim
 from .grad_buffer import GradBuffer
 

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from ..config.arguments import Config
+from ..config.settings import Config
 from ..model import GPT2Model
 from ..model.transformer import TransformerLayer
 from ..topology import Topology

@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config.arguments import Config
+from ..config.settings import Config
 from ..pipeline.interleaved import num_warmup
 from ..model.sizes import largest_param, layer_params, stage_params
 from ..optimizer.nvme import BYTES_PER_PARAM, CHUNK_NUMEL

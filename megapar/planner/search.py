@@ -6,7 +6,7 @@ sequence parallel). A candidate is rejected, with the reason kept, when
   * the shape cannot be split that way (heads or ffn not divisible by tp, layers by pp, the global batch by
     dp x micro-batch) -- checked here first, since these need no configuration;
   * it is redundant (selective recompute with flash attention recomputes nothing: it is recompute none);
-  * `config_from_namespace(..., assume_gpus=True)` refuses it: "refused by validation: <its message>";
+  * `build_config(..., assume_gpus=True)` refuses it: "refused by validation: <its message>";
   * it does not fit: the estimator's peak GPU memory is above the usable share of a GPU, or the offloaded
     state of a node above its host memory.
 """
@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from ..config.arguments import ConfigError, config_from_namespace, flag_words
+from ..config.build import build_config
+from ..config.settings import ConfigError, flag_words
 from ..data.tokenizer import GPT2_VOCAB_SIZE
 from .memory_estimate import COMBINATIONS, GiB, estimate, host_bytes_per_node
 from ..model import set_vocab
@@ -134,7 +135,7 @@ def shape_reason(req: Request, lay: cost.Layout) -> Optional[str]:
 
 
 def flags(req: Request, lay: cost.Layout) -> dict[str, Any]:
-    """The training flags ({dest: value}) of a layout, as config_from_namespace takes them."""
+    """The training flags ({dest: value}) of a layout, as build_config takes them."""
     out = {**req.extra, "num_layers": req.num_layers, "hidden_size": req.hidden_size,
            "num_attention_heads": req.num_attention_heads, "seq_length": req.seq_length,
            "global_batch_size": req.global_batch_size, "micro_batch_size": lay.micro,
@@ -158,7 +159,7 @@ def flags(req: Request, lay: cost.Layout) -> dict[str, Any]:
 def memory(req: Request, lay: cost.Layout):
     """(Config, GPU bytes, host bytes) of a layout from the memory estimator, exactly as
     tools/estimate_memory.py computes them; ConfigError when validation refuses the layout."""
-    cfg = config_from_namespace(flags(req, lay), req.gpus, assume_gpus=True)
+    cfg = build_config(flags(req, lay), req.gpus, assume_gpus=True)
     set_vocab(cfg.model, req.vocab_size, lay.tp, log=lambda _: None)
     rows = estimate(cfg)
     gpu = max(r.total for r in rows)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..config.arguments import ParallelConfig, section_from_args
+from ..config.settings import ParallelConfig, section_from_args
 from ..checkpoint.common import SavedConfig, iter_dir, read_tracker
 from ..checkpoint.dist import is_dist_checkpoint
 from ..topology import ConfigError, check_parallel_shape, padded_vocab_size

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ..atomic import give_user_file_mode
-from ..config.arguments import DataConfig
+from ..config.settings import DataConfig
 from ..checkpoint.common import SavedConfig
 from . import hf_tokenizer
 from .hf_tokenizer import TokenizerFiles

@@ -25,7 +25,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config.arguments import DataConfig
+from ..config.settings import DataConfig
 from ..checkpoint.common import CheckpointError
 from ..checkpoint.publish import CONFIG_FILES, GPT2_FILES, SP_FILE
 ENDOFTEXT = "<|endoftext|>"

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..config.arguments import Config
+from ..config.settings import Config
 from ..checkpoint import AsyncSaves
 from ..model import GPT2Model, build_model, set_vocab
 from ..optimizer.grad_buffer import GradReduction
@@ -112,33 +112,11 @@ def offload_text(p, nvme_io: str = "") -> str:
     return f", CPU offload{delayed}" if p.optimizer_cpu_offload else ""
 
 
-def train_iters(cfg: Config) -> int:
-    """--train-iters, or the steps --train-samples makes: whole global batches, and with a batch
-    ramp-up its steps as Megatron counts them (the ramp's batches while at most its samples are
-    consumed, then whole --global-batch-size batches of the rest; a partial last batch is dropped)."""
-    t = cfg.train
-    if t.train_iters is not None:
-        return t.train_iters
-    samples = t.train_samples or 0
-    iterations = consumed = 0
-    if t.rampup_batch_size is not None:
-        while consumed <= t.rampup_batch_size[2] and consumed <= samples:
-            consumed += cfg.global_batch_at(consumed)
-            iterations += 1
-    return iterations + max(0, samples - consumed) // t.global_batch_size
-
-
-def schedule_horizon(cfg: Config) -> int:
-    """The run's length in the LR schedule's unit: --train-samples for a schedule in samples
-    (`Config.schedule_in_samples`), else the iterations (train_iters)."""
-    return cfg.train.train_samples if cfg.schedule_in_samples else train_iters(cfg)
-
-
 def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
     """The LR schedule in iterations, or with Megatron's sample-based flags in samples
     (`Config.schedule_in_samples`: the training loop then steps it by each step's global batch);
-    the decay and a changing weight decay span the run (schedule_horizon) unless told otherwise."""
-    t, horizon = cfg.train, schedule_horizon(cfg)
+    the decay and a changing weight decay span the run (`Config.schedule_horizon`) unless told otherwise."""
+    t, horizon = cfg.train, cfg.schedule_horizon
     if cfg.schedule_in_samples:
         decay, warmup = t.lr_decay_samples or horizon, t.lr_warmup_samples
     else:
@@ -159,7 +137,7 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
 def checkpoint_args(run: Run, consumed_samples: int) -> argparse.Namespace:
     """The `args` stored in checkpoints: every setting (Megatron's names), the sizes derived from the
     tokenizer and topology, and what Megatron-format readers look for (docs/design.md)."""
-    ns = run.cfg.namespace()
+    ns = run.cfg.megatron_args()
     ns.consumed_train_samples = consumed_samples
     ns.openai_gelu, ns.bias_gelu_fusion = True, False
     return ns

@@ -16,14 +16,15 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch.distributed as dist
 
 from ..checkpoint import SaveDirLock, check_save_space, check_tracked_iteration, iter_dir, read_tracker
-from ..config.arguments import Config, noted_line
+from ..config.megatron import noted_line
+from ..config.settings import Config
 from ..errors import MegaparError
 from ..config.command import Processes, command_line, training_command
 from ..optimizer.nvme import check_nvme_offload
 from ..pipeline.p2p import current_step
 from ..topology import Topology
 from .heartbeat import Heartbeat, is_timeout, timeout_error
-from .initialize import build_run, init_distributed, print_rank0, schedule_horizon, train_iters
+from .initialize import build_run, init_distributed, print_rank0
 from .scalar_writer import build_writer
 from .training import (TrainState, evaluate, finish_saves, load, log_eval, reserve_saves, save, settle_saves,
                        train)
@@ -114,7 +115,7 @@ def check_same_data_on_every_rank(data_path) -> None:
 def build_datasets(cfg: Config, vocab_size: Optional[int] = None):
     from ..data.gpt_dataset import build_train_valid_test_datasets
 
-    total, gbs, log = train_iters(cfg), cfg.train.global_batch_size, cfg.log
+    total, gbs, log = cfg.total_iters, cfg.train.global_batch_size, cfg.log
     eval_runs = (total // log.eval_interval + 1) if log.eval_interval else 1
     counts = (total * gbs, eval_runs * log.eval_iters * gbs, log.eval_iters * gbs)
     return build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
@@ -175,15 +176,15 @@ def _pretrain(cfg: Config, topo: Topology, rank: int, device, argv: Optional[Seq
     from ..data.gpt_dataset import check_cache_dir
     on_rank0_for_all(lambda: check_cache_dir(cfg.data.data_cache_path), rank)  # before anything is cached there
     prepare_data(cfg, rank)
-    if train_iters(cfg) > 0:  # a broken or empty .bin/.idx pair stops here, before the model
+    if cfg.total_iters > 0:  # a broken or empty .bin/.idx pair stops here, before the model
         from ..data.gpt_dataset import check_datasets
         on_rank0_for_all(lambda: check_datasets(cfg.data.data_path), rank)
         check_same_data_on_every_rank(cfg.data.data_path)
     tokenizer = build_tokenizer_for(cfg)
-    if train_iters(cfg) > 0:  # token ids the model's embedding table has no row for
+    if cfg.total_iters > 0:  # token ids the model's embedding table has no row for
         from ..data.gpt_dataset import check_token_ids
         on_rank0_for_all(lambda: check_token_ids(cfg.data.data_path, tokenizer.vocab_size), rank)
-    if cfg.ckpt.save and train_iters(cfg) > 0:  # before the model is built: a run that cannot save stops here
+    if cfg.ckpt.save and cfg.total_iters > 0:  # before the model is built: a run that cannot save stops here
         on_rank0_for_all(lambda: check_save_space(cfg, tokenizer.vocab_size), rank)
     if cfg.parallel.optimizer_nvme_offload is not None:  # the state files' folder and room, on every host
         every_rank_for_all(lambda: check_nvme_offload(cfg, tokenizer.vocab_size, rank))
@@ -199,16 +200,16 @@ def _load_and_train(cfg: Config, run, argv: Optional[Sequence[str]], state: Trai
     """pretrain() once the model and optimizer are built (`vocab_size`: the tokenizer's, which bounds
     every token id the datasets hand out)."""
     saved = read_tracker(cfg.ckpt.load) if cfg.ckpt.load and not cfg.ckpt.finetune else None
-    if isinstance(saved, int) and saved >= train_iters(cfg) > 0:
+    if isinstance(saved, int) and saved >= cfg.total_iters > 0:
         check_tracked_iteration(cfg.ckpt.load, saved, iter_dir(cfg.ckpt.load, saved))
         # at (or past) the end: nothing to train or save, and no schedule to compare (a rerun of the first command
         # after a "train longer" one must not trip on the longer run's LR schedule)
         print_rank0(f"> nothing to do: the checkpoint in {cfg.ckpt.load} is at iteration {saved} and this "
-                    f"run ends at iteration {train_iters(cfg)}; give a larger --train-iters to train longer")
+                    f"run ends at iteration {cfg.total_iters}; give a larger --train-iters to train longer")
         return state
     if cfg.ckpt.load:
         load(run, state)
-    if train_iters(cfg) == 0:
+    if cfg.total_iters == 0:
         print_rank0("> --train-iters 0: model built, exiting without training")
         return state
     train_ds, valid_ds, test_ds = build_datasets(cfg, vocab_size)
@@ -301,7 +302,7 @@ def train_longer_command(cfg: Config, scheduler, argv: Optional[Sequence[str]],
     sample-based flags) does the same with --train-samples and --lr-decay-samples."""
     unit, length, decay = (("sample", "--train-samples", "--lr-decay-samples") if cfg.schedule_in_samples else
                            ("iteration", "--train-iters", "--lr-decay-iters"))
-    horizon = schedule_horizon(cfg)
+    horizon = cfg.schedule_horizon
     valued = {"--train-iters", "--train-samples", "--lr-decay-iters", "--lr-decay-samples"}
     ends_at_zero = scheduler.min_lr == 0 and scheduler.decay_style != "constant" and scheduler.decay_steps <= horizon
     switches = {"--override-opt_param-scheduler", "--override-opt-param-scheduler"}

@@ -15,7 +15,7 @@ import csv
 import os
 from typing import Any, Optional, Protocol
 
-from ..config.arguments import Config
+from ..config.settings import Config
 
 
 class Backend(Protocol):
@@ -109,6 +109,6 @@ def build_writer(cfg: Config, rank: int) -> Optional[ScalarWriter]:
     if log.csv_log_dir:
         backends.append(CSV(log.csv_log_dir))
     if log.wandb_project:
-        settings = {k: v for k, v in vars(cfg.namespace()).items() if isinstance(v, (int, float, str, bool, list))}
+        settings = {k: v for k, v in vars(cfg.megatron_args()).items() if isinstance(v, (int, float, str, bool, list))}
         backends.append(WandB(log.wandb_project, log.wandb_exp_name, wandb_save_dir(cfg), settings))
     return ScalarWriter(backends) if backends else None

@@ -18,7 +18,7 @@ from ..checkpoint.common import new_run_id
 from ..checkpoint.dist import model_pieces
 from .cuda_graph import GraphedStep
 from ..errors import MegaparError
-from .initialize import Run, checkpoint_args, print_rank0, train_iters
+from .initialize import Run, checkpoint_args, print_rank0
 from ..model import VirtualStages
 from ..pipeline.p2p import current_step, set_step
 from ..pipeline.schedules import ScheduleConfig, average_logs, get_forward_backward_func
@@ -184,7 +184,7 @@ def train_step(run: Run, dataset, state: TrainState, timers: Timers,
     timers.stop("step (cuda graph)")
     if run.cfg.train.fp16:  # an overflow skipped the update on the device; the loss scale moves on the host
         following = state.consumed_samples + run.cfg.train.global_batch_size
-        if state.iteration + 1 < train_iters(run.cfg):  # load the next batch while this step runs
+        if state.iteration + 1 < run.cfg.total_iters:  # load the next batch while this step runs
             graph.prefetch(_lists(data_iterators(run, dataset, following, count)), key=following)
         return run.optimizer.settle_overflow(out[1].item()), out
     return True, out
@@ -603,7 +603,7 @@ def train(run: Run, train_ds, valid_ds, state: TrainState, writer=None) -> Train
 
 def _train_loop(run: Run, train_ds, valid_ds, state: TrainState, writer, handler: SignalHandler,
                 start_time: float) -> TrainState:
-    cfg, total = run.cfg, train_iters(run.cfg)
+    cfg, total = run.cfg, run.cfg.total_iters
     timers = Timers(cfg.log.timing_log_level, run.device)
     steps = StepLog(run, state, total, timers, writer)
     print_rank0(f"> training {total} iterations from iteration {state.iteration}; MFU against {steps.peak_desc}")

@@ -26,7 +26,7 @@ GPT2_124M = ["--num-layers", "12", "--hidden-size", "768", "--num-attention-head
 
 def _zero1_save(rank, world_size, root, fmt):
     """The training Run of GPT-2 124M with ZeRO-1 at dp `world_size`, and its save in format `fmt`."""
-    from megapar.config.arguments import parse_config
+    from megapar.config.build import parse_config
     from megapar.run.initialize import build_run
     from megapar.topology import Topology
     from megapar.run.training import TrainState, save

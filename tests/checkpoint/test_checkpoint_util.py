@@ -377,7 +377,7 @@ def test_target_pipeline_split(tmp_path, capsys):
 
 
 def test_resuming_with_another_pipeline_split_is_refused():
-    from megapar.config.arguments import ModelConfig
+    from megapar.config.settings import ModelConfig
     from megapar.checkpoint import CheckpointError, check_compatible, read_saved_config
     from megapar.topology import Topology
     layout = dict(num_layers=4, tensor_model_parallel_size=1, pipeline_model_parallel_size=2)

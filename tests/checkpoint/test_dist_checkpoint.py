@@ -105,14 +105,16 @@ def test_convert_between_formats_and_read_for_generation(embedded_data, tmp_path
 
 def test_torch_dist_refusals(tmp_path, capsys):
     """Layout flags mean nothing for a torch_dist target; --async-save needs torch_dist."""
-    from megapar.config.arguments import ConfigError, config_from_namespace, parse_flags
+    from megapar.config.build import build_config
+    from megapar.config.overlays import parse_flags
+    from megapar.config.settings import ConfigError
     from megapar.cli.checkpoint_util import main as checkpoint_util
 
     assert checkpoint_util(["--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "o"), "--target-ckpt-format",
                             "torch_dist", "--target-tensor-parallel-size", "2"]) == 2
     assert "has no layout" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--async-save needs --ckpt-format torch_dist"):
-        config_from_namespace(parse_flags(TINY_TRAIN + ["--train-iters", "1", "--async-save", "--ckpt-format",
+        build_config(parse_flags(TINY_TRAIN + ["--train-iters", "1", "--async-save", "--ckpt-format",
                                                         "torch"]), 1)
 
 

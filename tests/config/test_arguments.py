@@ -1,7 +1,8 @@
 import pytest
 import torch.distributed as dist
 
-from megapar.config.arguments import ConfigError, parse_config
+from megapar.config.build import parse_config
+from megapar.config.settings import ConfigError
 from megapar.topology import padded_vocab_size, pipeline_layer_counts
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32"]
@@ -68,12 +69,13 @@ def test_every_flag_is_one_config_field_with_no_parser_default():
     import argparse
     from dataclasses import fields
 
-    from megapar.config.arguments import ALIAS_FLAGS, DEEPSPEED_CONFIG, MEGATRON_NOTED, NOTED, SECTIONS, build_parser
+    from megapar.config.megatron import ALIAS_FLAGS, MEGATRON_NOTED, NOTED_DEST
+    from megapar.config.settings import DEEPSPEED_DEST, SECTIONS, build_parser
     parser = build_parser()
     actions = [a for a in parser._actions if a.dest != "help"]
     cli_fields = {f.name for cls, _ in SECTIONS.values() for f in fields(cls) if f.metadata["cli"]}
-    extra = set(ALIAS_FLAGS) | {"recipe", DEEPSPEED_CONFIG, "deepspeed"}  # expanded by parse_flags
-    extra |= {f"{NOTED}:{name}" for name in MEGATRON_NOTED}            # noted, not settings
+    extra = set(ALIAS_FLAGS) | {"recipe", DEEPSPEED_DEST, "deepspeed"}  # read by parse_flags into overlays
+    extra |= {NOTED_DEST + name for name in MEGATRON_NOTED}             # noted, not settings
     assert {a.dest for a in actions} == cli_fields | extra
     second = {a.dest: a.default for a in actions if a.default is not argparse.SUPPRESS}
     assert not second, f"flags with a parser default besides their dataclass field: {second}"
@@ -82,8 +84,9 @@ def test_every_flag_is_one_config_field_with_no_parser_default():
 
 
 def test_flags_not_given_take_the_field_default_and_given_ones_win():
-    from megapar.config.arguments import ModelConfig, TrainConfig, parse_flags
-    assert parse_flags(["--lr", "0.5"]) == {"lr": 0.5}
+    from megapar.config.overlays import parse_flags
+    from megapar.config.settings import ModelConfig, TrainConfig
+    assert parse_flags(["--lr", "0.5"]).values() == {"lr": 0.5}
     cfg = parse_config(["--lr", "0.5"], world_size=1)
     assert cfg.train.lr == 0.5 and cfg.train.weight_decay == TrainConfig().weight_decay
     assert cfg.model == ModelConfig()
@@ -105,7 +108,7 @@ def test_megatron_overlap_and_bucket_flags():
 def test_a_megatron_gpt2_script_runs_as_written():
     """The flags of Megatron-LM's GPT-2 345M example (examples/pretrain_gpt.sh, with its kernel switches): the
     settings apply, the switches megapar decides itself are kept to be named at start, and change nothing."""
-    from megapar.config.arguments import MEGATRON_NOTED, noted_line
+    from megapar.config.megatron import MEGATRON_NOTED, noted_line
     megatron = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
                 "--max-position-embeddings", "1024", "--micro-batch-size", "4", "--global-batch-size", "8",
                 "--lr", "0.00015", "--train-iters", "500000", "--lr-decay-iters", "320000",
@@ -135,7 +138,7 @@ def test_flag_words_render_every_setting_as_the_parser_reads_it_back():
     import typing
     from dataclasses import fields
 
-    from megapar.config.arguments import SECTIONS, build_parser, flag_words
+    from megapar.config.settings import SECTIONS, build_parser, flag_words
     parser = build_parser()
     checked = 0
     for cls, _ in SECTIONS.values():
@@ -157,14 +160,22 @@ def test_flag_words_render_every_setting_as_the_parser_reads_it_back():
 
 
 def test_an_error_names_where_a_value_came_from_when_the_command_line_did_not_type_it(tmp_path):
-    """Values merge as defaults < recipes < DeepSpeed config < command line; each kept Origin
-    is named in an error about its flag (a typed value needs no note)."""
+    """Values merge as defaults < recipes < DeepSpeed config < command line; every value keeps its
+    Origin, named in an error about its flag unless typed on the command line or a default."""
     import json
 
-    from megapar.config.arguments import Origin
+    from megapar.config.settings import COMMAND_LINE, DEFAULT, SECTION_OF, Origin
     cfg = parse_config(["--recipe", "cpu-tiny", "--hidden-size", "64", "--train-iters", "1"], world_size=1)
-    assert cfg.origin["num_layers"] == Origin("--recipe cpu-tiny") and "hidden_size" not in cfg.origin
+    assert cfg.origin["num_layers"] == Origin("--recipe cpu-tiny") and cfg.origin["hidden_size"] == COMMAND_LINE
+    assert cfg.origin["lr"] == DEFAULT and set(cfg.origin) == set(SECTION_OF)
     assert cfg.model.hidden_size == 64 and cfg.model.num_layers == 2
+    ds_lr = tmp_path / "lr.json"
+    ds_lr.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}))
+    cfg = parse_config(["--recipe", "cpu-tiny", "--deepspeed-config", str(ds_lr), "--seed", "7", "--train-iters", "1"],
+                       world_size=1)
+    assert cfg.origin["lr"] == Origin("optimizer.params.lr", str(ds_lr)) and cfg.train.lr == 3e-4
+    assert cfg.origin["seed"] == COMMAND_LINE and cfg.origin["num_layers"] == Origin("--recipe cpu-tiny")
+    assert cfg.origin["min_lr"] == DEFAULT and cfg.origin["train_iters"] == COMMAND_LINE
     with pytest.raises(ConfigError, match=r"by --micro-batch-size 3 .*"
                                           r"\(--global-batch-size set by --recipe cpu-tiny\)$"):
         parse_config(["--recipe", "cpu-tiny", "--micro-batch-size", "3", "--train-iters", "1"], world_size=1)
@@ -182,7 +193,7 @@ def test_an_error_names_where_a_value_came_from_when_the_command_line_did_not_ty
 
 def test_checkpoint_args_namespace_keeps_megatron_fields():
     cfg = parse_config(BASE + ["--recompute-activations"], world_size=1)
-    ns = cfg.namespace()
+    ns = cfg.megatron_args()
     assert ns.recompute_activations is True and ns.checkpoint_activations is False
     assert ns.ffn_hidden_size == 256 and ns.tensor_model_parallel_size == 1 and ns.data_path == []
 
@@ -209,26 +220,28 @@ def test_saved_config_from_a_megatron_args_namespace():
 def test_a_run_planned_for_gpus_is_checked_as_on_gpus(monkeypatch):
     """The memory estimator plans GPU runs on any machine: `assume_gpus` lifts only the no-GPU refusals."""
     import torch
-    from megapar.config.arguments import config_from_namespace, parse_flags
+    from megapar.config.build import build_config
+    from megapar.config.overlays import parse_flags
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     flags = BASE + ["--zero-stage", "3", "--optimizer-cpu-offload", "--param-cpu-offload"]
     with pytest.raises(ConfigError, match="no CUDA GPU"):
         parse_config(flags, 2)
-    cfg = config_from_namespace(parse_flags(flags), 2, assume_gpus=True)
+    cfg = build_config(parse_flags(flags), 2, assume_gpus=True)
     assert cfg.parallel.param_cpu_offload and cfg.parallel.zero_stage == 3
     with pytest.raises(ConfigError, match="needs --zero-stage 3"):
-        config_from_namespace(parse_flags(BASE + ["--param-cpu-offload"]), 2, assume_gpus=True)
+        build_config(parse_flags(BASE + ["--param-cpu-offload"]), 2, assume_gpus=True)
 
 
 def test_nvme_offload_runs_on_a_cpu_and_goes_with_cpu_offload(monkeypatch, tmp_path):
     """--optimizer-nvme-offload moves host state to disk, so a CPU-only run takes it; beside
     --optimizer-cpu-offload (whose CPU step it implies) it is accepted, not a contradiction."""
     import torch
-    from megapar.config.arguments import config_from_namespace, parse_flags
+    from megapar.config.build import build_config
+    from megapar.config.overlays import parse_flags
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     nvme = ["--zero-stage", "1", "--optimizer-nvme-offload", str(tmp_path)]
     assert parse_config(BASE + nvme, 2).parallel.optimizer_nvme_offload == str(tmp_path)
-    both = config_from_namespace(parse_flags(BASE + nvme + ["--optimizer-cpu-offload"]), 2, assume_gpus=True)
+    both = build_config(parse_flags(BASE + nvme + ["--optimizer-cpu-offload"]), 2, assume_gpus=True)
     assert both.parallel.optimizer_cpu_offload and both.parallel.optimizer_nvme_offload == str(tmp_path)
 
 
@@ -238,7 +251,7 @@ def test_every_training_flag_has_help_and_shows_its_default():
     where it has one; the usage line names the command."""
     from dataclasses import MISSING, fields
 
-    from megapar.config.arguments import SECTIONS, build_parser
+    from megapar.config.settings import SECTIONS, build_parser
     undocumented = [f.name for cls, _ in SECTIONS.values() for f in fields(cls)
                     if f.metadata["cli"] and not (f.metadata["help"] or "").strip()]
     assert not undocumented, f"settings without help text: {undocumented}"

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from megapar.config.arguments import DEEPSPEED_CONFIG, ConfigError, config_from_namespace, parse_config, parse_flags
+from megapar.config.build import build_config, parse_config
+from megapar.config.overlays import parse_flags
+from megapar.config.settings import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32"]
@@ -22,19 +24,19 @@ def flags_of(tmp_path, config, *extra: str, defaults: bool = False) -> dict:
     """The flags the config sets (with `extra` command-line flags), without the settings object;
     without those DeepSpeed's defaults for absent keys set, unless `defaults`."""
     given = parse_flags([*BASE, "--deepspeed-config", write(tmp_path, config), *extra])
-    s = given.pop(DEEPSPEED_CONFIG)
-    return {k: v for k, v in given.items() if k not in parse_flags([*BASE, *extra])
+    s = given.deepspeed
+    return {k: v for k, v in given.values().items() if k not in parse_flags([*BASE, *extra]).values()
             and (defaults or k not in s.defaulted)}
 
 
 def settings_of(tmp_path, config, *extra: str):
-    return parse_flags([*BASE, "--deepspeed-config", write(tmp_path, config), *extra])[DEEPSPEED_CONFIG]
+    return parse_flags([*BASE, "--deepspeed-config", write(tmp_path, config), *extra]).deepspeed
 
 
 def config_of(tmp_path, config, *extra: str, world: int = 1, gpus: bool = False):
     """The Config of a run with `config` and `extra` flags (`gpus`: checked as a run on GPUs)."""
     given = parse_flags([*BASE, "--deepspeed-config", write(tmp_path, config), *extra])
-    return config_from_namespace(given, world, assume_gpus=True) if gpus else \
+    return build_config(given, world, assume_gpus=True) if gpus else \
         parse_config([*BASE, "--deepspeed-config", write(tmp_path, config), *extra], world)
 
 
@@ -129,7 +131,7 @@ def test_accepted_not_acted_on_keys_are_listed_once(tmp_path):
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8, "contiguous_gradients": True,
                               "offload_optimizer": {"device": "cpu", "pin_memory": True, "buffer_count": 4}}})])
-    s = given[DEEPSPEED_CONFIG]
+    s = given.deepspeed
     assert list(s.noted) == ["zero_allow_untested_optimizer", "zero_optimization.contiguous_gradients",
                              "zero_optimization.offload_optimizer.pin_memory",
                              "zero_optimization.offload_optimizer.buffer_count"]
@@ -140,7 +142,8 @@ def test_accepted_not_acted_on_keys_are_listed_once(tmp_path):
     assert "accepted, not acted on:" in lines[1]
     assert "zero_optimization.contiguous_gradients (megapar's gradients always live in contiguous" in lines[1]
     off = parse_flags([*BASE, "--deepspeed-config", write(tmp_path, {"zero_optimization": {"overlap_comm": False}})])
-    assert off["overlap_grad_reduce"] is False and "--no-overlap-grad-reduce" in off[DEEPSPEED_CONFIG].summary()[0]
+    assert off.values()["overlap_grad_reduce"] is False
+    assert "--no-overlap-grad-reduce" in off.deepspeed.summary()[0]
 
 
 def test_nvme_offload_keys_that_tune_io_are_noted(tmp_path):
@@ -150,23 +153,23 @@ def test_nvme_offload_keys_that_tune_io_are_noted(tmp_path):
         "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme",
                                                                 "buffer_size": 1e8, "pipeline_write": True}},
         "aio": {"thread_count": 2, "single_submit": False}})])
-    s = given[DEEPSPEED_CONFIG]
+    s = given.deepspeed
     assert s.flags["optimizer_nvme_offload"] == "/nvme" and "optimizer_cpu_offload" not in s.flags
     assert set(s.noted) == {"zero_optimization.offload_optimizer.buffer_size", "aio.thread_count",
                             "zero_optimization.offload_optimizer.pipeline_write", "aio.single_submit"}
     assert all("pread/pwrite" in why for why in s.noted.values())
     cpu = parse_flags([*BASE, "--deepspeed-config", write(tmp_path, {
         "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "nvme_path": "/nvme"}}})])
-    noted = cpu[DEEPSPEED_CONFIG].noted
+    noted = cpu.deepspeed.noted
     assert noted == {"zero_optimization.offload_optimizer.nvme_path": "used with device nvme only"}
 
 
 @pytest.mark.parametrize("name", ["ds_config_zero2.json", "ds_config_zero3_offload.json"])
 def test_example_configs_parse(name):
     given = parse_flags([*BASE, "--deepspeed", "--deepspeed_config", str(ROOT / "configs" / name)])
-    s = given[DEEPSPEED_CONFIG]
+    s = given.deepspeed
     assert s.flags["zero_stage"] == (2 if "zero2" in name else 3)
-    cfg = config_from_namespace(given, 4, assume_gpus=True)
+    cfg = build_config(given, 4, assume_gpus=True)
     assert cfg.parallel.zero_stage == s.flags["zero_stage"] and cfg.deepspeed is s
     if "zero3" in name:
         t = cfg.train

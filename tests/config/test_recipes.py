@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from megapar.config.arguments import build_parser, parse_config
+from megapar.config.build import parse_config
+from megapar.config.settings import build_parser
 from megapar.config.recipes import RECIPES, describe, expand_recipes
 from megapar.topology import ConfigError
 
@@ -20,7 +21,7 @@ def test_every_recipe_parses_on_its_gpu_count(name, monkeypatch):
     assert ns.seq_length in (1024, 2048) and (getattr(ns, "bf16", False) or getattr(ns, "fp16", False))
     if name in GRAPHED or "--optimizer-cpu-offload" in r.flags or "--fp8-format" in r.flags:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused without CUDA: check everything else
-        monkeypatch.setattr("megapar.config.arguments._gpu_capability", lambda: (9, 0))     # an H100
+        monkeypatch.setattr("megapar.config.checks._gpu_capability", lambda: (9, 0))     # an H100
         monkeypatch.setattr("megapar.fp8.torchao_installed", lambda: True)
     cfg = parse_config(list(r.flags), world_size=r.gpus)
     p = cfg.parallel

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from megapar.config.arguments import build_parser, default_of
+from megapar.config.settings import build_parser, default_of
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guide.md"

@@ -53,7 +53,8 @@ def test_bad_virtual_pipeline_flags_through_the_launcher(data, tmp_path, flags, 
 
 def test_virtual_stages_need_a_pipeline():
     """pp 1 with v 2 (in process: the launcher would start one process for it)."""
-    from megapar.config.arguments import ConfigError, parse_config
+    from megapar.config.build import parse_config
+    from megapar.config.settings import ConfigError
     with pytest.raises(ConfigError, match=r"needs --pipeline-model-parallel-size > 1"):
         parse_config(V2, 1)
 

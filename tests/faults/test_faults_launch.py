@@ -266,7 +266,8 @@ def test_bad_numbers_through_python(data, tmp_path):
 
 def test_every_range_check_in_process():
     """The same checks without a process each: every range class, and the edge values that stay legal."""
-    from megapar.config.arguments import ConfigError, parse_config
+    from megapar.config.build import parse_config
+    from megapar.config.settings import ConfigError
     for flags, expect in LAUNCHER_FLAG_CASES + PYTHON_FLAG_CASES + IN_PROCESS_CASES:
         with pytest.raises(ConfigError) as e:
             parse_config(flags, 1)
@@ -346,7 +347,8 @@ WITHOUT_PACKAGES = ("import runpy, sys; hidden = sys.argv.pop(1).split(','); "
 
 
 def test_bad_logger_flags_in_process():
-    from megapar.config.arguments import ConfigError, parse_config
+    from megapar.config.build import parse_config
+    from megapar.config.settings import ConfigError
     for flags, expect in LOGGER_CASES:
         with pytest.raises(ConfigError) as e:
             parse_config(flags, 1)

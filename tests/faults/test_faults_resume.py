@@ -163,7 +163,7 @@ def test_resume_at_another_layout_names_the_saved_layout(trained, tmp_path):
 def test_another_pipeline_split_names_the_saved_split():
     import argparse
 
-    from megapar.config.arguments import ModelConfig
+    from megapar.config.settings import ModelConfig
     from megapar.checkpoint import CheckpointError, check_compatible, read_saved_config
     from megapar.topology import Topology
     saved = read_saved_config({"args": argparse.Namespace(num_layers=4, tensor_model_parallel_size=1,

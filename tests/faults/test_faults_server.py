@@ -308,7 +308,7 @@ def _tiny_checkpoint(path, gpt2_files) -> None:
     """A tp 1 checkpoint of a tiny GPT-2 with the real GPT-2 tokenizer files."""
     vocab_file, merge_file = gpt2_files
     cfg = tiny_model_config(["--seq-length", "48"], vocab=50257)
-    ns = cfg.namespace()
+    ns = cfg.megatron_args()
     ns.consumed_train_samples = 0
     ns.tokenizer_type, ns.vocab_file, ns.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
     model = GPT2Model(cfg.model, Stage.of(cfg.model.num_layers, 1, 0), 1234).eval()

@@ -60,18 +60,22 @@ def test_bad_zero_flags_through_the_launcher(tmp_path, flags, expect):
 def test_parameter_offload_with_cuda_graph_is_refused_before_any_process_group():
     """ZeRO-3 is captured, but not its host-side parameter shards: refused by name (checked in-process
     with a GPU assumed, as the estimator plans for GPUs); plain stage 3 passes."""
-    from megapar.config.arguments import ConfigError, config_from_namespace, parse_flags
+    from megapar.config.build import build_config
+    from megapar.config.overlays import parse_flags
+    from megapar.config.settings import ConfigError
     flags = ["--zero-stage", "3", "--enable-cuda-graph", "--bf16", "--hidden-dropout", "0", "--attention-dropout", "0"]
     with pytest.raises(ConfigError, match="--enable-cuda-graph: --param-cpu-offload fetches"):
-        config_from_namespace(parse_flags([*flags, "--param-cpu-offload"]), 1, assume_gpus=True)
-    config_from_namespace(parse_flags(flags), 1, assume_gpus=True)
+        build_config(parse_flags([*flags, "--param-cpu-offload"]), 1, assume_gpus=True)
+    build_config(parse_flags(flags), 1, assume_gpus=True)
 
 
 def test_offload_with_cuda_graph_is_refused_before_any_process_group():
     """The offloaded step runs on the CPU, which no graph captures (checked in-process with a GPU assumed)."""
-    from megapar.config.arguments import ConfigError, config_from_namespace, parse_flags
+    from megapar.config.build import build_config
+    from megapar.config.overlays import parse_flags
+    from megapar.config.settings import ConfigError
     with pytest.raises(ConfigError, match="--enable-cuda-graph: the offloaded optimizer steps on the CPU"):
-        config_from_namespace(parse_flags(["--zero-stage", "1", "--optimizer-cpu-offload", "--delayed-param-update",
+        build_config(parse_flags(["--zero-stage", "1", "--optimizer-cpu-offload", "--delayed-param-update",
                                            "--enable-cuda-graph", "--bf16", "--hidden-dropout", "0",
                                            "--attention-dropout", "0"]), 1, assume_gpus=True)
 

@@ -38,7 +38,7 @@ def test_bad_zero_bubble_flags_through_the_launcher(tmp_path, flags, expect):
 
 def test_fp8_is_refused():
     """fp8 needs a GPU, which the checks before this one require: the zero-bubble check alone, in process."""
-    from megapar.config.arguments import ConfigError, _check_zero_bubble, parse_config
+    from megapar.config.build import ConfigError, _check_zero_bubble, parse_config
     cfg = parse_config(PP2 + ["--enable-zero-bubble"], 2)
     cfg.model.fp8_format = "e4m3"
     with pytest.raises(ConfigError, match=r"--enable-zero-bubble: --fp8-format e4m3.*drop --fp8-format"):

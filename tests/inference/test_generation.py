@@ -46,7 +46,7 @@ def one_thread():
 def config(tp=1, pp=1, vocab=VOCAB, tokenizer=None):
     extra = ["--seq-length", "48", "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     cfg = tiny_model_config(extra, world_size=tp * pp, vocab=vocab, tp=tp)
-    ns = cfg.namespace()
+    ns = cfg.megatron_args()
     ns.consumed_train_samples = 0
     for k, v in (tokenizer or {}).items():
         setattr(ns, k, v)

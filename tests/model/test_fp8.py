@@ -16,7 +16,9 @@ import torch
 
 from gpt_helpers import batch, tiny_model_config
 from gpu_runs import SAVE_AT, TRAIN_ITERS, Run, after, assert_close, uses
-from megapar.config.arguments import ConfigError, config_from_namespace, parse_flags
+from megapar.config.build import build_config
+from megapar.config.overlays import parse_flags
+from megapar.config.settings import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHAO = importlib.util.find_spec("torchao") is not None
@@ -26,7 +28,7 @@ FP8 = ["--fp8-format", "hybrid", "--bf16", "--num-layers", "2", "--hidden-size",
 
 
 def _parse(argv, world_size=1, gpus=True):
-    return config_from_namespace(parse_flags(argv), world_size, assume_gpus=gpus)
+    return build_config(parse_flags(argv), world_size, assume_gpus=gpus)
 
 
 def _refused(argv, *fragments, world_size=1, gpus=True):
@@ -49,7 +51,7 @@ def _refused(argv, *fragments, world_size=1, gpus=True):
     (["--distributed-backend", "gloo"], ["no CUDA GPU (or uses gloo)"]),
 ])
 def test_bad_fp8_settings_are_refused_in_one_line(extra, fragments, monkeypatch):
-    monkeypatch.setattr("megapar.config.arguments._gpu_capability", lambda: (9, 0))
+    monkeypatch.setattr("megapar.config.checks._gpu_capability", lambda: (9, 0))
     monkeypatch.setattr("megapar.fp8.torchao_installed", lambda: True)
     world = 8 if "--tensor-model-parallel-size" in extra else 1
     _refused(FP8 + extra, *fragments, world_size=world)
@@ -67,21 +69,21 @@ def test_fp8_on_a_cpu_run_is_refused():
 
 def test_fp8_on_a_gpu_without_fp8_is_refused(monkeypatch):
     monkeypatch.setattr("megapar.fp8.torchao_installed", lambda: True)
-    monkeypatch.setattr("megapar.config.arguments._gpu_capability", lambda: (8, 0))   # A100
+    monkeypatch.setattr("megapar.config.checks._gpu_capability", lambda: (8, 0))   # A100
     _refused(FP8, "compute capability >= 8.9", "this one is 8.0")
-    monkeypatch.setattr("megapar.config.arguments._gpu_capability", lambda: (8, 9))   # L4 / RTX 4090
+    monkeypatch.setattr("megapar.config.checks._gpu_capability", lambda: (8, 9))   # L4 / RTX 4090
     assert _parse(FP8).model.fp8_format == "hybrid"
 
 
 def test_fp8_without_torchao_is_refused(monkeypatch):
-    monkeypatch.setattr("megapar.config.arguments._gpu_capability", lambda: (9, 0))
+    monkeypatch.setattr("megapar.config.checks._gpu_capability", lambda: (9, 0))
     monkeypatch.setattr("megapar.fp8.torchao_installed", lambda: False)
     _refused(FP8, "needs the torchao package", "pip install torchao")
 
 
 def test_fp8_recipe_needs_a_format_and_defaults_to_tensorwise(monkeypatch):
     _refused(["--fp8-recipe", "rowwise"], "--fp8-recipe rowwise is a setting of the fp8 GEMMs")
-    monkeypatch.setattr("megapar.config.arguments._gpu_capability", lambda: (9, 0))
+    monkeypatch.setattr("megapar.config.checks._gpu_capability", lambda: (9, 0))
     monkeypatch.setattr("megapar.fp8.torchao_installed", lambda: True)
     cfg = _parse(FP8)
     assert (cfg.model.fp8_format, cfg.model.fp8_recipe) == ("hybrid", "tensorwise")
@@ -292,9 +294,9 @@ def test_fp8_model_trains_close_to_bf16_and_saves_bf16_weights():
 def _emulated_fp8_train_body(rank, world_size, argv):
     """megapar.pretrain_gpt2 with --fp8-format on CPU: the GPU checks are skipped and the fp8
     layers emulate (torchao casts to fp8, multiplies in high precision)."""
-    import megapar.config.arguments
+    import megapar.config.checks
     from train_helpers import _pretrain_body
-    megapar.config.arguments._check_fp8 = lambda ns, gpus: None
+    megapar.config.checks._check_fp8 = lambda ns, gpus: None
     return _pretrain_body(rank, world_size, argv)
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from distributed import run_distributed
 from gpt_helpers import batch, tiny_model_config
-from megapar.config.arguments import TrainConfig
+from megapar.config.settings import TrainConfig
 from megapar.checkpoint import DISTRIB_OPTIM_FILE, load_checkpoint, save_checkpoint
 from megapar.model import GPT2Model, Stage
 from megapar.optimizer.distrib_optimizer import DistributedOptimizer

@@ -179,7 +179,7 @@ def test_optimizers_route_fused_updates(monkeypatch, zero1):
     model on CPU: the same masters, and the fused path writes the bf16 params itself (ZeRO-1: the
     owned ranges of its param buffer, published without the master copy)."""
     from gpt_helpers import tiny_model_config
-    from megapar.config.arguments import TrainConfig
+    from megapar.config.settings import TrainConfig
     from megapar.model import GPT2Model, Stage
     from megapar.optimizer.distrib_optimizer import DistributedOptimizer
     from megapar.optimizer.grad_buffer import GradBuffer

@@ -139,7 +139,7 @@ def test_stream_reads_updates_and_writes_each_range(tmp_path):
 
 def test_folder_checks(tmp_path):
     """An existing rank folder (never reused) and a disk without room are refused by name."""
-    from megapar.config.arguments import ConfigError
+    from megapar.config.settings import ConfigError
     from megapar.optimizer.nvme import check_folder
     check_folder(str(tmp_path), 0, need=1000, ranks_on_host=2)
     (tmp_path / "rank_00001").mkdir()
@@ -154,7 +154,7 @@ def test_chunked_stream_steps_like_cpu_offload_in_process(tmp_path):
     part) within a bucket: three steps give CPU offload's masters, moments and weights bit for bit."""
     from gpt_helpers import batch
     from test_distrib_optimizer import TRAIN, _model
-    from megapar.config.arguments import TrainConfig
+    from megapar.config.settings import TrainConfig
     from megapar.optimizer.distrib_optimizer import DistributedOptimizer
     from megapar.optimizer.grad_buffer import GradBuffer
     from megapar.optimizer.grad_scaler import ConstantGradScaler
@@ -192,7 +192,7 @@ def test_files_are_allocated_and_a_full_disk_while_making_them_is_one_line(tmp_p
     """The state files hold their blocks from the start (no sparse file to fail a later write); a
     disk that fills up while they are made (injected ENOSPC) is a ConfigError, and nothing is left."""
     import errno
-    from megapar.config.arguments import ConfigError
+    from megapar.config.settings import ConfigError
     from megapar.optimizer.nvme import NvmeState
     state = NvmeState(str(tmp_path), 0, numel=300_000)
     assert all(os.stat(p).st_blocks * 512 >= 4 * 300_000 for p in state.paths)

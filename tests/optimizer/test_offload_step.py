@@ -14,7 +14,7 @@ STEPS = 4
 
 
 def _build(stage: int, dtype=torch.float32, device: str = "cpu", train=None, scaler=None, **kw):
-    from megapar.config.arguments import TrainConfig
+    from megapar.config.settings import TrainConfig
     from megapar.optimizer.distrib_optimizer import DistributedOptimizer
     from megapar.optimizer.grad_buffer import GradBuffer
     from megapar.optimizer.grad_scaler import ConstantGradScaler
@@ -89,7 +89,7 @@ def test_fp16_gradients_stream_to_the_host_still_scaled():
     """ZeRO-2 offload with fp16 and a loss scale of 1024: each layer's gradient shard goes to the host
     during backward still scaled (AdamW divides the scale out with the clipping), bit for bit what
     copying every shard after backward gives; an inf skips the step on both and changes nothing."""
-    from megapar.config.arguments import TrainConfig
+    from megapar.config.settings import TrainConfig
     from megapar.optimizer.grad_scaler import ConstantGradScaler
     cfg = TrainConfig(**TRAIN, fp16=True)
     runs = [_build(2, torch.float16, train=cfg, scaler=ConstantGradScaler(1024.0)) for _ in range(2)]

@@ -175,7 +175,7 @@ def test_v2_checkpoint_converts_to_v1_and_resumes_with_the_same_losses(embedded_
 def test_resuming_another_chunk_count_is_refused():
     import argparse
 
-    from megapar.config.arguments import ModelConfig
+    from megapar.config.settings import ModelConfig
     from megapar.checkpoint import CheckpointError, check_compatible, read_saved_config
     from megapar.topology import Topology
     saved = read_saved_config({"args": argparse.Namespace(num_layers=4, tensor_model_parallel_size=1,
@@ -190,7 +190,7 @@ def test_resuming_another_chunk_count_is_refused():
 def test_chunk_layout_and_keys():
     """Canonical names <-> shard keys of interleaved stages (8 layers, pp 2, v 2: rank 0 holds
     blocks 0 and 2, i.e. layers 0-1 and 4-5)."""
-    from megapar.config.arguments import ModelConfig
+    from megapar.config.settings import ModelConfig
     from megapar.checkpoint.layout import HEAD, WORD, canonical_key, chunk_layout, stage_keys, stage_of
     layout = chunk_layout(ModelConfig(num_layers=8, virtual_pipeline_model_parallel_size=2), 2)
     assert layout == [[("model0.", 0, 2), ("model1.", 4, 6)], [("model0.", 2, 4), ("model1.", 6, 8)]]
@@ -232,7 +232,7 @@ def test_hang_diagnostic_names_the_chunk():
 
 def test_memory_estimate_counts_chunk_activations():
     """tools/estimate_memory.py: rank r keeps warmup + 1 chunk outputs of num_layers / (pp v) layers."""
-    from megapar.config.arguments import parse_config
+    from megapar.config.build import parse_config
     from megapar.planner.memory_estimate import estimate
     from megapar.model.build import set_vocab
     argv = ["--num-layers", "8", "--pipeline-parallel", "2", "--global-batch-size", "32", "--micro-batch-size", "4"]
@@ -291,7 +291,7 @@ def test_nccl_pp2_interleaved_two_gpus():
 
 def test_flags_resolve_to_one_chunk_count():
     """Either flag gives both fields; v 1 (or N = layers / pp) means no chunks."""
-    from megapar.config.arguments import parse_config
+    from megapar.config.build import parse_config
     base = ["--num-layers", "8", "--pipeline-parallel", "2", "--global-batch-size", "8", "--micro-batch-size", "2"]
     for extra, want in ((["--num-layers-per-virtual-pipeline-stage", "1"], (4, 1)),
                         (["--virtual-pipeline-model-parallel-size", "2"], (2, 2)),

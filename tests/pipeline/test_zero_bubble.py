@@ -347,7 +347,7 @@ def test_gpt2_save_and_resume(embedded_data, tmp_path):
 
 
 def test_flag_picks_the_schedule():
-    from megapar.config.arguments import parse_config
+    from megapar.config.build import parse_config
     from megapar.pipeline import forward_backward_pipelining_zb_h1, get_forward_backward_func
     cfg = parse_config(["--pipeline-parallel", "2", *ZB], 2)
     assert cfg.parallel.enable_zero_bubble
@@ -367,7 +367,7 @@ def test_gpt2_pp2_compiled(embedded_data):
 
 def test_cuda_graph_takes_the_flag(monkeypatch):
     """--enable-cuda-graph with --enable-zero-bubble passes the configuration's checks (on GPUs)."""
-    from megapar.config.arguments import parse_config
+    from megapar.config.build import parse_config
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     parse_config(["--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropout", "0",
                   "--pipeline-parallel", "2", *ZB], 2)

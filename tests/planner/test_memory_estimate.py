@@ -3,7 +3,7 @@ reproduces the peak memory measured on GPUs (docs/benchmarks/) within 10%."""
 import pytest
 
 from gpt_helpers import tiny_model_config
-from megapar.config.arguments import parse_config
+from megapar.config.build import parse_config
 from megapar.model.sizes import stage_params
 from megapar.planner.memory_estimate import GiB, estimate
 from megapar.model import GPT2Model, Stage, set_vocab
@@ -80,8 +80,9 @@ ZERO = [
 
 
 def _tiny(flags, world=4):
-    from megapar.config.arguments import config_from_namespace, parse_flags
-    cfg = config_from_namespace(parse_flags(TINY + flags), world, assume_gpus=True)
+    from megapar.config.build import build_config
+    from megapar.config.overlays import parse_flags
+    cfg = build_config(parse_flags(TINY + flags), world, assume_gpus=True)
     set_vocab(cfg.model, 1000, cfg.parallel.tensor_model_parallel_size, log=lambda *_: None)
     return cfg
 

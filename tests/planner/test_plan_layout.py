@@ -12,7 +12,9 @@ from dataclasses import replace
 
 import pytest
 
-from megapar.config.arguments import ConfigError, config_from_namespace, parse_flags
+from megapar.config.build import build_config
+from megapar.config.overlays import parse_flags
+from megapar.config.settings import ConfigError
 from megapar.planner.memory_estimate import GiB, estimate, host_bytes_per_node
 from megapar.model import set_vocab
 from megapar.planner import calibration, cost, search
@@ -47,9 +49,9 @@ def test_the_plan_has_accepted_and_rejected_layouts(small_plan):
 
 
 def test_accepted_layouts_pass_validation(small_plan):
-    """The top picks and a sample of the others, through config_from_namespace as training runs it."""
+    """The top picks and a sample of the others, through build_config as training runs it."""
     for c in sample(small_plan):
-        cfg = config_from_namespace(search.flags(small_plan.request, c.layout), 8, assume_gpus=True)
+        cfg = build_config(search.flags(small_plan.request, c.layout), 8, assume_gpus=True)
         lay = c.layout
         assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
                 cfg.parallel.data_parallel_size, cfg.parallel.zero_stage) == (lay.tp, lay.pp, lay.dp, lay.zero)
@@ -60,7 +62,7 @@ def test_accepted_layouts_pass_validation(small_plan):
 def test_the_command_line_of_accepted_layouts_parses(small_plan):
     for c in sample(small_plan, 20):
         line = search.command(small_plan.request, c.layout)
-        config_from_namespace(parse_flags(training_flags(line)), 8, assume_gpus=True)
+        build_config(parse_flags(training_flags(line)), 8, assume_gpus=True)
 
 
 def test_rejected_for_validation_really_are_refused(small_plan):
@@ -68,13 +70,13 @@ def test_rejected_for_validation_really_are_refused(small_plan):
     assert refused
     for c in refused[:20]:
         with pytest.raises(ConfigError):
-            config_from_namespace(search.flags(small_plan.request, c.layout), 8, assume_gpus=True)
+            build_config(search.flags(small_plan.request, c.layout), 8, assume_gpus=True)
 
 
 def test_memory_column_equals_the_estimator(small_plan):
     req = small_plan.request
     for c in sample(small_plan, 30) + [c for c in small_plan.rejected if c.reason.startswith("does not fit")][:10]:
-        cfg = config_from_namespace(search.flags(req, c.layout), req.gpus, assume_gpus=True)
+        cfg = build_config(search.flags(req, c.layout), req.gpus, assume_gpus=True)
         set_vocab(cfg.model, 50257, c.layout.tp, log=lambda _: None)
         rows = estimate(cfg)
         assert c.gpu_bytes == max(r.total for r in rows)
@@ -234,7 +236,7 @@ def test_the_tool_prints_the_table_and_a_command_training_accepts():
     assert "| rejected layouts | reason" in out
     line = next(line for line in out.splitlines() if line.startswith("bash scripts/pretrain_gpt2.sh"))
     assert "--nnodes 2" in line and "--hidden-dropout 0" in line
-    cfg = config_from_namespace(parse_flags(training_flags(line)), 16, assume_gpus=True)
+    cfg = build_config(parse_flags(training_flags(line)), 16, assume_gpus=True)
     assert cfg.model.hidden_dropout == 0.0
 
 

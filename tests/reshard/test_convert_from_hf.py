@@ -13,7 +13,7 @@ import torch
 from ckpt_fixtures import write_hf_gpt2
 from distributed import run_distributed
 from gpt_helpers import batch
-from megapar.config.arguments import parse_config
+from megapar.config.build import parse_config
 from megapar.checkpoint import MODEL_FILE, load_checkpoint, read_tracker
 from megapar.cli import convert_from_hf, convert_to_hf
 from megapar.fp8 import torchao_quietly

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gpu_runs import SAVE_AT, TRAIN_ITERS, Run, after, assert_close, uses
-from megapar.config.arguments import ConfigError, parse_config
+from megapar.config.build import parse_config
+from megapar.config.settings import ConfigError
 from megapar.optimizer.lr_schedule import OptimizerParamScheduler
 from megapar.optimizer.base import saved_param_groups
 
@@ -129,7 +130,7 @@ def test_fp16_overflow_is_skipped_on_the_device_as_the_eager_step_skips_it(adam_
     the model's weights and the step count alone without a host read, with torch's fused AdamW and with
     csrc's; settle_overflow moves the scale as the eager step's scaler does, and the next clean steps
     update both alike."""
-    from megapar.config.arguments import TrainConfig
+    from megapar.config.settings import TrainConfig
     from megapar.optimizer.grad_buffer import GradBuffer
     from megapar.optimizer.grad_scaler import DynamicGradScaler
     from megapar.optimizer.optimizer import MixedPrecisionOptimizer

@@ -236,7 +236,7 @@ def test_empty_unused_memory_level_picks_megatrons_places(monkeypatch, level, em
 
     import torch
 
-    from megapar.config.arguments import parse_config
+    from megapar.config.build import parse_config
     from megapar.run.training import empty_unused_memory
     cfg = parse_config(["--empty-unused-memory-level", str(level)], world_size=1)
     assert cfg.train.empty_unused_memory_level == level
@@ -304,7 +304,7 @@ def test_train_longer_command_of_a_schedule_in_samples(min_lr, expect):
     the iteration flags that sample-based flags refuse."""
     from types import SimpleNamespace
 
-    from megapar.config.arguments import parse_config
+    from megapar.config.build import parse_config
     from megapar.run.initialize import build_scheduler
     from megapar.run.pretrain import train_longer_command
     argv = [*RAMP, "--min-lr", min_lr, "--save", "ck"]

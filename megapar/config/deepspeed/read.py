@@ -3,7 +3,7 @@
     bash scripts/pretrain_gpt2.sh --deepspeed --deepspeed_config ds_config.json [megapar flags]
     megapar-ds-config ds_config.json [--world-size N] [megapar flags]     # what it becomes, without a run
 
-The config is read once, before validation, where `arguments.parse_flags` expands recipes, so
+The config is read once, before validation, where `overlays.parse_flags` expands recipes, so
 training, the launcher (which validates at the world size it will start), tools/estimate_memory.py
 and `megapar-ds-config` all take it. Every key DeepSpeed reads falls in one class (its `Key` row in keys.py,
 and the table in docs/guide.md, which `key_table()` writes):
@@ -25,7 +25,7 @@ Rules:
   * a flag set on the command line and by a key of the config must have the same value;
   * the batch triple train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps
     x data-parallel size needs the world size: `resolve_batch` completes it in
-    `arguments.config_from_namespace`;
+    `build.build_config`;
   * every problem of a config is reported at once, in one ConfigError.
 """
 from __future__ import annotations
@@ -37,8 +37,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..arguments import flag, flag_words
-from ...topology import _fail
+from ..settings import default_of, fail, flag, flag_words
 from .keys import BY_PATH, KEYS, NOTED
 
 AUTO = "auto"
@@ -120,7 +119,7 @@ class DeepSpeedSettings:
     def check(self) -> None:
         """One ConfigError naming every problem found, if any."""
         if self.problems:
-            _fail(f"{self.path}: " + "; ".join(self.problems))
+            fail(f"{self.path}: " + "; ".join(self.problems))
 
     def summary(self, cfg=None) -> list[str]:
         """The lines rank 0 prints at start: the flags set, what each "auto" became (from `cfg`,
@@ -149,10 +148,9 @@ def _resolved(key: str, dests: tuple[str, ...], cfg) -> str:
         return str(cfg.num_microbatches)
     if not dests:
         return "not acted on"
-    ns = vars(cfg.namespace())
-    if dests == ("lr_decay_iters",) and ns["lr_decay_iters"] is None:
+    if dests == ("lr_decay_iters",) and cfg.train.lr_decay_iters is None:
         return "no --lr-decay-iters (the decay ends with the run)"
-    return ", ".join(_as_flag(d, ns[d]) for d in dests)
+    return ", ".join(_as_flag(d, cfg.get(d)) for d in dests)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -190,24 +188,24 @@ def load_json(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        _fail(f"--deepspeed-config {path}: no such file; give the path of a DeepSpeed JSON config")
+        fail(f"--deepspeed-config {path}: no such file; give the path of a DeepSpeed JSON config")
     except IsADirectoryError:
-        _fail(f"--deepspeed-config {path} is a directory; give the path of a DeepSpeed JSON config file")
+        fail(f"--deepspeed-config {path} is a directory; give the path of a DeepSpeed JSON config file")
     except (OSError, UnicodeDecodeError) as e:
-        _fail(f"--deepspeed-config {path} cannot be read ({e.__class__.__name__}: {e}); check the file")
+        fail(f"--deepspeed-config {path} cannot be read ({e.__class__.__name__}: {e}); check the file")
     try:
         raw = json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as e:
-        _fail(f"--deepspeed-config {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}; "
-              f"fix the file")
+        fail(f"--deepspeed-config {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}; "
+             f"fix the file")
     except ValueError as e:
-        _fail(f"--deepspeed-config {path} is not valid: {e}; keep one")
+        fail(f"--deepspeed-config {path} is not valid: {e}; keep one")
     except RecursionError:   # the parser recurses once per level
-        _fail(f"--deepspeed-config {path} nests objects or arrays too deeply to read; a DeepSpeed config is a few "
-              f"levels deep: fix the file")
+        fail(f"--deepspeed-config {path} nests objects or arrays too deeply to read; a DeepSpeed config is a few "
+             f"levels deep: fix the file")
     if not isinstance(raw, dict):
-        _fail(f"--deepspeed-config {path}: the top level is a JSON {type(raw).__name__}, not an object "
-              f"({{\"train_batch_size\": ..., ...}}); fix the file")
+        fail(f"--deepspeed-config {path}: the top level is a JSON {type(raw).__name__}, not an object "
+             f"({{\"train_batch_size\": ..., ...}}); fix the file")
     return raw
 
 
@@ -456,8 +454,6 @@ def _cosine(s: DeepSpeedSettings, params: dict, source: dict[str, str], absent: 
             cli: dict[str, Any]) -> None:
     """WarmupCosineLR: ratios of the optimizer's lr: --lr-warmup-init = warmup_min_ratio x --lr,
     --min-lr = cos_min_ratio x --lr."""
-    from ..arguments import default_of
-
     key = "scheduler.params."
     lr = s.flags.get("lr", cli.get("lr", default_of("lr")))
     for name, dest in (("warmup_min_ratio", "lr_warmup_init"), ("cos_min_ratio", "min_lr")):
@@ -622,10 +618,12 @@ def read(path: str, cli: dict[str, Any], strict: bool = True) -> DeepSpeedSettin
 
 def apply(path: str, given: dict[str, Any], strict: bool = True, below: frozenset[str] = frozenset()
           ) -> DeepSpeedSettings:
-    """Merge the config at `path` into the flags `given` (in place): a flag set on the command line
-    and by a key must agree, and a given flag wins over DeepSpeed's default for an absent key.
-    `below`: the flags of `given` that a key overrides (a recipe's: recipes < config < command line).
-    Returns the settings (kept for `resolve_batch` and the start-up lines)."""
+    """Read the config at `path` against the flags `given` (the recipes' and the command line's
+    values): a flag set on the command line and by a key must agree, and a given flag wins over
+    DeepSpeed's default for an absent key (that key's value is dropped from `flags`). `below`: the
+    flags of `given` that a key overrides (a recipe's: recipes < config < command line). Returns the
+    settings: `flags` is what the config's overlay sets (overlays.add_deepspeed); the rest is kept
+    for `resolve_batch` and the start-up lines."""
     s = read(path, given, strict=False)
     for dest in list(s.flags):
         value = s.flags[dest]
@@ -634,8 +632,6 @@ def apply(path: str, given: dict[str, Any], strict: bool = True, below: frozense
         elif dest in given and dest not in below and not _same(given[dest], value):
             s.problem(f"{_as_flag(dest, given[dest])} on the command line and {s.origin[dest]} "
                       f"(= {_as_flag(dest, value)}) differ; drop one or make them equal")
-        else:
-            given[dest] = value
     if strict:
         s.check()
     return s
@@ -651,15 +647,15 @@ def resolve_batch(s: DeepSpeedSettings, micro: Optional[int], global_batch: Opti
         return (micro or default_micro), global_batch
     if micro is None and global_batch is not None:
         if global_batch % (gas * dp):
-            _fail(f"{s.path}: the global batch (train_batch_size / --global-batch-size) {global_batch} is not "
-                  f"divisible by gradient_accumulation_steps {gas} x data-parallel size {dp}; give "
-                  f"train_micro_batch_size_per_gpu or change the batch")
+            fail(f"{s.path}: the global batch (train_batch_size / --global-batch-size) {global_batch} is not "
+                 f"divisible by gradient_accumulation_steps {gas} x data-parallel size {dp}; give "
+                 f"train_micro_batch_size_per_gpu or change the batch", "global_batch_size")
         return global_batch // (gas * dp), global_batch
     micro = micro or default_micro
     if global_batch is not None and global_batch != micro * gas * dp:
-        _fail(f"{s.path}: the global batch (train_batch_size / --global-batch-size) {global_batch} != micro batch "
-              f"{micro} x gradient_accumulation_steps {gas} x data-parallel size {dp} (= {micro * gas * dp}); "
-              f"give two of the three (\"auto\" for the third)")
+        fail(f"{s.path}: the global batch (train_batch_size / --global-batch-size) {global_batch} != micro batch "
+             f"{micro} x gradient_accumulation_steps {gas} x data-parallel size {dp} (= {micro * gas * dp}); "
+             f"give two of the three (\"auto\" for the third)", "global_batch_size", "micro_batch_size")
     return micro, micro * gas * dp
 
 
