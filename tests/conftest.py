@@ -4,7 +4,6 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -13,10 +12,10 @@ sys.path.insert(0, str(ROOT / "tests"))  # `from distributed import run_distribu
 sys.path.insert(0, str(ROOT / "tests" / "faults"))  # `from harness import refused`
 from data_dirs import GPT2_DIR, SHIPPED, UNSHIPPED  # noqa: E402
 from harness import ROWS, Row, table  # noqa: E402
+from tiers import TIER_SIZES, TIERS  # noqa: E402
 
 
 SYSTEM_TEMP = Path(tempfile.gettempdir())
-TIER_SIZES = pytest.StashKey[Optional[dict]]()
 
 
 def _temp_entries() -> set[str]:
@@ -28,11 +27,6 @@ def pytest_configure(config):
     config.stash_temp_before = _temp_entries()  # what the system temp folder held before the session
     config.addinivalue_line("markers", "training_runs(*runs): GPU training runs (tests/gpu_runs.py Run) a test "
                                        "reads; the session starts them together")
-
-
-TIERS = {"quick": lambda item: "gpu" not in item.keywords and "slow" not in item.keywords,   # docs/testing.md
-         "full CPU (CI)": lambda item: "gpu" not in item.keywords,
-         "GPU": lambda item: "gpu" in item.keywords}
 
 
 def pytest_collection_modifyitems(config, items):

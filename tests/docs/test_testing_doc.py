@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from conftest import TIER_SIZES
+from tiers import TIER_SIZES
 from data_dirs import ROOT
 
 
