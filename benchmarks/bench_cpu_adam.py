@@ -6,10 +6,12 @@ Times one AdamW step over `numel` fp32 parameters split into `tensors` tensors (
 offloaded ZeRO shard hands to AdamW) with every core, for torch's fused CPU kernel and its foreach
 path (megapar/planner/measure.py's `cpu_adam`, which --calibrate uses too; the offloaded step uses
 the faster, distrib_optimizer.py). The bound is the host's memory bandwidth: a STREAM-like copy
-(8 B moved per element) and triad (a = b + s c, 12 B) over `numel` fp32 elements, every core. A
-fused AdamW step moves at least 28 B per parameter (the fp32 weight, gradient and two moments
-read, the weight and moments written), so its bandwidth bound is triad's bytes/s / 28; the table
-gives each implementation's share of it.
+and triad (a = b + s c) over `numel` fp32 elements, every core, counted in the bytes the memory
+moves: a store to a line not in cache reads the line first, so copy moves 12 B per element and
+triad 16 B (STREAM's own count, 8 and 12, leaves that read out). A fused AdamW step moves 28 B per
+parameter (the fp32 weight, gradient and two moments read, the weight and moments written back
+into lines already read), so its bound is triad's bytes/s / 28; the table gives each
+implementation's share of it.
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ ADAM_BYTES = 28   # per parameter: 4 fp32 tensors read, 3 written
 
 
 def stream(numel: int, reps: int = 3) -> dict[str, float]:
-    """Bytes per second of the best of `reps` copy and triad passes over `numel` fp32 elements."""
+    """Bytes per second the memory moves in the best of `reps` copy and triad passes over `numel` fp32
+    elements (each store's read of its line included)."""
     a, b, c = (torch.full((numel,), float(i)) for i in range(3))
-    passes = {"copy": (lambda: a.copy_(b), 8), "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 12)}
+    passes = {"copy": (lambda: a.copy_(b), 12), "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 16)}
     rates = {}
     for name, (run, bytes_per) in passes.items():
         run()
