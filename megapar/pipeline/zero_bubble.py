@@ -99,12 +99,14 @@ def forward_backward_pipelining_zb_h1(forward_step: ForwardStep, data_iterator: 
     num_steady = m - num_warmup
     run = _ZeroBubbleStage(forward_step, data_iterator, model, cfg)
     try:
+        # Warmup: forwards only, filling the pipeline (1F1B's)
         for i in range(num_warmup):
             run.at("warmup", i)
             output = run.forward(p2p.recv_forward(cfg))
             p2p.send_forward(output, cfg)
             run.sent(output)
 
+        # Steady state: one forward, one B (sent at once), then the W's due
         run.at("steady", num_warmup)
         input_tensor = p2p.recv_forward(cfg) if num_steady > 0 else None
         for i in range(num_steady):
@@ -117,6 +119,7 @@ def forward_backward_pipelining_zb_h1(forward_step: ForwardStep, data_iterator: 
                 run.at("steady", f"{num_warmup + i + 1} (forward)")
                 input_tensor = p2p.recv_forward(cfg)
 
+        # Cooldown: the remaining B's, W's filling the waits between them; then the held-back W's
         for i in range(num_steady, m):
             run.at("cooldown", i)
             run.backward_and_weights(p2p.recv_backward(cfg))

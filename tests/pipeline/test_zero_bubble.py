@@ -12,10 +12,10 @@ from distributed import run_distributed
 from megapar.optimizer.grad_buffer import GradBuffer
 from megapar.tensor_parallel.layers import ColumnParallelLinear, Init, RowParallelLinear
 from megapar.tensor_parallel.wgrad_store import WeightGradStore
+from test_pipeline import B, H, LAYERS, S, toy_data, toy_forward_step  # the toy pipeline of 1F1B's tests
 from train_helpers import TINY_TRAIN, run_training
 
 ZB = ["--enable-zero-bubble"]
-S, B, H, LAYERS = 3, 2, 8, 8                 # toy activations [s, b, h]; 8 layers split over the stages
 
 
 # ---- the store -------------------------------------------------------------------------------------------------
@@ -94,21 +94,6 @@ class ToyStage(nn.Module):
 def _no_sync():
     STATE["sync"].append(False)
     yield
-
-
-def toy_data(m):
-    g = torch.Generator().manual_seed(m)
-    return [(torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)) for _ in range(m)]
-
-
-def toy_forward_step(it, model):
-    x, target = next(it)
-    out = model(x)
-
-    def loss_func(o):
-        loss = ((o - target) ** 2).mean()
-        return loss, {"loss": loss.detach()}
-    return out, loss_func
 
 
 def _main_grads(model, offset):
