@@ -17,6 +17,7 @@ import time
 
 from megapar.errors import USER_ERROR_EXIT, MegaparError, OneLineErrorParser
 from megapar.config.command import Processes, training_command
+from megapar.config.settings import default_of
 from megapar.reshard import bounded_heap
 from megapar.reshard.convert import write_sharded
 from megapar.reshard.hf_source import HFFolder, megapar_flags, tokenizer_flags
@@ -31,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="new folder for the megapar checkpoint (refused if it holds anything else)")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1, help="tensor-parallel size to write")
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1, help="pipeline-parallel size to write")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="vocabulary padding, as in training (default 128; padded to a multiple of it x tp)")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=default_of("make_vocab_size_divisible_by"),
+                   help="vocabulary padding, as in training (default %(default)s; padded to a multiple of it x tp)")
     p.add_argument("--vocab-file", default=None,
                    help="GPT-2 BPE vocabulary the checkpoint names (default: the folder's vocab.json)")
     p.add_argument("--merge-file", default=None, help="GPT-2 BPE merges (default: the folder's merges.txt)")

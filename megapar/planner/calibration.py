@@ -37,6 +37,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
+from ..run.throughput import PEAK_BF16_TFLOPS
 from ..topology import ConfigError
 
 
@@ -97,7 +98,7 @@ class Calibration:
 
 H100 = Calibration(
     name="H100 SXM 80GB (one H100 calibrated 2026-11-24; NCCL and inter-node rates are placeholders)",
-    peak_tflops=989.0,
+    peak_tflops=PEAK_BF16_TFLOPS["H100"],
     gemm_tflops=[[2.147, 117.9], [8.59, 453.6], [17.18, 613.4], [51.54, 625.5], [137.4, 670.7], [206.2, 667.7],
                  [1099.5, 691.8]],
     attn_fwd_tflops=270.0, attn_bwd_tflops=210.0,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from ..config.build import build_config
-from ..config.settings import ConfigError, flag_words
+from ..config.settings import ConfigError, default_of, flag_words
 from ..data.tokenizer import GPT2_VOCAB_SIZE
 from .memory_estimate import COMBINATIONS, GiB, estimate, host_bytes_per_node
 from ..model import set_vocab
@@ -168,7 +168,8 @@ def memory(req: Request, lay: cost.Layout):
 
 
 def model_of(req: Request, tp: int) -> cost.Model:
-    vocab = padded_vocab_size(req.vocab_size, req.extra.get("make_vocab_size_divisible_by", 128), tp)
+    divisor = req.extra.get("make_vocab_size_divisible_by", default_of("make_vocab_size_divisible_by"))
+    vocab = padded_vocab_size(req.vocab_size, divisor, tp)
     return cost.Model(req.num_layers, req.hidden_size, req.num_attention_heads, req.ffn, req.seq_length, vocab,
                       req.global_batch_size)
 

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from ..config.build import parse_config
+from ..config.settings import default_of
 from ..checkpoint.common import CHECKPOINT_VERSION, CheckpointError, SavedConfig, read_saved_config
 from ..errors import MegaparError
 from ..model.sharding import is_vocab_parallel
@@ -247,7 +248,8 @@ def _strip(key: str) -> str:
 class HFFolder:
     """An HF GPT-2 folder with the reader interface of ShardedCheckpoint (names, full, spec, meta)."""
 
-    def __init__(self, path: str, make_vocab_size_divisible_by: int = 128, vocab_file: Optional[str] = None,
+    def __init__(self, path: str, make_vocab_size_divisible_by: int = default_of("make_vocab_size_divisible_by"),
+                 vocab_file: Optional[str] = None,
                  merge_file: Optional[str] = None, tokenizer_model: Optional[str] = None):
         self.path = path
         self.config = read_hf_config(path)

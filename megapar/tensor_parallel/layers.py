@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config.settings import default_of
 from .linear import add_bias, linear
 from .mappings import (Group, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, scatter_to_tp, to_tp_region,
                        tp_world)
@@ -28,7 +29,7 @@ class Init:
     """How to initialise one parameter: N(0, std) at full shape, seeded by (seed, name)."""
     seed: int
     name: str
-    std: float = 0.02
+    std: float = default_of("init_method_std")   # --init-method-std's default
 
 
 def name_seed(seed: int, name: str) -> int:
