@@ -50,11 +50,12 @@ from bench_offload_vs_deepspeed import (ROOT, DsSpec, Shape, decay_groups, ds_sp
                                         run_deepspeed, run_megapar, run_worker, worker_row)
 from bench_host_overhead import nanogpt_module  # benchmarks/bench_host_overhead.py
 from bench_train import bench_flags  # benchmarks/bench_train.py
-from megapar.config.recipes import GPT2_345M, GPT_1_3B
+from megapar.config.recipes import GPT2_345M, GPT_1_3B, words
 from megapar.errors import USER_ERROR_EXIT, MegaparError
 
 GPUS = 2
-MODELS = {"345m": GPT2_345M, "1.3b": GPT_1_3B}  # --shape: its model flags, also the prefix of megapar's recipes
+# --shape: its model flags, also the prefix of megapar's recipes
+MODELS = {"345m": words(GPT2_345M), "1.3b": words(GPT_1_3B)}
 VARIANTS = {"graph": "{shape}-dp2-zero{stage}-graph", "compile": "{shape}-dp2-zero{stage}"}  # megapar's recipes
 SYSTEMS = ("megapar", "deepspeed", "fsdp2")
 FSDP2_WORKER = "--_fsdp2-worker"  # the internal flag: run FSDP2 from the payload file it names
