@@ -48,7 +48,7 @@ from typing import Optional, Sequence
 from bench_train import ITER_RE, MEM_RE, bench_flags  # benchmarks/bench_train.py
 from megapar.config.build import build_config
 from megapar.config.overlays import parse_flags
-from megapar.config.recipes import GPT3_6_7B, GPT3_13B, GPT_1_3B, RECIPES
+from megapar.config.recipes import GPT3_6_7B, GPT3_13B, GPT_1_3B, RECIPES, words
 from megapar.errors import USER_ERROR_EXIT, MegaparError
 from megapar.launch import _children
 from megapar.run.throughput import flops_per_token
@@ -70,7 +70,8 @@ class Shape:
     zero_stage: int
 
 
-SHAPES = {"6.7b": Shape(GPT3_6_7B, 1, 2), "1.3b": Shape(GPT_1_3B, 1, 2), "13b": Shape(GPT3_13B, 2, 3)}
+SHAPES = {"6.7b": Shape(words(GPT3_6_7B), 1, 2), "1.3b": Shape(words(GPT_1_3B), 1, 2),
+          "13b": Shape(words(GPT3_13B), 2, 3)}
 
 
 @dataclass(frozen=True)

@@ -56,10 +56,11 @@ from bench_offload_vs_deepspeed import (ROOT, DsSpec, Shape, decay_groups, ds_sp
                                         run_deepspeed, run_megapar, run_worker, worker_row)
 from bench_host_overhead import nanogpt_module  # benchmarks/bench_host_overhead.py
 from bench_train import bench_flags  # benchmarks/bench_train.py
-from megapar.config.recipes import GPT2_345M, GPT_1_3B
+from megapar.config.recipes import GPT2_345M, GPT_1_3B, words
 from megapar.errors import USER_ERROR_EXIT, MegaparError
 
-MODELS = {"345m": GPT2_345M, "1.3b": GPT_1_3B}  # --shape: its model flags, also the prefix of megapar's recipes
+# --shape: its model flags, also the prefix of megapar's recipes
+MODELS = {"345m": words(GPT2_345M), "1.3b": words(GPT_1_3B)}
 VARIANTS = {"graph": "{shape}-dp2-zero{stage}-graph", "compile": "{shape}-dp2-zero{stage}"}  # megapar's recipes
 ONE_GPU_VARIANTS = {"graph": "{shape}-graph", "compile": "{shape}-compile"}                    # at --gpus 1
 SYSTEMS = ("megapar", "deepspeed", "fsdp2")

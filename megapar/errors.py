@@ -12,10 +12,26 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn, Sequence
 
 
 class MegaparError(Exception):
     """A user-caused failure with a one-line message (what is wrong and how to fix it)."""
+
+
+class ConfigError(MegaparError, ValueError):
+    """A bad flag or flag combination; the message says which flags and how to fix it. `dests`: the
+    settings it concerns (e.g. ("global_batch_size", "micro_batch_size")), in the order it names them,
+    so that config/overlays.explain can say where their values came from."""
+
+    def __init__(self, message: str, dests: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.dests = tuple(dests)
+
+
+def fail(message: str, *dests: str) -> NoReturn:
+    """Raise ConfigError(message) about the settings `dests`."""
+    raise ConfigError(message, dests)
 
 
 # Exit status of a run stopped by a user error (argparse's usage-error status).

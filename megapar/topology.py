@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .config.settings import ConfigError, fail  # noqa: F401  (ConfigError: imported from here too)
+from .errors import ConfigError, fail  # noqa: F401  (ConfigError: imported from here too)
 
 
 @dataclass(frozen=True)

@@ -125,3 +125,11 @@ def test_the_walk_sees_lazy_imports_and_finds_circles():
     assert "megapar.model.sizes" in graph["megapar.optimizer.nvme"]          # imported inside a function
     assert "megapar.pretrain_gpt2" in graph["megapar.launch"]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_config_has_no_import_circle():
+    """config/ is layered inside too: megatron < settings < checks, recipes, deepspeed < overlays < build."""
+    graph = imports(modules())
+    inside = {a: {b for b in targets if package(b) == "config"} for a, targets in graph.items()
+              if package(a) == "config"}
+    assert len(inside) > 5 and not circles(inside), circles(inside)

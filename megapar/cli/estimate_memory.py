@@ -7,7 +7,7 @@ configuration.
         [--optimizer-nvme-offload PATH] \
         [--param-cpu-offload] [--checkpoint-activations] [--gpu-memory 80GB --host-memory 1TB] [--compare-stages]
 
-Takes the training flags (megapar/config/arguments.py; `--recipe NAME` and `--deepspeed-config FILE` too) plus:
+Takes the training flags (megapar/config/settings.py; `--recipe NAME` and `--deepspeed-config FILE` too) plus:
   --world-size N       processes (GPUs) of the run (default 1)
   --vocab-size N       true vocabulary size (default GPT-2's 50257)
   --gpus-per-node N    GPUs per node, for host memory per node (default: the world size, at most 8)

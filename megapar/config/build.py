@@ -11,6 +11,7 @@ from dataclasses import fields
 from typing import Any, Optional, Sequence
 
 from .checks import check_batch, check_rampup, validate
+from .deepspeed.read import resolve_batch
 from .megatron import ALIAS_FLAGS, resolve_aliases
 from .overlays import Given, Overlay, explain, merge, parse_flags
 from .settings import COMMAND_LINE, DEFAULT, SECTION_OF, SECTIONS, Config, ConfigError, ParallelConfig, default_of, fail
@@ -52,7 +53,6 @@ def _resolve_and_validate(cfg: Config, world_size: int, assume_gpus: bool) -> No
     p, t = cfg.parallel, cfg.train
     p.data_parallel_size = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
     if cfg.deepspeed is not None:  # gradient_accumulation_steps: the batch triple needs dp
-        from .deepspeed.read import resolve_batch
         given = {dest for dest, o in cfg.origin.items() if o != DEFAULT}
         t.micro_batch_size, t.global_batch_size = resolve_batch(
             cfg.deepspeed, t.micro_batch_size if "micro_batch_size" in given else None,

@@ -1,5 +1,5 @@
 """How megapar prints a command for the user to paste: the one renderer of whole command lines (next
-steps, the layout planner, the HF importer), beside `flag`/`flag_words` (arguments.py) for single flags."""
+steps, the layout planner, the HF importer), beside `flag`/`flag_words` (settings.py) for single flags."""
 from __future__ import annotations
 
 import os

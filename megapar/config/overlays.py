@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from .deepspeed.read import DeepSpeedSettings, apply
 from .megatron import NOTED_DEST
 from .recipes import recipe, recipe_names
 from .settings import (COMMAND_LINE, DEFAULT, DEEPSPEED_DEST, ConfigError, Origin, build_parser, default_of,
@@ -27,8 +28,6 @@ from .settings import (COMMAND_LINE, DEFAULT, DEEPSPEED_DEST, ConfigError, Origi
 
 if TYPE_CHECKING:
     import argparse
-
-    from .deepspeed.read import DeepSpeedSettings
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ class Given:
     decides itself ({flag: value}, megatron.py) and the DeepSpeed config's settings, if any."""
     overlays: list[Overlay]
     noted: dict[str, Any] = field(default_factory=dict)
-    deepspeed: Optional["DeepSpeedSettings"] = None
+    deepspeed: Optional[DeepSpeedSettings] = None
 
     def values(self) -> dict[str, Any]:
         """The merged values of the overlays (the settings given; a setting absent takes its default)."""
@@ -87,12 +86,10 @@ def command_line(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[
     return Overlay(COMMAND_LINE, own), noted, path
 
 
-def add_deepspeed(given: Given, path: str, strict: bool = True) -> "DeepSpeedSettings":
+def add_deepspeed(given: Given, path: str, strict: bool = True) -> DeepSpeedSettings:
     """Read the DeepSpeed config at `path` into `given`: its overlay goes just below the command
     line's (the last overlay), above the recipes'. A key and a typed flag must agree; a recipe's
     value yields to a key. `strict`: a config with problems raises one ConfigError."""
-    from .deepspeed.read import apply
-
     *lower, top = given.overlays
     below, _ = merge(*lower)
     s = apply(path, {**below, **top.values}, strict, below=frozenset(below) - set(top.values))

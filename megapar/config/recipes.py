@@ -213,14 +213,6 @@ def recipe_names(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return names, rest
 
 
-def expand_recipes(argv: Optional[Sequence[str]]) -> list[str]:
-    """argv with every `--recipe NAME` / `--recipe=NAME` replaced by that recipe's flags, placed
-    first (in the order the recipes were given) so that the flags in argv override them.
-    argv None means sys.argv[1:], as for argparse."""
-    names, rest = recipe_names(list(sys.argv[1:] if argv is None else argv))
-    return [flag for name in names for flag in recipe(name).flags] + rest
-
-
 def command_line(name: str) -> str:
     """The recipe's flags as one shell-quoted line."""
     return " ".join(shlex.quote(f) for f in recipe(name).flags)

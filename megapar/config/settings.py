@@ -3,9 +3,9 @@ any Megatron alias, `arg()`), grouped in sections; `Config` holds the sections o
 command line is derived from the fields (`build_parser`: the parser holds no defaults of its own, so
 a flag not given is absent from what it parses) and rendered back by `flag` / `flag_words`.
 
-`ConfigError` is the one error of a bad setting: its message names the flags and a fix, and it
-carries the settings (dests) it concerns, so that an error can name where their values came from
-(overlays.explain) without reading its own message.
+`ConfigError` (errors.py, below topology, which raises it too) is the one error of a bad setting: its
+message names the flags and a fix, and it carries the settings (dests) it concerns, so that an error can
+name where their values came from (overlays.explain) without reading its own message.
 """
 from __future__ import annotations
 
@@ -15,23 +15,9 @@ from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, Optional, Sequence
 
 from ..data.tokenizer import TOKENIZER_TYPES
-from ..errors import MegaparError, OneLineErrorParser
+from ..errors import ConfigError, OneLineErrorParser, fail  # noqa: F401  (the config's error, defined below topology)
 from ..fp8 import FP8_FORMATS, FP8_RECIPES
 from .megatron import ALIAS_FLAGS, MEGATRON_NOTED, NOTED_DEST
-
-
-class ConfigError(MegaparError, ValueError):
-    """A bad flag or flag combination; the message says which flags and how to fix it. `dests`: the
-    settings it concerns (e.g. ("global_batch_size", "micro_batch_size")), in the order it names them."""
-
-    def __init__(self, message: str, dests: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.dests = tuple(dests)
-
-
-def fail(message: str, *dests: str) -> typing.NoReturn:
-    """Raise ConfigError(message) about the settings `dests`."""
-    raise ConfigError(message, dests)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ The training loop calls `writer.add_scalar(name, value, step)` once per scalar (
 StepLog.record); `ScalarWriter` passes each call on to every backend the flags asked for, so
 both receive exactly the same scalars. Only rank 0 writes. The packages are optional
 (`pip install tensorboard`, `pip install wandb` or `pip install -e .[wandb]`); a run that asks for
-a backend whose package is missing is refused before any work (arguments.py, `_check_loggers`).
+a backend whose package is missing is refused before any work (config/checks.py, `_check_loggers`).
 W&B runs offline with WANDB_MODE=offline (no network; `wandb sync DIR` uploads later).
 """
 from __future__ import annotations

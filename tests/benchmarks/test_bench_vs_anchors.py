@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megapar.config.recipes import GPT_1_3B, RECIPES
+from megapar.config.recipes import GPT_1_3B, RECIPES, words
 
 ROOT = Path(__file__).resolve().parents[2]
 NANOGPT = ROOT / ".gpu" / "nanogpt"  # nanoGPT's model.py is never committed: git-ignored, where present
@@ -66,7 +66,7 @@ def test_shape_1_3b_plans_the_1_3b_recipes_and_model_for_every_system(bench, tmp
     args = args_for(bench, tmp_path, "--shape", "1.3b", "--megapar-variants", "graph", "compile")
     plan = bench.stage_plan(stage, args, 50257)
     assert list(plan.megapar) == [f"1.3b-dp2-zero{stage}-graph", f"1.3b-dp2-zero{stage}"]
-    assert plan.shape == bench.Shape(GPT_1_3B, 2, stage) and plan.stage == stage
+    assert plan.shape == bench.Shape(words(GPT_1_3B), 2, stage) and plan.stage == stage
     s = plan.spec  # DeepSpeed's GPT2Config and FSDP2's GPTConfig are built from it
     assert (s.layers, s.hidden, s.heads, s.seq, s.vocab) == (24, 2048, 16, 1024, 50304)
     assert (s.micro_batch, s.global_batch, s.stage, s.offload, s.recompute) == (8, 16, stage, False, False)
@@ -74,7 +74,7 @@ def test_shape_1_3b_plans_the_1_3b_recipes_and_model_for_every_system(bench, tmp
 
 
 def test_a_shape_whose_recipes_are_another_model_is_refused(bench, tmp_path, monkeypatch):
-    monkeypatch.setitem(bench.MODELS, "345m", GPT_1_3B)
+    monkeypatch.setitem(bench.MODELS, "345m", words(GPT_1_3B))
     with pytest.raises(AssertionError, match="are not the 345m shape"):
         bench.stage_plan(2, args_for(bench, tmp_path), 50257)
 

@@ -191,6 +191,18 @@ def test_an_error_names_where_a_value_came_from_when_the_command_line_did_not_ty
         parse(["--micro-batch-size", "3", "--save", str(tmp_path / "ck")], world_size=1)
 
 
+def test_an_error_carries_the_settings_it_concerns():
+    """A ConfigError names its settings (dests), so the origin note needs no parsing of its message:
+    a layout check in topology.py names a recipe's layer count, an alias flag's value is the command line's."""
+    with pytest.raises(ConfigError, match=r"--num-layers 2 is not divisible by --pipeline-model-parallel-size 4.*"
+                                          r"\(--num-layers set by --recipe cpu-tiny\)$") as e:
+        parse_config(["--recipe", "cpu-tiny", "--pipeline-model-parallel-size", "4", "--train-iters", "1"], 4)
+    assert e.value.dests == ("num_layers", "pipeline_model_parallel_size")
+    from megapar.config.settings import COMMAND_LINE
+    cfg = parse_config(BASE + ["--checkpoint-activations"], 1)
+    assert cfg.model.recompute_granularity == "full" and cfg.origin["recompute_granularity"] == COMMAND_LINE
+
+
 def test_checkpoint_args_namespace_keeps_megatron_fields():
     cfg = parse_config(BASE + ["--recompute-activations"], world_size=1)
     ns = cfg.megatron_args()

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from megapar.config.build import parse_config
-from megapar.config.settings import build_parser
-from megapar.config.recipes import RECIPES, describe, expand_recipes
+from megapar.config.overlays import parse_flags
+from megapar.config.recipes import RECIPES, describe, recipe_names
+from megapar.config.settings import COMMAND_LINE, Origin, build_parser
 from megapar.topology import ConfigError
 
 GRAPHED = [name for name, r in RECIPES.items() if "--enable-cuda-graph" in r.flags]
@@ -18,6 +19,7 @@ GRAPHED = [name for name, r in RECIPES.items() if "--enable-cuda-graph" in r.fla
 def test_every_recipe_parses_on_its_gpu_count(name, monkeypatch):
     r = RECIPES[name]
     ns = build_parser().parse_args(list(r.flags))
+    assert vars(ns) == r.values  # its flags (flag_words) read back as its values
     assert ns.seq_length in (1024, 2048) and (getattr(ns, "bf16", False) or getattr(ns, "fp16", False))
     if name in GRAPHED or "--optimizer-cpu-offload" in r.flags or "--fp8-format" in r.flags:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # refused without CUDA: check everything else
@@ -46,22 +48,23 @@ def test_cpu_recipes_are_fp32_runs_of_the_embedded_default_without_a_gpu(name, t
 @pytest.mark.parametrize("argv", [["--recipe", "345m-tp2", "--micro-batch-size", "2"],
                                   ["--micro-batch-size", "2", "--recipe=345m-tp2"]])
 def test_command_line_flags_override_the_recipe(argv):
-    expanded = expand_recipes(argv)
-    assert expanded[:len(RECIPES["345m-tp2"].flags)] == list(RECIPES["345m-tp2"].flags)
-    assert "--recipe" not in " ".join(expanded)
-    ns = build_parser().parse_args(expanded)
-    assert ns.micro_batch_size == 2 and ns.tensor_model_parallel_size == 2 and ns.num_layers == 24
-    assert parse_config(expanded, world_size=2).train.micro_batch_size == 2
+    given = parse_flags(argv)
+    assert [o.origin for o in given.overlays] == [Origin("--recipe 345m-tp2"), COMMAND_LINE]
+    assert given.overlays[0].values == RECIPES["345m-tp2"].values
+    cfg = parse_config(argv, world_size=2)
+    assert cfg.train.micro_batch_size == 2 and cfg.origin["micro_batch_size"] == COMMAND_LINE
+    assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.model.num_layers == 24
+    assert cfg.origin["num_layers"] == Origin("--recipe 345m-tp2")
 
 
 def test_no_recipe_leaves_argv_alone():
-    assert expand_recipes(["--num-layers", "2", "--data-path", "x"]) == ["--num-layers", "2", "--data-path", "x"]
+    assert recipe_names(["--num-layers", "2", "--data-path", "x"]) == ([], ["--num-layers", "2", "--data-path", "x"])
 
 
 @pytest.mark.parametrize("argv", [["--recipe", "nope"], ["--recipe=nope"], ["--recipe"]])
 def test_unknown_or_missing_name_errors_in_one_line_naming_the_choices(argv):
     with pytest.raises(ConfigError) as e:
-        expand_recipes(argv)
+        parse_flags(argv)
     msg = str(e.value)
     assert "\n" not in msg and "--recipe" in msg and all(name in msg for name in RECIPES)
 

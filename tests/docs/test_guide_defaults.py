@@ -10,7 +10,7 @@ The patterns read (F is a backquoted flag, `--flag` or `--flag value`; X the quo
   * `--flag a|b|c` (..., a = ..., default; ...) or (..., a, the default, ...): a choice named the default
 X is checked when it is a number (10, 0.5, 2^32), a percentage (90%: a fraction), a size (1 MiB) or a choice;
 anything else (`--save`/wandb, "the world size up to 8", "every visible GPU") describes a default computed at run
-time and is not checked. A training flag's default is megapar.config.arguments.default_of of its setting (resolved for
+time and is not checked. A training flag's default is megapar.config.settings.default_of of its setting (resolved for
 "auto"/None where the flag's own help says what it picks); the other tools' flags come from their own parsers, and
 scripts/pretrain_gpt2.sh's launcher flags from torchrun's (which it passes them to).
 """

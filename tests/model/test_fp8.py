@@ -296,7 +296,7 @@ def _emulated_fp8_train_body(rank, world_size, argv):
     layers emulate (torchao casts to fp8, multiplies in high precision)."""
     import megapar.config.checks
     from train_helpers import _pretrain_body
-    megapar.config.checks._check_fp8 = lambda ns, gpus: None
+    megapar.config.checks._check_fp8 = lambda cfg, gpus: None
     return _pretrain_body(rank, world_size, argv)
 
 
