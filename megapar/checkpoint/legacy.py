@@ -38,8 +38,7 @@ from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, Checkpo
                      flatten_model_states, get_rng_state, has_model_state, iter_dir, load_file, loaded_line,
                      nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
                      shard_dir_name, shard_dirs, untracked_line, identity,
-                     write_manifest, read_manifest, check_checksum, check_file, check_identity, IDENTITY_FILE,
-                     file_checksum)
+                     write_manifest, read_manifest, check_checksum, check_file, check_identity, IDENTITY_FILE)
 from .stream import LazyTensor, StreamingSaver
 from .publish import published_dir, staged_iteration
 
@@ -144,7 +143,7 @@ def _write_shard(shard: str, obj: dict, dist_obj: Optional[dict], model_stream: 
     for name, o, stream in files:
         with StreamingSaver(os.path.join(shard, name), o) as saver:
             feed(saver, stream)
-        sums[name] = file_checksum(os.path.join(shard, name))     # read back from the page cache
+        sums[name] = saver.checksum          # taken beside the file's fsync
     write_manifest(shard, ident, sums)
 
 

@@ -40,6 +40,17 @@ def test_sum64_is_its_definition(tmp_path, size):
     assert file_checksum(write(tmp_path / "f", raw)) == (size, reference(raw))
 
 
+def test_a_streamed_save_records_the_files_checksum(tmp_path):
+    import torch
+    from megapar.checkpoint.stream import LazyTensor, StreamingSaver
+    tensors = [torch.randn(n) for n in (3, BLOCK // 4 + 1, 5 * BLOCK // 4)]
+    path = str(tmp_path / "model_optim_rng.pt")
+    with StreamingSaver(path, {"t": [LazyTensor(tuple(t.shape), t.dtype) for t in tensors]}) as saver:
+        for t in tensors:
+            saver.write_next(t)
+    assert saver.checksum == file_checksum(path)
+
+
 def test_every_change_is_told_apart(tmp_path):
     raw = np.random.default_rng(0).integers(0, 256, 4 * BLOCK + 5, dtype=np.uint8).tobytes()
     saved = {"bytes": len(raw), common.CHECKSUM: file_checksum(write(tmp_path / "f", raw))[1]}
