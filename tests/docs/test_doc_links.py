@@ -1,6 +1,7 @@
 """Every link to a section of a markdown file (`file.md#section`) in the code and the docs names a heading that
 exists, with GitHub's anchors (lowercase; punctuation other than - and _ dropped; spaces become -); every relative
-markdown link in the docs names a file that exists; docs/performance.md indexes every dated benchmark file."""
+markdown link in the docs names a file that exists; docs/performance.md indexes every dated benchmark file; the
+README's file map names paths that exist."""
 from __future__ import annotations
 
 import re
@@ -123,3 +124,27 @@ def test_guide_has_a_table_of_contents():
     text = (ROOT / "docs" / "guide.md").read_text()
     toc = text.split("## Contents\n\n", 1)[1].split("\n## ", 1)[0]
     assert toc.strip() == guide_toc(text).strip(), "docs/guide.md's Contents is stale: regenerate it from the headings"
+
+
+def file_map_paths(readme: str) -> list[str]:
+    """The paths the README's file map names: top-level entries at column 0, megapar/'s at column 2
+    (`errors.py, atomic.py` names two); description lines are indented further and name none."""
+    block = readme.split("## File map", 1)[1].split("```", 2)[1]
+    paths, parent = [], ""
+    for line in block.splitlines():
+        m = re.match(r"^( {0,2})([\w./-]+(?:, [\w./-]+)*)(?: {2,}|$)", line)
+        if not m:
+            continue
+        if not m.group(1):
+            parent = m.group(2) if m.group(2).endswith("/") else ""
+            paths.append(m.group(2))
+        else:
+            paths += [parent + name for name in m.group(2).split(", ")]
+    return paths
+
+
+def test_the_readme_file_map_names_paths_that_exist():
+    paths = file_map_paths((ROOT / "README.md").read_text())
+    assert len(paths) > 20 and "megapar/pipeline/" in paths and "megapar/errors.py" in paths, paths
+    missing = [p for p in paths if not (ROOT / p).exists()]
+    assert not missing, f"README.md's file map names paths that do not exist: {missing}"
