@@ -26,9 +26,7 @@ class Key:
 
 
 _OWN_COMMS = "megapar schedules its own gradient and parameter communication, per layer"
-_NVME_IO = ("tunes DeepSpeed's NVMe I/O; megapar reads and writes the state files with O_DIRECT pread/pwrite (buffered "
-            "where the file system refuses it) from a pool of I/O threads, a chunk ahead of the CPU step, through two "
-            "chunks' host buffers")
+_NVME_IO = "tunes DeepSpeed's NVMe I/O; megapar's NVMe offload runs its own (see NVMe offload)"
 _NVME_PARAM = "an NVMe setting; megapar offloads parameters to CPU memory only"
 _RECOMPUTE = ("--recompute-granularity / --checkpoint-activations switch recompute on, as Megatron-DeepSpeed's "
               "flags do")
