@@ -5,13 +5,14 @@ measured one after the other, with the planner's prediction and overall pick bes
     python benchmarks/bench_layouts_4gpu.py [--shapes 1.3b 6.7b 13b] [--layouts dp4-zero1 tp2-dp2 ...] \
         [--global-batch 64] [--iters 20] [--calibration calib.json] [--budget SECONDS] [--dry-run]
 
-A layout names (tp, pp, v, dp, ZeRO stage): dp 4 at ZeRO-1/2/3, tp 2 x dp 2, pp 2 x dp 2, tp 2 x pp 2
-(plain and interleaved with 2 chunks), tp 4, pp 4. For each shape and layout the planner
-(megapar/planner/search.py, the cost model of tools/plan_layout.py) ranks every micro-batch, recompute and
-sequence-parallel choice that fits 141 GB; the fastest is run through scripts/pretrain_gpt2.sh with
---torch-compile, the whole step in one CUDA graph where validation allows it (else compiled alone) and
-benchmarks/bench_train.py's benchmark flags. `--dry-run` prints the plan (and each run's command) without
-running anything: what a device call would do, checked on a CPU.
+A layout names (tp, pp, v, dp, ZeRO stage, schedule): dp 4 at ZeRO-1/2/3, tp 2 x dp 2, pp 2 x dp 2, tp 2 x
+pp 2 (interleaved with 2 chunks too), tp 4, pp 4; the pipelines with 1F1B and with ZB-H1 (--enable-zero-bubble).
+For each shape and layout the planner (megapar/planner/search.py, the cost model of
+tools/plan_layout.py) ranks every micro-batch, recompute and sequence-parallel choice that fits 141 GB; the
+fastest is run through scripts/pretrain_gpt2.sh with --torch-compile, the whole step in one CUDA graph where
+validation allows it (else compiled alone) and benchmarks/bench_train.py's benchmark flags. `--dry-run`
+prints the plan (and each run's command) without running anything: what a device call would do, checked on a
+CPU.
 
 The table: shape, layout, the planner's choice, predicted ms/step and MFU, measured ms/step, tokens/s per
 GPU, TFLOP/s per GPU, MFU (megapar's formula, docs/performance.md) and peak memory, and which layout the
@@ -32,10 +33,11 @@ from megapar.planner.calibration import load_calibration
 
 GPUS, GPU_MEMORY = 4, 141 * 2**30
 SHAPES = {"1.3b": (24, 2048, 16), "6.7b": (32, 4096, 32), "13b": (40, 5120, 40)}  # layers, hidden, heads
-LAYOUTS = {   # name -> (tp, pp, v, dp, ZeRO stage)
-    "dp4-zero1": (1, 1, 1, 4, 1), "dp4-zero2": (1, 1, 1, 4, 2), "dp4-zero3": (1, 1, 1, 4, 3),
-    "tp2-dp2": (2, 1, 1, 2, 1), "pp2-dp2": (1, 2, 1, 2, 1), "tp2-pp2": (2, 2, 1, 1, 0),
-    "tp2-pp2-v2": (2, 2, 2, 1, 0), "tp4": (4, 1, 1, 1, 0), "pp4": (1, 4, 1, 1, 0),
+LAYOUTS = {   # name -> (tp, pp, v, dp, ZeRO stage, zero-bubble schedule)
+    "dp4-zero1": (1, 1, 1, 4, 1, False), "dp4-zero2": (1, 1, 1, 4, 2, False), "dp4-zero3": (1, 1, 1, 4, 3, False),
+    "tp2-dp2": (2, 1, 1, 2, 1, False), "pp2-dp2": (1, 2, 1, 2, 1, False), "pp2-dp2-zb": (1, 2, 1, 2, 1, True),
+    "tp2-pp2": (2, 2, 1, 1, 0, False), "tp2-pp2-v2": (2, 2, 2, 1, 0, False), "tp2-pp2-zb": (2, 2, 1, 1, 0, True),
+    "tp4": (4, 1, 1, 1, 0, False), "pp4": (1, 4, 1, 1, 0, False), "pp4-zb": (1, 4, 1, 1, 0, True),
 }
 SEQ = 2048
 COMPILED = {"torch_compile": True, "adam_impl": "fused"}
@@ -65,11 +67,11 @@ def request(shape: str, global_batch: int, extra: dict) -> search.Request:
 
 def choose(shape: str, name: str, global_batch: int, cal) -> Choice:
     """The fastest fitting candidate of layout `name`, graphed where validation allows the graph."""
-    tp, pp, v, dp, zero = LAYOUTS[name]
+    want = LAYOUTS[name]
     for extra, graphed in ((GRAPHED, True), (COMPILED, False)):
         req = request(shape, global_batch, extra)
         cands = [search.evaluate(req, cal, lay) for lay in search.layouts(req)
-                 if (lay.tp, lay.pp, lay.v, lay.dp, lay.zero, lay.offload) == (tp, pp, v, dp, zero, "none")]
+                 if (lay.tp, lay.pp, lay.v, lay.dp, lay.zero, lay.zb) == want and lay.offload == "none"]
         fits = sorted((c for c in cands if c.reason is None), key=lambda c: (c.seconds, c.gpu_bytes))
         if fits:
             return Choice(shape, name, fits[0], graphed, req)

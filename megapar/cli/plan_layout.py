@@ -118,8 +118,8 @@ def _rejected(plan: search.Plan, n: int) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for c in near:
             lay = c.layout
-            lines.append(f"| {lay.tp} | {lay.pp} | {lay.v} | {lay.dp} | {lay.zero} | {lay.offload} | {lay.micro} "
-                         f"| {lay.recompute} | {'yes' if lay.sp else 'no'} | {c.reason} |")
+            lines.append(f"| {lay.tp} | {lay.pp} | {lay.schedule} | {lay.dp} | {lay.zero} | {lay.offload} "
+                         f"| {lay.micro} | {lay.recompute} | {'yes' if lay.sp else 'no'} | {c.reason} |")
     return "\n".join(lines)
 
 

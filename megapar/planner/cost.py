@@ -22,6 +22,9 @@ a microbatch. Every time is in seconds, for the slowest pipeline stage (the last
                      T h · 2 B each way, v times with interleaving) + ZeRO-2/3 per-layer overheads
                      + exposed ZeRO-2/3 per-microbatch traffic + the per-microbatch overhead
     pipeline         (m + (p - 1) / v) · t_mb   (1F1B: the bubble is (p - 1) / (v m) of the ideal m · t_mb)
+                     ZB-H1 (--enable-zero-bubble, v = 1): m · t_mb + (p - 1)(t_mb - 2 t_W), t_W the stage's
+                     weight-gradient GEMMs of one microbatch (one forward's GEMMs): the deferred W's fill
+                     1F1B's cooldown; its data-parallel reduction runs after the schedule, none hidden
     data parallel    bytes on the wire per rank, n parameters of this rank, g = (d - 1) / d:
                        ZeRO 0     all-reduce of the fp32 gradients       2 g · 4 n, once per step
                        ZeRO 1     reduce-scatter fp32 4 g n + all-gather of the bf16 params 2 g n, once
@@ -75,6 +78,12 @@ class Layout:
     recompute: str          # none | selective | full
     sp: bool
     nvme: bool = False      # the offloaded optimizer state in files (--optimizer-nvme-offload)
+    zb: bool = False        # the ZB-H1 zero-bubble schedule (--enable-zero-bubble)
+
+    @property
+    def schedule(self) -> str:
+        """The table's v column: the model chunks per rank, or zb for the zero-bubble schedule."""
+        return "zb" if self.zb else str(self.v)
 
     @property
     def offload(self) -> str:
@@ -301,6 +310,9 @@ def step_time(cal: Calibration, model: Model, lay: Layout, cluster: Cluster) -> 
     m = microbatches(model, lay)
     bubble = (lay.pp - 1) / lay.v * t_mb
     last_backward = layers * bwd / lay.v      # the backward beside which the step's reduction runs
+    if lay.zb:                                # W passes fill the cooldown; the reduction waits for the last
+        bubble = (lay.pp - 1) * max(t_mb - 2 * layers * layer_gemms_forward(cal, model, lay), 0.0)
+        last_backward = 0.0
     return StepTime(pipeline=m * t_mb + bubble, microbatch=t_mb, bubble=bubble,
                     dp_exposed=dp_step_comm(cal, model, lay, cluster, last_backward),
                     optimizer=optimizer_time(cal, model, lay, cluster), overhead=cal.step_overhead_ms * 1e-3)

@@ -33,6 +33,10 @@ training flags.
                   full recompute keeps only each checkpointed layer's input (2 s·b·h) plus one
                   layer's activations during its recompute
     in flight   = microbatches whose activations a stage holds: 1F1B stage k keeps min(pp − k, m)
+    held W      = --enable-zero-bubble (ZB-H1): stage k also holds back min(k, m) microbatches' weight
+                  gradients, each keeping per layer the inputs and output gradients of its four GEMMs
+                  (QKV, projection, fc1, fc2): (4 + 4 / tp + 2 f / (h tp)) s·b·h · bytes/2 (the LayerNorm
+                  outputs and the row-parallel output gradients whole over TP)
     head        = last stage: logits kept for the loss + their gradient (s·b·V/tp each)
 
 Calibrated against `max allocated` of the benchmark runs in docs/performance.md (GPT-2 345M, bf16, flash,
@@ -130,6 +134,16 @@ def layer_activation_bytes(cfg: Config) -> float:
     return saved
 
 
+def held_weight_gradient_bytes(cfg: Config, layers: int) -> float:
+    """--enable-zero-bubble: what one microbatch's deferred weight gradients keep alive on a stage of
+    `layers` layers until its W runs (the GEMMs' inputs and output gradients)."""
+    m, t = cfg.model, cfg.train
+    tp = cfg.parallel.tensor_model_parallel_size
+    sbh = m.seq_length * t.micro_batch_size * m.hidden_size
+    elem = 4 if not (t.bf16 or t.fp16) else 2
+    return layers * elem * sbh * (4 + 4 / tp + 2 * m.ffn_hidden_size / (m.hidden_size * tp))
+
+
 def activations_one_microbatch(cfg: Config, layers: int, per_layer: float, layer_input: float) -> float:
     """Bytes one microbatch keeps in a stage of `layers` layers, with or without full recompute."""
     m = cfg.model
@@ -159,10 +173,14 @@ def estimate(cfg: Config) -> list[StageMemory]:
         in_flight = v * min(pp - stage, cfg.num_microbatches) if pp > 1 else 1
         if v > 1:  # interleaved 1F1B: warmup + 1 chunk outputs alive (pipeline/interleaved.py)
             in_flight = min(num_warmup(pp, stage, v, cfg.num_microbatches) + 1, v * cfg.num_microbatches)
+        if p.enable_zero_bubble:
+            held = held_weight_gradient_bytes(cfg, counts[stage]) * min(stage, cfg.num_microbatches)
+        else:
+            held = 0.0
         head = 0.0
         if stage == pp - 1:
             head = 2 * elem * m.seq_length * t.micro_batch_size * m.padded_vocab_size / p.tensor_model_parallel_size
-        out.append(StageMemory(stage, n, static, acts_one * in_flight, head, transient, host, disk))
+        out.append(StageMemory(stage, n, static, acts_one * in_flight + held, head, transient, host, disk))
     return out
 
 

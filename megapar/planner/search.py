@@ -1,8 +1,8 @@
 """Enumerate every layout of a model on a cluster, check each the way training would, predict its memory
 (megapar/planner/memory_estimate.py, unchanged) and its step time (cost.py), and rank them.
 
-A layout is (tp, pp, v, dp, ZeRO stage, optimizer offload, parameter offload, micro-batch, recompute,
-sequence parallel). A candidate is rejected, with the reason kept, when
+A layout is (tp, pp, v or the zero-bubble schedule, dp, ZeRO stage, optimizer offload, parameter offload,
+micro-batch, recompute, sequence parallel). A candidate is rejected, with the reason kept, when
   * the shape cannot be split that way (heads or ffn not divisible by tp, layers by pp, the global batch by
     dp x micro-batch) -- checked here first, since these need no configuration;
   * it is redundant (selective recompute with flash attention recomputes nothing: it is recompute none);
@@ -115,8 +115,9 @@ def layouts(req: Request) -> Iterator[cost.Layout]:
                     for micro in micros:
                         for recompute in RECOMPUTE:
                             for sp in ((False, True) if tp > 1 else (False,)):
-                                yield cost.Layout(tp, pp, v, dp, zero, opt_off, param_off, micro, recompute, sp,
-                                                  nvme)
+                                for zb in ((False, True) if pp > 1 and v == 1 and zero <= 1 else (False,)):
+                                    yield cost.Layout(tp, pp, v, dp, zero, opt_off, param_off, micro, recompute,
+                                                      sp, nvme, zb)
 
 
 def shape_reason(req: Request, lay: cost.Layout) -> Optional[str]:
@@ -150,7 +151,7 @@ def flags(req: Request, lay: cost.Layout) -> dict[str, Any]:
         out["virtual_pipeline_model_parallel_size"] = lay.v
     for name, on in (("optimizer_cpu_offload", lay.optimizer_offload and not lay.nvme),
                      ("param_cpu_offload", lay.param_offload),
-                     ("sequence_parallel", lay.sp)):
+                     ("sequence_parallel", lay.sp), ("enable_zero_bubble", lay.zb)):
         if on:
             out[name] = True
     return out
@@ -212,9 +213,9 @@ def row(plan_: Plan, c: Candidate) -> str:
     lay, req = c.layout, plan_.request
     model = model_of(req, lay.tp)
     mfu = cost.mfu(model, c.seconds, req.gpus, plan_.calibration.peak_tflops)
-    recompute = lay.recompute
-    return (f"| {lay.tp} | {lay.pp} | {lay.v} | {lay.dp} | {lay.zero} | {lay.offload} | {lay.micro} | {recompute} "
-            f"| {'yes' if lay.sp else 'no'} | {1e3 * c.seconds:,.1f} | {cost.tokens_per_second(model, c.seconds):,.0f} "
+    tokens = cost.tokens_per_second(model, c.seconds)
+    return (f"| {lay.tp} | {lay.pp} | {lay.schedule} | {lay.dp} | {lay.zero} | {lay.offload} | {lay.micro} "
+            f"| {lay.recompute} | {'yes' if lay.sp else 'no'} | {1e3 * c.seconds:,.1f} | {tokens:,.0f} "
             f"| {100 * mfu:.1f}% | {c.gpu_bytes / GiB:.1f} | {c.host_bytes / GiB:.1f} |")
 
 
@@ -234,7 +235,7 @@ def command(req: Request, lay: cost.Layout) -> str:
              "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
              "max_position_embeddings", "micro_batch_size", "global_batch_size", "bf16", "zero_stage",
              "optimizer_cpu_offload", "param_cpu_offload", "recompute_granularity", "recompute_method",
-             "recompute_num_layers", "sequence_parallel"]
+             "recompute_num_layers", "sequence_parallel", "enable_zero_bubble"]
     given = flags(req, lay)
     words = [w for name in order + sorted(set(given) - set(order)) if name in given
              for w in flag_words(name, given[name])]

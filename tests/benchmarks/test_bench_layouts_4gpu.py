@@ -31,10 +31,11 @@ def test_dry_run_plans_every_layout_of_a_shape(bench, capsys, tmp_path):
     rows = {line.split("|")[2].strip(): i for i, line in enumerate(out) if line.startswith("| 1.3b |")}
     assert set(rows) == set(bench.LAYOUTS)
     for name, i in rows.items():
-        tp, pp, v, dp, zero = bench.LAYOUTS[name]
+        tp, pp, v, dp, zero, zb = bench.LAYOUTS[name]
         command = out[i + 1]
         assert command.strip().startswith("pretrain_gpt2.sh --nproc-per-node 4 ")
         assert sizes(command) == (tp, pp, v) and f"--zero-stage {zero}" in command
+        assert ("--enable-zero-bubble" in command) == zb
         assert "--torch-compile" in command and command.count("--torch-compile") == 1
         assert ("--enable-cuda-graph" in command) == ("graph" in out[i].split("|")[3])
     assert sum("*micro" in out[i] for i in rows.values()) <= 1

@@ -5,7 +5,7 @@ import pytest
 from gpt_helpers import tiny_model_config
 from megapar.config.build import parse_config
 from megapar.model.sizes import stage_params
-from megapar.planner.memory_estimate import GiB, estimate
+from megapar.planner.memory_estimate import GiB, estimate, held_weight_gradient_bytes, layer_counts
 from megapar.model import GPT2Model, Stage, set_vocab
 
 GPT2_345M = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
@@ -52,6 +52,17 @@ def test_zero1_and_recompute_shrink_what_they_should():
     assert base - zero == pytest.approx(12 * n * (1 - 1 / 4) / GiB)
     rec, _ = _peak(["--micro-batch-size", "8", "--checkpoint-activations"], 1)
     assert rec < base - 4.0                                   # 24 layers of activations -> inputs + one layer
+
+
+def test_zero_bubble_holds_the_deferred_weight_gradients():
+    """ZB-H1: stage k also keeps min(k, m) microbatches' GEMM inputs and output gradients."""
+    flags = ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "2", "--global-batch-size", "16"]
+    plain, cfg = parse_config(GPT2_345M + flags, 4), parse_config(GPT2_345M + flags + ["--enable-zero-bubble"], 4)
+    for c in (plain, cfg):
+        set_vocab(c.model, 50257, 1, log=lambda *_: None)
+    for k, (a, b) in enumerate(zip(estimate(plain), estimate(cfg))):
+        held = held_weight_gradient_bytes(cfg, layer_counts(cfg.model, 4)[k]) * min(k, cfg.num_microbatches)
+        assert b.activation_bytes - a.activation_bytes == pytest.approx(held) and (held > 0) == (k > 0)
 
 
 # ---- ZeRO stages 0-3 and CPU offload, derived by hand -------------------------------------------------

@@ -128,6 +128,25 @@ def test_interleaving_shrinks_the_bubble():
     assert two.bubble < one.bubble and two.microbatch > one.microbatch                     # v x the p2p
 
 
+def test_zero_bubble_shrinks_the_bubble_and_loses_the_reduction_overlap():
+    one, zb = (cost.step_time(H100, MODEL, layout(pp=4, dp=4, zb=z), CLUSTER) for z in (False, True))
+    w = MODEL.num_layers // 4 * cost.layer_gemms_forward(H100, MODEL, layout(pp=4, dp=4))
+    assert zb.microbatch == one.microbatch and one.bubble == pytest.approx(3 * one.microbatch)
+    assert zb.bubble == pytest.approx(3 * (one.microbatch - 2 * w)) and 0 < zb.bubble < one.bubble
+    assert zb.dp_exposed >= one.dp_exposed                  # the reduction waits for the last W
+
+
+def test_zero_bubble_is_planned_where_it_runs(small_plan):
+    """ZB-H1 layouts are enumerated for pp > 1, v = 1, ZeRO 0-1 only, and training accepts them."""
+    zb = [c for c in small_plan.accepted + small_plan.rejected if c.layout.zb]
+    assert zb and all(c.layout.pp > 1 and c.layout.v == 1 and c.layout.zero <= 1 for c in zb)
+    assert not [c for c in zb if c.reason and "refused by validation" in c.reason]
+    best = next(c for c in small_plan.accepted if c.layout.zb)
+    cfg = build_config(search.flags(small_plan.request, best.layout), 8, assume_gpus=True)
+    assert cfg.parallel.enable_zero_bubble and "--enable-zero-bubble" in search.command(small_plan.request, best.layout)
+    assert search.row(small_plan, best).split("|")[3].strip() == "zb"
+
+
 def test_recompute_is_slower_and_smaller():
     req = request(gpus=2, gpu_memory=80 * GiB)
     none, full = (search.evaluate(req, H100, layout(dp=2, recompute=r)) for r in ("none", "full"))
