@@ -18,6 +18,12 @@ class MegaparError(Exception):
     """A user-caused failure with a one-line message (what is wrong and how to fix it)."""
 
 
+class NonFiniteLossError(MegaparError, FloatingPointError):
+    """The loss or gradient norm became NaN/Inf (a too large --lr, fp16 without loss scaling, bad data),
+    fp16 steps kept overflowing at the minimum loss scale, or the weights hold NaN/Inf at a save;
+    raised on every rank at the same iteration, before any checkpoint of the broken weights."""
+
+
 # Exit status of a run stopped by a user error (argparse's usage-error status).
 USER_ERROR_EXIT = 2
 

@@ -388,7 +388,7 @@ def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int
     step_dir = ck.published_dir(load_dir, it)
     if not os.path.isdir(step_dir):
         raise GenerationError(f"checkpoint directory {step_dir} (named by {ck.TRACKER}) is missing")
-    if ck.is_dist_checkpoint(step_dir) or _saved_layout(step_dir) != (tp, pp):  # read canonical tensors, reshard
+    if ck.detect(step_dir) is not ck.legacy.FORMAT or _saved_layout(step_dir) != (tp, pp):  # canonical, resharded
         return load_model_state_for(load_dir, tp, pp, tp_rank, pp_rank, iteration=it)
     path = os.path.join(step_dir, ck.shard_dir_name(tp_rank, pp_rank, pp), ck.MODEL_FILE)
     state = ck.load_file(path)

@@ -16,7 +16,8 @@ import torch
 
 from ..config.arguments import ParallelConfig, section_from_args
 from ..checkpoint.common import SavedConfig, iter_dir, read_tracker
-from ..checkpoint.dist import is_dist_checkpoint
+from ..checkpoint.dist import DistFormat
+from ..checkpoint.formats import detect
 from ..topology import ConfigError, check_parallel_shape, padded_vocab_size
 from ..checkpoint.layout import chunk_layout, split, stage_keys
 from .canonical import CanonicalFolder, is_canonical
@@ -32,7 +33,7 @@ def open_source(path: str, iteration: Optional[int | str] = None, from_full: boo
     if iteration is not None and iteration != "release":
         iteration = int(iteration)
     it = iteration if iteration is not None or not os.path.isdir(path) else read_tracker(path)
-    if it is not None and is_dist_checkpoint(iter_dir(path, it)):
+    if it is not None and isinstance(detect(iter_dir(path, it)), DistFormat):
         return DistSource(path, it)
     return ShardedCheckpoint(path, iteration)
 

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ..config.arguments import Config
-from ..checkpoint import AsyncSaves
+from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.formats import Parts
 from ..model import GPT2Model, build_model, set_vocab
 from ..optimizer.grad_buffer import GradReduction
 from ..optimizer.lr_schedule import OptimizerParamScheduler
@@ -72,7 +73,7 @@ class Run:
     grad_buffer: GradReduction
     optimizer: Any
     scheduler: OptimizerParamScheduler
-    saves: Optional[AsyncSaves] = None   # --async-save: the save in flight
+    checkpointer: Checkpointer    # every save and load of the run
     sharded: Optional[ShardedParams] = None   # ZeRO-3: the store of the layers' weights (checkpoints read and
                                               # write them through it)
 
@@ -95,8 +96,9 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
     log(f"> optimizer: AdamW ({'csrc fused, one launch' if optimizer.adam_impl == 'fused' else 'torch'}"
         f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}{offload_text(p, nvme.io_mode if nvme else '')})")
     scheduler = build_scheduler(cfg, optimizer)
-    saves = AsyncSaves(device) if cfg.ckpt.async_save else None
-    return Run(cfg, topo, rank, device, model, zero.grad_buffer, optimizer, scheduler, saves, zero.sharded)
+    parts = Parts(model, optimizer, scheduler, cfg.model, topo, rank, zero.sharded)
+    checkpointer = Checkpointer(cfg.ckpt, parts, device, lambda consumed: checkpoint_args(cfg, consumed))
+    return Run(cfg, topo, rank, device, model, zero.grad_buffer, optimizer, scheduler, checkpointer, zero.sharded)
 
 
 def offload_text(p, nvme_io: str = "") -> str:
@@ -152,10 +154,10 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
                                    wd_incr_steps=horizon)
 
 
-def checkpoint_args(run: Run, consumed_samples: int) -> argparse.Namespace:
+def checkpoint_args(cfg: Config, consumed_samples: int) -> argparse.Namespace:
     """The `args` stored in checkpoints: every setting (Megatron's names), the sizes derived from the
     tokenizer and topology, and what Megatron-format readers look for (docs/design.md)."""
-    ns = run.cfg.namespace()
+    ns = cfg.namespace()
     ns.consumed_train_samples = consumed_samples
     ns.openai_gelu, ns.bias_gelu_fusion = True, False
     return ns
