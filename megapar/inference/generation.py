@@ -374,7 +374,7 @@ def _saved_layout(step_dir: str) -> tuple[int, int]:
     return max(t for t, _ in ranks) + 1, max(p or 0 for _, p in ranks) + 1
 
 
-def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int,
+def read_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int,
                      iteration=None) -> tuple[SavedConfig, dict[str, torch.Tensor]]:
     """(the checkpoint's SavedConfig, flat model state dict) of shard (tp_rank, pp_rank) for an inference layout
     tp x pp, from a checkpoint saved at any layout (via megapar.reshard when the layouts differ)."""
@@ -419,7 +419,7 @@ def load_inference_model(load_dir: str, topo: Topology, rank: int, device: torch
     if topo.dp != 1:
         raise GenerationError(f"inference runs one model replica: launch tp x pp = {topo.tp * topo.pp} "
                               f"processes (got {topo.world_size})")
-    saved, state = load_model_state(load_dir, topo.tp, topo.pp, c.tp, c.pp, iteration)
+    saved, state = read_model_state(load_dir, topo.tp, topo.pp, c.tp, c.pp, iteration)
     cfg = inference_config(saved.model, device)  # describes this (possibly resharded) layout
     model = GPT2Model(cfg, Stage.for_config(cfg, topo.pp, c.pp), seed=0, tp_group=topo.groups.tp,
                       device=device, dtype=dtype)

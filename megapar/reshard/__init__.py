@@ -21,11 +21,11 @@ from ..checkpoint.formats import detect
 from ..topology import ConfigError, check_parallel_shape, padded_vocab_size
 from ..checkpoint.layout import chunk_layout, split, stage_keys
 from .canonical import CanonicalFolder, is_canonical
-from .source import ShardedCheckpoint
+from .source import ShardedCheckpoint, Source
 from .torch_dist import DistSource
 
 
-def open_source(path: str, iteration: Optional[int | str] = None, from_full: bool = False):
+def open_source(path: str, iteration: Optional[int | str] = None, from_full: bool = False) -> Source:
     """A checkpoint of any format, read as canonical tensors one at a time: a canonical folder
     (CanonicalFolder), a torch_dist checkpoint (DistSource) or the legacy layout (ShardedCheckpoint)."""
     if from_full or is_canonical(path):
@@ -129,4 +129,4 @@ def load_model_state_for(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank:
     return target, state
 
 
-__all__ = ["ShardedCheckpoint", "bounded_heap", "load_model_state_for", "open_source", "retarget"]
+__all__ = ["ShardedCheckpoint", "Source", "bounded_heap", "load_model_state_for", "open_source", "retarget"]

@@ -3,7 +3,6 @@ model, gradient buffer, optimizer and LR schedule. Nothing here is global: each 
 the config and topology it needs and returns what it built."""
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import socket
@@ -15,6 +14,7 @@ import torch.distributed as dist
 
 from ..config.arguments import Config
 from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.common import megatron_args
 from ..checkpoint.formats import Parts
 from ..model import GPT2Model, build_model, set_vocab
 from ..optimizer.grad_buffer import GradReduction
@@ -97,7 +97,7 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
         f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}{offload_text(p, nvme.io_mode if nvme else '')})")
     scheduler = build_scheduler(cfg, optimizer)
     parts = Parts(model, optimizer, scheduler, cfg.model, topo, rank, zero.sharded)
-    checkpointer = Checkpointer(cfg.ckpt, parts, device, lambda consumed: checkpoint_args(cfg, consumed))
+    checkpointer = Checkpointer(cfg.ckpt, parts, device, lambda consumed: megatron_args(cfg, consumed))
     return Run(cfg, topo, rank, device, model, zero.grad_buffer, optimizer, scheduler, checkpointer, zero.sharded)
 
 
@@ -152,12 +152,3 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
                                    end_weight_decay=t.end_weight_decay if changing else None,
                                    wd_incr_style=t.weight_decay_incr_style,
                                    wd_incr_steps=horizon)
-
-
-def checkpoint_args(cfg: Config, consumed_samples: int) -> argparse.Namespace:
-    """The `args` stored in checkpoints: every setting (Megatron's names), the sizes derived from the
-    tokenizer and topology, and what Megatron-format readers look for (docs/design.md)."""
-    ns = cfg.namespace()
-    ns.consumed_train_samples = consumed_samples
-    ns.openai_gelu, ns.bias_gelu_fusion = True, False
-    return ns
