@@ -119,7 +119,7 @@ class Checkpointer:
         p = self.parts
         # ZeRO-3: the shards this rank holds
         named = [(pc.key, pc.views["param"]) for pc in model_pieces(p.model, p.sharded)]
-        named += [("an fp32 master weight", m) for m in getattr(p.optimizer, "masters", None) or [] if m is not None]
+        named += [("an fp32 master weight", m) for m in p.optimizer.masters if m is not None]
         finite = [_all_finite(t).to(self.device) for _, t in named]  # one read-back below, not one each
         ok = bool(torch.stack(finite).all()) if finite else True
         local = None if ok else next(name for name, t in named if not _all_finite(t))

@@ -7,7 +7,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,8 @@ from ..config.arguments import Config
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.common import megatron_args
 from ..checkpoint.formats import Parts
-from ..model import GPT2Model, build_model, set_vocab
+from ..model import GPT2Model, VirtualStages, build_model, set_vocab
+from ..optimizer.base import BaseOptimizer
 from ..optimizer.grad_buffer import GradReduction
 from ..optimizer.lr_schedule import OptimizerParamScheduler
 from ..optimizer.sharded_params import ShardedParams
@@ -69,9 +70,9 @@ class Run:
     topo: Topology
     rank: int
     device: torch.device
-    model: GPT2Model
+    model: GPT2Model | VirtualStages   # VirtualStages: this rank's model chunks under interleaved 1F1B
     grad_buffer: GradReduction
-    optimizer: Any
+    optimizer: BaseOptimizer
     scheduler: OptimizerParamScheduler
     checkpointer: Checkpointer    # every save and load of the run
     sharded: Optional[ShardedParams] = None   # ZeRO-3: the store of the layers' weights (checkpoints read and
@@ -92,7 +93,7 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
         cfg.model, topo, rank, cfg.train.seed, device, params_dtype(cfg), on_layer_built=on_layer_built,
         layer_hooks=layer_hooks))
     optimizer = zero.optimizer
-    nvme = getattr(optimizer, "nvme", None)
+    nvme = optimizer.nvme
     log(f"> optimizer: AdamW ({'csrc fused, one launch' if optimizer.adam_impl == 'fused' else 'torch'}"
         f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}{offload_text(p, nvme.io_mode if nvme else '')})")
     scheduler = build_scheduler(cfg, optimizer)

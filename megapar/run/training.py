@@ -445,7 +445,7 @@ class StepLog:
                 f"{state.nan_iters:3d} | "
                 f"{throughput_fields(tokens, elapsed, self.fpt, self.run.topo.world_size, self.peak)} | "
                 f"ETA: {eta(elapsed if eta_s is None else eta_s, self.total - step.iteration)} |")
-        nvme = getattr(self.run.optimizer, "nvme", None)
+        nvme = self.run.optimizer.nvme
         if nvme is not None:  # the last step's state transfers, at their rate while in flight
             line += f" nvme I/O (GB/s): {nvme.last_stats.gb_per_s:.2f} |"
         timing = self.timers.report(self.window_iters)
@@ -549,6 +549,6 @@ def _print_memory(run: Run) -> None:
     """Memory after the first logged iterations, from dp rank 0 of every (tp, pp) position."""
     c = run.coord
     if c.dp == 0:
-        optim = getattr(run.optimizer, "optimizer_state_bytes", lambda: float("nan"))()
+        optim = run.optimizer.optimizer_state_bytes()
         print(f"[rank {run.rank}] (tp {c.tp}, pp {c.pp}) {memory_fields(run.device)} | optimizer state (MB): "
               f"{optim / 2**20:.1f}", flush=True)
