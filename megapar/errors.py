@@ -34,6 +34,12 @@ def fail(message: str, *dests: str) -> NoReturn:
     raise ConfigError(message, dests)
 
 
+class NonFiniteLossError(MegaparError, FloatingPointError):
+    """The loss or gradient norm became NaN/Inf (a too large --lr, fp16 without loss scaling, bad data),
+    fp16 steps kept overflowing at the minimum loss scale, or the weights hold NaN/Inf at a save;
+    raised on every rank at the same iteration, before any checkpoint of the broken weights."""
+
+
 # Exit status of a run stopped by a user error (argparse's usage-error status).
 USER_ERROR_EXIT = 2
 

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..config.settings import ConfigError, DataConfig, ModelConfig, ParallelConfig, flag, section_from_args
+from ..config.settings import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, flag, section_from_args
 from ..topology import layer_counts
 from ..atomic import atomic_write
 from ..errors import MegaparError
@@ -42,6 +42,18 @@ class CheckpointError(MegaparError, RuntimeError):
 
 
 # ---- names and small atomic helpers ------------------------------------------------------
+ASIDE, STAGING = ".old", ".partial"    # suffixes of an iteration folder a re-save set aside, and of a save under way
+# An iteration folder's name: iter_NNNNNNN or release, with no suffix (published), ASIDE or STAGING
+_ITERATION_NAME = re.compile(r"^(?:iter_(\d{7})|release)(\.old|\.partial)?$")
+
+
+def iteration_name(name: str) -> Optional[tuple[Optional[int], str]]:
+    """(the iteration, None for release; its suffix: "", ASIDE or STAGING) of an iteration folder's name
+    (the inverse of iter_dir's name plus a suffix); None for any other name."""
+    m = _ITERATION_NAME.match(name)
+    return None if m is None else (None if m.group(1) is None else int(m.group(1)), m.group(2) or "")
+
+
 def iter_dir(root: str, iteration: int | str) -> str:
     name = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
     return os.path.join(root, name)
@@ -103,7 +115,7 @@ def read_tracker(root: str) -> Optional[int | str]:
     if text == "release":
         return "release"
     if not text.isdigit():
-        saved = [n for n in saved_iterations(root) if not n.endswith(".old")]
+        saved = [n for n in saved_iterations(root) if not n.endswith(ASIDE)]
         fix = (f"write the iteration to resume from into it (saved: {', '.join(saved[-3:])})" if saved
                else "it names no saved iteration: remove it, or load another checkpoint")
         raise CheckpointError(f"{path} should hold an iteration number or 'release', found {text[:40]!r}; {fix}")
@@ -237,6 +249,15 @@ def check_identity(path: str, found: Optional[dict], expected: dict) -> None:
 
 
 # ---- what a checkpoint says about its run --------------------------------------------------------
+def megatron_args(cfg: Config, consumed_samples: int = 0) -> argparse.Namespace:
+    """The `args` stored in checkpoints: every setting (Megatron's names), the sizes derived from the
+    tokenizer and topology, and what Megatron-format readers look for (docs/design.md)."""
+    ns = cfg.megatron_args()
+    ns.consumed_train_samples = consumed_samples
+    ns.openai_gelu, ns.bias_gelu_fusion = True, False
+    return ns
+
+
 @dataclass
 class SavedConfig:
     """The run that wrote a checkpoint file, typed. `read_saved_config` is the one reader
@@ -290,7 +311,8 @@ def flatten_model_state(nested: dict) -> dict[str, torch.Tensor]:
     return flat
 
 
-_CHUNK_KEY = re.compile(r"^model(\d+)\.(.+)$")
+# A key of a model chunk under interleaved 1F1B: "model{j}." + the chunk's own key (Megatron's model0, model1, ...)
+CHUNK_KEY = re.compile(r"^model(\d+)\.(.+)$")
 
 
 def nest_model_states(flat: dict[str, torch.Tensor]) -> dict[str, dict]:
@@ -299,7 +321,7 @@ def nest_model_states(flat: dict[str, torch.Tensor]) -> dict[str, dict]:
     (keys "model{j}." + the chunk's key, layer indices local to the chunk)."""
     chunks: dict[Optional[int], dict] = {}
     for key, t in flat.items():
-        m = _CHUNK_KEY.match(key)
+        m = CHUNK_KEY.match(key)
         j, local = (int(m.group(1)), m.group(2)) if m else (None, key)
         chunks.setdefault(j, {})[local] = t
     if None in chunks:
@@ -372,14 +394,13 @@ def check_load_dir(load: Optional[str], save: Optional[str]) -> None:
         raise ConfigError(f"--load {load} holds no checkpoint (no {TRACKER}); {fix}")
 
 
-_SAVED = re.compile(r"^(iter_(\d{7})|release)(\.old)?$")
-
-
 def saved_iterations(root: str) -> list[str]:
     """The published iteration folders of `root` (iter_NNNNNNN, release, and copies a re-save set
     aside), sorted; staging folders (.partial) are not saved iterations."""
     names = os.listdir(root) if os.path.isdir(root) else []
-    return sorted(n for n in names if _SAVED.match(n) and os.path.isdir(os.path.join(root, n)))
+    parsed = {n: iteration_name(n) for n in names}
+    return sorted(n for n, p in parsed.items() if p is not None and p[1] != STAGING
+                  and os.path.isdir(os.path.join(root, n)))
 
 
 def shown_iterations(saved: list[str]) -> str:
@@ -393,7 +414,7 @@ def untracked_line(root: str, what: str) -> Optional[str]:
     saved = saved_iterations(root)
     if not saved:
         return None
-    numbers = [int(m.group(2)) for m in map(_SAVED.match, saved) if m.group(2)]
+    numbers = [it for it, _ in map(iteration_name, saved) if it is not None]
     latest = str(max(numbers)) if numbers else "release"
     return (f"{what} {root} holds saved iterations ({shown_iterations(saved)}) but no {TRACKER}, so a resume "
             f"would start from scratch over them; name the one to resume from (echo {latest} > "
@@ -404,7 +425,7 @@ def check_tracked_iteration(root: str, iteration: int | str, published: str) -> 
     """The tracker's iteration must have its folder (`published`); else name the saved ones."""
     if os.path.isdir(published):
         return
-    saved = [n for n in saved_iterations(root) if not n.endswith(".old")]
+    saved = [n for n in saved_iterations(root) if not n.endswith(ASIDE)]
     others = f"saved iterations: {', '.join(saved[-3:])}" if saved else "no iteration folder is there"
     raise CheckpointError(f"{os.path.join(root, TRACKER)} names iteration {iteration}, but {published} is missing "
                           f"({others}); write the iteration to resume from into {TRACKER}, or load another "

@@ -51,19 +51,12 @@ from .layout import HEAD, WORD, canonical_key, chunk_layout
 from .common import (CHECKPOINT_VERSION, CHECKSUM, CheckpointError, atomic_torch_save, check_checksum, check_file,
                      check_same_model, file_checksum, get_rng_state, identity, load_file, loaded_line,
                      read_saved_config, read_tracker, restore_scheduler, set_rng_state)
+from .formats import Parts
 from .publish import published_dir, staged_iteration
 from .stream import exact_storage
 
 COMMON_FILE = "common.pt"
-FORMAT = "torch_dist"
-
-
-def is_dist_checkpoint(folder: str) -> bool:
-    """Is the iteration folder `folder` a torch_dist checkpoint (else: the legacy layout)? Any of its
-    files says so (common.pt, DCP's .metadata or a .distcp data file), so a torch_dist folder that
-    lost one of them is reported as an incomplete torch_dist checkpoint, not as a legacy one."""
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    return any(n in (COMMON_FILE, ".metadata") or n.endswith(".distcp") for n in names)
+NAME = "torch_dist"     # common.pt's "format"
 
 
 # ---- a rank's pieces of the global tensors -------------------------------------------------------
@@ -300,7 +293,7 @@ def common_record(args: argparse.Namespace, model_config: ModelConfig, iteration
                   scheduler_state: Optional[dict], optim: Optional[dict], rng: Optional[list]) -> dict:
     """common.pt: `layout` {tp, pp, dp, virtual} of the saving run, `optim` {step, grad_scaler,
     param_groups} (None: no optimizer state), `rng` every rank's RNG state in rank order (or None)."""
-    return {"format": FORMAT, "args": args, "model_config": asdict(model_config),
+    return {"format": NAME, "args": args, "model_config": asdict(model_config),
             "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "layout": layout,
             "opt_param_scheduler": scheduler_state, "optimizer": optim, "rng_state": rng}
 
@@ -612,7 +605,7 @@ def read_common(folder: str) -> dict:
         raise CheckpointError(f"torch_dist checkpoint file {path} is missing; the checkpoint is incomplete: "
                               f"load an earlier iteration")
     common = load_file(path)
-    if common.get("format") != FORMAT:
+    if common.get("format") != NAME:
         raise CheckpointError(f"{path} is not a megapar torch_dist record (format={common.get('format')!r})")
     return common
 
@@ -659,6 +652,31 @@ def _restore_rng(common: dict, topo, rank: int, wanted: bool) -> None:
         set_rng_state(common["rng_state"][rank])
 
 
-__all__ = ["AsyncSaves", "COMMON_FILE", "Chunk", "Deferred", "Entry", "common_record", "fqn", "is_dist_checkpoint",
+class DistFormat:
+    """`--ckpt-format torch_dist` (formats.Format): every rank writes what it owns, loadable at any layout;
+    the one format that saves in the background (`saves`)."""
+    name = NAME
+
+    def holds(self, folder: str) -> bool:
+        """Any of its files says so (common.pt, DCP's .metadata or a .distcp data file), so a torch_dist
+        folder that lost one of them is reported as an incomplete torch_dist checkpoint, not as a legacy one."""
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        return any(n in (COMMON_FILE, ".metadata") or n.endswith(".distcp") for n in names)
+
+    def save(self, root: str, iteration: int, parts: Parts, args: argparse.Namespace, *, save_optim: bool = True,
+             save_rng: bool = True, run_id: Optional[str] = None, saves: Optional[AsyncSaves] = None) -> None:
+        save_checkpoint(root, iteration, parts.model, parts.optimizer, parts.scheduler, args, parts.model_config,
+                        parts.topo, parts.rank, save_optim, save_rng, saves, parts.sharded, run_id)
+
+    def load(self, root: str, parts: Parts, *, load_optim: bool = True, load_rng: bool = True,
+             finetune: bool = False, found: Optional[dict] = None) -> tuple[int, int]:
+        return load_checkpoint(root, parts.model, parts.optimizer, parts.scheduler, parts.model_config, parts.topo,
+                               parts.rank, load_optim, load_rng, finetune, parts.sharded, found)
+
+
+FORMAT = DistFormat()
+
+
+__all__ = ["AsyncSaves", "COMMON_FILE", "Chunk", "Deferred", "DistFormat", "Entry", "FORMAT", "common_record", "fqn",
            "load_checkpoint", "load_entries", "read_common", "reserve_async_buffers", "save_checkpoint",
            "save_entries"]

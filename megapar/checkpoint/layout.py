@@ -14,10 +14,11 @@ from typing import Optional
 import torch
 
 from ..config.settings import ModelConfig
+from ..model.gpt2 import WORD_EMB as WORD
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from ..topology import layer_counts
+from .common import CHUNK_KEY
 
-WORD = "language_model.embedding.word_embeddings.weight"
 HEAD = "word_embeddings_for_head.weight"
 _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
 
@@ -37,7 +38,6 @@ def to_global(local_key: str, layer_start: int) -> str:
 # One chunk with prefix "" per rank, or under interleaved 1F1B v chunks "model{j}." (Megatron's
 # model0, model1, ... checkpoint entries) holding layer block j * pp + rank.
 Chunks = list[tuple[str, int, int]]
-_CHUNK = re.compile(r"^model(\d+)\.(.+)$")
 
 
 def chunk_layout(model: ModelConfig, pp: int) -> list[Chunks]:
@@ -50,14 +50,9 @@ def chunk_layout(model: ModelConfig, pp: int) -> list[Chunks]:
     return [[(f"model{j}.", (j * pp + r) * n, (j * pp + r + 1) * n) for j in range(v)] for r in range(pp)]
 
 
-def layout_of_counts(counts: list[int]) -> list[Chunks]:
-    """The plain layout (one chunk per rank) of stages with counts[i] layers."""
-    return [[("", sum(counts[:r]), sum(counts[:r + 1]))] for r in range(len(counts))]
-
-
 def canonical_key(local_key: str, chunks: Chunks) -> str:
     """A key of a rank's checkpoint shard (prefixed by its chunk under interleaving) -> canonical key."""
-    m = _CHUNK.match(local_key)
+    m = CHUNK_KEY.match(local_key)
     j, key = (int(m.group(1)), m.group(2)) if m and chunks[0][0] else (0, local_key)
     return to_global(key, chunks[j][1])
 
@@ -89,7 +84,7 @@ def stage_keys(names: list[str], layout: list[Chunks], pp_rank: int) -> list[tup
 
 
 def _prefix(key: str) -> str:
-    m = _CHUNK.match(key)
+    m = CHUNK_KEY.match(key)
     return f"model{m.group(1)}." if m else ""
 
 

@@ -39,6 +39,7 @@ from .common import (CHECKPOINT_VERSION, DISTRIB_OPTIM_FILE, MODEL_FILE, Checkpo
                      nest_model_states, read_saved_config, read_tracker, restore_scheduler, set_rng_state,
                      shard_dir_name, shard_dirs, untracked_line, identity,
                      write_manifest, read_manifest, check_checksum, check_file, check_identity, IDENTITY_FILE)
+from .formats import Parts
 from .stream import LazyTensor, StreamingSaver
 from .publish import published_dir, staged_iteration
 
@@ -367,3 +368,27 @@ def _explain_missing_shard(root: str, iteration, path: str, topo, model_config: 
             break
     raise CheckpointError(f"checkpoint file {path} is missing (found shards: {', '.join(present) or 'none'}); "
                           f"the checkpoint is incomplete -- load an earlier iteration")
+
+
+class LegacyFormat:
+    """`--ckpt-format torch` (formats.Format): one folder of files per (tp, pp) shard, loadable at the saved
+    layout only (tools/checkpoint_util.py converts it)."""
+    name = "torch"
+
+    def holds(self, folder: str) -> bool:
+        return bool(shard_dirs(folder))
+
+    def save(self, root: str, iteration: int, parts: Parts, args: argparse.Namespace, *, save_optim: bool = True,
+             save_rng: bool = True, run_id: Optional[str] = None, saves=None) -> None:
+        if saves is not None:   # the config refuses --async-save without torch_dist; a caller's mistake here
+            raise ValueError("the torch (legacy) checkpoint format saves synchronously only; use torch_dist")
+        save_checkpoint(root, iteration, parts.model, parts.optimizer, parts.scheduler, args, parts.model_config,
+                        parts.topo, parts.rank, save_optim, save_rng, parts.sharded, run_id)
+
+    def load(self, root: str, parts: Parts, *, load_optim: bool = True, load_rng: bool = True,
+             finetune: bool = False, found: Optional[dict] = None) -> tuple[int, int]:
+        return load_checkpoint(root, parts.model, parts.optimizer, parts.scheduler, parts.model_config, parts.topo,
+                               parts.rank, load_optim, load_rng, finetune, parts.sharded, found)
+
+
+FORMAT = LegacyFormat()

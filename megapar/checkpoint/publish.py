@@ -52,13 +52,15 @@ import torch.distributed as dist
 
 from ..atomic import atomic_write_text
 from ..errors import MegaparError
-from .common import (DISTRIB_OPTIM_FILE, IDENTITY_FILE, MODEL_FILE, TRACKER, CheckpointError, iter_dir, parse_shard_dir,
-                     read_tracker)
+from .common import (ASIDE, DISTRIB_OPTIM_FILE, IDENTITY_FILE, MODEL_FILE, STAGING, TRACKER, CheckpointError, iter_dir,
+                     iteration_name, parse_shard_dir, read_tracker)
 from .guard import LOCK_FILE, lock_note
 
 
-_ASIDE = re.compile(r"^(iter_\d{7}|release)\.old$")
-_STAGING = re.compile(r"^(iter_\d{7}|release)\.partial$")
+def _suffix(name: str) -> Optional[str]:
+    """The suffix of an iteration folder's name ("", ASIDE or STAGING); None for any other name."""
+    parsed = iteration_name(name)
+    return None if parsed is None else parsed[1]
 
 
 def discard(staging: str) -> None:
@@ -88,12 +90,12 @@ def _swap_in(staging: str, final: str, aside: str) -> bool:
 # ---- training: one iteration into a checkpoint directory ---------------------------------------------
 def staging_dir(root: str, iteration: int | str) -> str:
     """The folder every rank writes iteration `iteration`'s files into, whatever the format."""
-    return iter_dir(root, iteration) + ".partial"
+    return iter_dir(root, iteration) + STAGING
 
 
 def aside_dir(root: str, iteration: int | str) -> str:
     """Where a re-save sets the published copy of `iteration` aside until the tracker is written."""
-    return iter_dir(root, iteration) + ".old"
+    return iter_dir(root, iteration) + ASIDE
 
 
 def published_dir(root: str, iteration: int | str) -> str:
@@ -107,9 +109,9 @@ def restore_asides(root: str) -> None:
     """Undo every re-save that stopped between its renames: put each copy set aside back in place.
     A copy set aside beside a published folder is a leftover (its removal was cut short)."""
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        if not _ASIDE.match(name):
+        if _suffix(name) != ASIDE:
             continue
-        aside, final = os.path.join(root, name), os.path.join(root, name[:-len(".old")])
+        aside, final = os.path.join(root, name), os.path.join(root, name[:-len(ASIDE)])
         if os.path.exists(final):
             discard(aside)
         else:
@@ -162,7 +164,7 @@ def _fresh(root: str, staging: str) -> None:
     """An empty `staging`, after removing every staging folder a killed save left in `root` (only
     this job writes there: it holds the directory's lock)."""
     for name in os.listdir(root) if os.path.isdir(root) else []:
-        if _STAGING.match(name):
+        if _suffix(name) == STAGING:
             discard(os.path.join(root, name))
     os.makedirs(staging)
 
@@ -243,7 +245,6 @@ def _has_checkpoint(root: str) -> bool:
 
 # ---- conversion tools: what --force may replace ----------------------------------------------------
 CHECKPOINT, CANONICAL, HF = "megapar checkpoint", "canonical folder", "Hugging Face folder"
-_ITER = re.compile(r"^(iter_\d{7}|release)$")
 _DCP = re.compile(r"^(\.metadata|common\.pt|metadata\.json|__\d+_\d+\.distcp)$")
 
 
@@ -273,7 +274,7 @@ def is_checkpoint_output(path: str) -> bool:
     if TRACKER not in names or not os.path.isfile(os.path.join(path, TRACKER)) or len(names) < 2:
         return False
     # GPT-2 BPE files beside the iterations: an import's tokenizer (convert_from_hf from a tokenizer.json)
-    return all(_ITER.match(n) and _is_iteration(os.path.join(path, n)) for n in names - {TRACKER, *GPT2_FILES})
+    return all(_suffix(n) == "" and _is_iteration(os.path.join(path, n)) for n in names - {TRACKER, *GPT2_FILES})
 
 
 def is_canonical_output(path: str) -> bool:

@@ -374,7 +374,7 @@ def _saved_layout(step_dir: str) -> tuple[int, int]:
     return max(t for t, _ in ranks) + 1, max(p or 0 for _, p in ranks) + 1
 
 
-def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int,
+def read_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int,
                      iteration=None) -> tuple[SavedConfig, dict[str, torch.Tensor]]:
     """(the checkpoint's SavedConfig, flat model state dict) of shard (tp_rank, pp_rank) for an inference layout
     tp x pp, from a checkpoint saved at any layout (via megapar.reshard when the layouts differ)."""
@@ -388,7 +388,7 @@ def load_model_state(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank: int
     step_dir = ck.published_dir(load_dir, it)
     if not os.path.isdir(step_dir):
         raise GenerationError(f"checkpoint directory {step_dir} (named by {ck.TRACKER}) is missing")
-    if ck.is_dist_checkpoint(step_dir) or _saved_layout(step_dir) != (tp, pp):  # read canonical tensors, reshard
+    if ck.detect(step_dir) is not ck.legacy.FORMAT or _saved_layout(step_dir) != (tp, pp):  # canonical, resharded
         return load_model_state_for(load_dir, tp, pp, tp_rank, pp_rank, iteration=it)
     path = os.path.join(step_dir, ck.shard_dir_name(tp_rank, pp_rank, pp), ck.MODEL_FILE)
     state = ck.load_file(path)
@@ -419,7 +419,7 @@ def load_inference_model(load_dir: str, topo: Topology, rank: int, device: torch
     if topo.dp != 1:
         raise GenerationError(f"inference runs one model replica: launch tp x pp = {topo.tp * topo.pp} "
                               f"processes (got {topo.world_size})")
-    saved, state = load_model_state(load_dir, topo.tp, topo.pp, c.tp, c.pp, iteration)
+    saved, state = read_model_state(load_dir, topo.tp, topo.pp, c.tp, c.pp, iteration)
     cfg = inference_config(saved.model, device)  # describes this (possibly resharded) layout
     model = GPT2Model(cfg, Stage.for_config(cfg, topo.pp, c.pp), seed=0, tp_group=topo.groups.tp,
                       device=device, dtype=dtype)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from torch.optim.adamw import adamw as adamw_functional
 from ..config.settings import TrainConfig
 from ..model.sharding import tp_partition_dim
 from .grad_buffer import GradBuffer
+
+if TYPE_CHECKING:
+    from .nvme import NvmeState
 
 # The optimizer state of each parameter, in file order: {"state": {name: {kind: fp32 tensor}}, ...}
 OPTIM_KINDS = ("master_param", "exp_avg", "exp_avg_sq")
@@ -221,6 +224,7 @@ class BaseOptimizer(ABC):
 
     is_distributed = False        # checkpoints: the state is saved by every data-parallel rank together
     grad_buffer_mode = "all_reduce"
+    nvme: Optional[NvmeState] = None   # --optimizer-nvme-offload: where the state lives (DistributedOptimizer)
 
     def __init__(self, model: nn.Module, grad_buffer: GradBuffer, cfg, scaler, tp_rank: int,
                  norm_group: Optional[dist.ProcessGroup], offload: bool = False):

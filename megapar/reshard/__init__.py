@@ -16,15 +16,16 @@ import torch
 
 from ..config.settings import ParallelConfig, section_from_args
 from ..checkpoint.common import SavedConfig, iter_dir, read_tracker
-from ..checkpoint.dist import is_dist_checkpoint
+from ..checkpoint.dist import DistFormat
+from ..checkpoint.formats import detect
 from ..topology import ConfigError, check_parallel_shape, padded_vocab_size
 from ..checkpoint.layout import chunk_layout, split, stage_keys
 from .canonical import CanonicalFolder, is_canonical
-from .source import ShardedCheckpoint
+from .source import ShardedCheckpoint, Source
 from .torch_dist import DistSource
 
 
-def open_source(path: str, iteration: Optional[int | str] = None, from_full: bool = False):
+def open_source(path: str, iteration: Optional[int | str] = None, from_full: bool = False) -> Source:
     """A checkpoint of any format, read as canonical tensors one at a time: a canonical folder
     (CanonicalFolder), a torch_dist checkpoint (DistSource) or the legacy layout (ShardedCheckpoint)."""
     if from_full or is_canonical(path):
@@ -32,7 +33,7 @@ def open_source(path: str, iteration: Optional[int | str] = None, from_full: boo
     if iteration is not None and iteration != "release":
         iteration = int(iteration)
     it = iteration if iteration is not None or not os.path.isdir(path) else read_tracker(path)
-    if it is not None and is_dist_checkpoint(iter_dir(path, it)):
+    if it is not None and isinstance(detect(iter_dir(path, it)), DistFormat):
         return DistSource(path, it)
     return ShardedCheckpoint(path, iteration)
 
@@ -128,4 +129,4 @@ def load_model_state_for(load_dir: str, tp: int, pp: int, tp_rank: int, pp_rank:
     return target, state
 
 
-__all__ = ["ShardedCheckpoint", "bounded_heap", "load_model_state_for", "open_source", "retarget"]
+__all__ = ["ShardedCheckpoint", "Source", "bounded_heap", "load_model_state_for", "open_source", "retarget"]

@@ -20,6 +20,7 @@ from ..optimizer.base import OPTIM_KINDS
 from ..checkpoint.common import (CheckpointError, SavedConfig, atomic_torch_save, load_file,
                                  read_saved_config)
 from ..checkpoint.publish import CANONICAL, CHECKPOINT, staged_output
+from .source import Source
 from ..checkpoint.stream import LazyTensor, StreamingSaver
 
 META = "metadata.pt"
@@ -74,7 +75,7 @@ class CanonicalFolder:
         pass
 
 
-def write_canonical(src, out_dir: str, with_optim: bool = True, force: bool = False, log=print) -> None:
+def write_canonical(src: Source, out_dir: str, with_optim: bool = True, force: bool = False, log=print) -> None:
     """Stream `src` (ShardedCheckpoint or CanonicalFolder) into a canonical folder, one
     parameter at a time. Written into a staging folder beside `out_dir`, renamed into place at the
     end (megapar/checkpoint/publish.py: what `force` may replace)."""
@@ -83,7 +84,7 @@ def write_canonical(src, out_dir: str, with_optim: bool = True, force: bool = Fa
     log(f"wrote canonical checkpoint ({len(meta['specs'])} parameters, iteration {meta['iteration']}) to {out_dir}")
 
 
-def _write_canonical_files(src, staging: str, with_optim: bool) -> dict:
+def _write_canonical_files(src: Source, staging: str, with_optim: bool) -> dict:
     os.makedirs(os.path.join(staging, "tensors"))
     kinds = ("param",) + (OPTIM_KINDS if with_optim and src.has_optim else ())
     specs = {}

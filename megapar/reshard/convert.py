@@ -25,6 +25,7 @@ from ..checkpoint.common import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, TR
 from ..checkpoint.common import file_checksum, identity, new_run_id, write_manifest
 from ..checkpoint.legacy import shard_objects
 from . import retarget
+from .source import Source
 from ..checkpoint.publish import CANONICAL, CHECKPOINT, staged_output
 from ..checkpoint.layout import chunk_layout, split, stage_keys
 from ..checkpoint.stream import LazyTensor, StreamingSaver
@@ -41,7 +42,7 @@ def _shard_shape(full_shape, name: str, tp: int, padded: Optional[int]) -> tuple
     return tuple(shape)
 
 
-def _lazy(src, name: str, kind: str, tp: int, padded) -> LazyTensor:
+def _lazy(src: Source, name: str, kind: str, tp: int, padded) -> LazyTensor:
     shape, dtype = src.spec(name, kind)
     return LazyTensor(_shard_shape(shape, name, tp, padded), dtype, tag=(name, kind))
 
@@ -53,8 +54,8 @@ def _rng_for(meta: dict, tp: int, pp: int, tp_rank: int, pp_rank: int):
     return meta["rng_states"].get((tp_rank, pp_rank))
 
 
-def _shard_objects(src, meta: dict, target: SavedConfig, keys, tp, tp_rank, pp, pp_rank, with_optim, distributed,
-                   ident: dict):
+def _shard_objects(src: Source, meta: dict, target: SavedConfig, keys, tp, tp_rank, pp, pp_rank, with_optim,
+                   distributed, ident: dict):
     """The (model file, distrib_optim file or None) structures of one target shard (shard_objects),
     with LazyTensor placeholders for every parameter tensor (`meta`: the source's metadata; `ident`:
     the output's identity)."""
@@ -68,7 +69,7 @@ def _shard_objects(src, meta: dict, target: SavedConfig, keys, tp, tp_rank, pp, 
                          rng_state=_rng_for(meta, tp, pp, tp_rank, pp_rank), ident=ident)
 
 
-def _feed(src, savers: list[StreamingSaver], tp: int, padded) -> None:
+def _feed(src: Source, savers: list[StreamingSaver], tp: int, padded) -> None:
     """Write every placeholder of the (identically structured) savers, reading each full tensor once."""
     for lazy in savers[0].pending():
         name, kind = lazy.tag
@@ -78,7 +79,7 @@ def _feed(src, savers: list[StreamingSaver], tp: int, padded) -> None:
         del full
 
 
-def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None,
+def write_sharded(src: Source, save_dir: str, tp: int, pp: int, dp: Optional[int] = None,
                   distributed: Optional[bool] = None, with_optim: bool = True, force: bool = False,
                   log=print, split: Optional[tuple[Optional[int], Optional[int]]] = None,
                   virtual: Optional[int] = None, extra_files: Optional[dict[str, str]] = None) -> None:
@@ -103,7 +104,7 @@ def write_sharded(src, save_dir: str, tp: int, pp: int, dp: Optional[int] = None
         f"to {save_dir}")
 
 
-def _write_stages(src, target: SavedConfig, staging: str, tp: int, pp: int, with_optim: bool, distributed: bool,
+def _write_stages(src: Source, target: SavedConfig, staging: str, tp: int, pp: int, with_optim: bool, distributed: bool,
                   log) -> None:
     """Every shard file of the target layout, one pipeline stage at a time, into `staging`, each
     shard with its manifest. The output is a new set of files: it gets an identity of its own."""

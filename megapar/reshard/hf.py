@@ -28,6 +28,7 @@ from ..config.settings import DataConfig
 from ..checkpoint.common import SavedConfig
 from . import hf_tokenizer
 from .hf_tokenizer import TokenizerFiles
+from .source import Source
 from ..checkpoint.publish import HF, staged_output
 
 _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
@@ -108,7 +109,7 @@ def hf_config(saved: SavedConfig, eos: Optional[int] = None) -> dict:
             "bos_token_id": eos, "eos_token_id": eos}
 
 
-def export_hf(src, out_dir: str, dtype: Optional[torch.dtype] = None, force: bool = False, log=print,
+def export_hf(src: Source, out_dir: str, dtype: Optional[torch.dtype] = None, force: bool = False, log=print,
               tokenizer: Optional[TokenizerFiles] = None) -> None:
     """Write `src` (ShardedCheckpoint / CanonicalFolder) as a transformers GPT2LMHeadModel folder,
     with the tokenizer files of `tokenizer` (megapar/reshard/hf_tokenizer.py; None: the model alone)."""

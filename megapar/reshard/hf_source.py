@@ -28,7 +28,7 @@ import torch
 
 from ..config.build import parse_config
 from ..config.settings import default_of
-from ..checkpoint.common import CHECKPOINT_VERSION, CheckpointError, SavedConfig, read_saved_config
+from ..checkpoint.common import CHECKPOINT_VERSION, CheckpointError, SavedConfig, megatron_args, read_saved_config
 from ..errors import MegaparError
 from ..model.sharding import is_vocab_parallel
 from .hf import LAYER_MAP, hf_key, tensor_from_hf
@@ -147,10 +147,7 @@ def saved_config_for(cfg: dict, path: str, divisible_by: int, tokenizer: list[st
     except MegaparError as e:
         raise CheckpointError(f"{path}: {e}") from None
     set_vocab(run.model, cfg["vocab_size"], 1, log=lambda *_: None)
-    args = run.megatron_args()
-    args.consumed_train_samples = 0
-    args.openai_gelu, args.bias_gelu_fusion = True, False      # what Megatron readers look for
-    return read_saved_config({"args": args, "model_config": asdict(run.model)}, path)
+    return read_saved_config({"args": megatron_args(run), "model_config": asdict(run.model)}, path)
 
 
 # ---- weight files ---------------------------------------------------------------------------------

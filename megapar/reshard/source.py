@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
 from ..topology import layer_counts
 from ..optimizer.base import OPTIM_KINDS
-from ..checkpoint.common import (SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError,
+from ..checkpoint.common import (SHAPE_FIELDS, SavedConfig, DISTRIB_OPTIM_FILE, MODEL_FILE, CheckpointError,
                                  flatten_model_states, load_file, read_saved_config, read_tracker,
                                  shard_dir_name, shard_dirs)
 from ..checkpoint.legacy import (check_optimizer_state, check_shard_identity, read_optimizer_state, read_shard,
@@ -27,10 +27,35 @@ from ..checkpoint.publish import published_dir
 from ..model.sharding import is_vocab_parallel, tp_partition_dim
 from ..checkpoint.layout import HEAD, canonical_key, chunk_layout, expected_full_shape, stage_of
 
-# ModelConfig fields that every shard of one checkpoint must agree on (and the layout)
-_SAME_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-                "padded_vocab_size", "vocab_size", "decoder_first_pipeline_num_layers",
-                "decoder_last_pipeline_num_layers", "virtual_pipeline_model_parallel_size")
+# ModelConfig fields that every shard of one checkpoint must agree on: the model's shape, and how it was split
+_SAME_FIELDS = SHAPE_FIELDS + ("padded_vocab_size", "decoder_first_pipeline_num_layers",
+                               "decoder_last_pipeline_num_layers", "virtual_pipeline_model_parallel_size")
+
+
+class Source(Protocol):
+    """A checkpoint of any kind read as canonical tensors (checkpoint/layout.py's names), one at a time: what
+    every writer of reshard/ takes. Implemented by ShardedCheckpoint (legacy layout), DistSource (torch_dist),
+    CanonicalFolder and HFFolder; open_source picks one for a folder."""
+    saved: SavedConfig          # the checkpoint's args and model config
+    iteration: int | str        # its iteration ("release" for an import)
+    names: list[str]            # canonical keys, in model order
+    has_optim: bool             # whether optimizer state (OPTIM_KINDS) is there to read
+    distributed: bool           # whether it was saved with --use-distributed-optimizer
+
+    def full(self, name: str, kind: str = "param") -> torch.Tensor:
+        """The full canonical tensor `name` of `kind` ("param" or one of OPTIM_KINDS), vocabulary trimmed."""
+
+    def spec(self, name: str, kind: str = "param") -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of what `full(name, kind)` returns, without reading it."""
+
+    def meta(self) -> dict:
+        """Everything but the tensors: the canonical form's metadata (canonical.py)."""
+
+    def optim_meta(self) -> Optional[dict]:
+        """{step, grad_scaler, param_groups} (layout independent), or None without optimizer state."""
+
+    def release(self) -> None:
+        """Drop what reading held (file mappings, open files); reading may go on after."""
 
 
 class _Budget:

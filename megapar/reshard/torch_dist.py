@@ -23,7 +23,7 @@ from ..checkpoint.common import (TRACKER, CheckpointError, atomic_torch_save, it
 from ..checkpoint.dist import (COMMON_FILE, Chunk, Deferred, Entry, check_files, common_record, fqn, load_entries,
                                read_common, save_entries)
 from ..checkpoint.publish import CANONICAL, CHECKPOINT, staged_output
-from .source import _model_order
+from .source import Source, _model_order
 
 
 class DistSource:
@@ -83,7 +83,7 @@ class DistSource:
         pass
 
 
-def write_dist(src, out_dir: str, with_optim: bool = True, force: bool = False, log=print) -> None:
+def write_dist(src: Source, out_dir: str, with_optim: bool = True, force: bool = False, log=print) -> None:
     """Write `src` (any reshard source) as a torch_dist checkpoint in `out_dir` (staged, then moved
     into place; megapar/checkpoint/publish.py says what `force` may replace)."""
     with_optim = with_optim and src.has_optim

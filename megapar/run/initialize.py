@@ -3,19 +3,21 @@ model, gradient buffer, optimizer and LR schedule. Nothing here is global: each 
 the config and topology it needs and returns what it built."""
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..config.settings import Config
-from ..checkpoint import AsyncSaves
-from ..model import GPT2Model, build_model, set_vocab
+from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.common import megatron_args
+from ..checkpoint.formats import Parts
+from ..model import GPT2Model, VirtualStages, build_model, set_vocab
+from ..optimizer.base import BaseOptimizer
 from ..optimizer.grad_buffer import GradReduction
 from ..optimizer.lr_schedule import OptimizerParamScheduler
 from ..optimizer.sharded_params import ShardedParams
@@ -69,11 +71,11 @@ class Run:
     topo: Topology
     rank: int
     device: torch.device
-    model: GPT2Model
+    model: GPT2Model | VirtualStages   # VirtualStages: this rank's model chunks under interleaved 1F1B
     grad_buffer: GradReduction
-    optimizer: Any
+    optimizer: BaseOptimizer
     scheduler: OptimizerParamScheduler
-    saves: Optional[AsyncSaves] = None   # --async-save: the save in flight
+    checkpointer: Checkpointer    # every save and load of the run
     sharded: Optional[ShardedParams] = None   # ZeRO-3: the store of the layers' weights (checkpoints read and
                                               # write them through it)
     wgrad_store: Optional[WeightGradStore] = None   # --enable-zero-bubble: the deferred weight gradients
@@ -93,13 +95,14 @@ def build_run(cfg: Config, topo: Topology, rank: int, device: torch.device, voca
         cfg.model, topo, rank, cfg.train.seed, device, params_dtype(cfg), on_layer_built=on_layer_built,
         layer_hooks=layer_hooks))
     optimizer = zero.optimizer
-    nvme = getattr(optimizer, "nvme", None)
+    nvme = optimizer.nvme
     log(f"> optimizer: AdamW ({'csrc fused, one launch' if optimizer.adam_impl == 'fused' else 'torch'}"
         f"{f', ZeRO-{p.zero_stage}' if p.zero_stage else ''}{offload_text(p, nvme.io_mode if nvme else '')})")
     scheduler = build_scheduler(cfg, optimizer)
-    saves = AsyncSaves(device) if cfg.ckpt.async_save else None
+    parts = Parts(model, optimizer, scheduler, cfg.model, topo, rank, zero.sharded)
+    checkpointer = Checkpointer(cfg.ckpt, parts, device, lambda consumed: megatron_args(cfg, consumed))
     wgrad_store = WeightGradStore.attach(model.parameters()) if p.enable_zero_bubble else None
-    return Run(cfg, topo, rank, device, model, zero.grad_buffer, optimizer, scheduler, saves, zero.sharded,
+    return Run(cfg, topo, rank, device, model, zero.grad_buffer, optimizer, scheduler, checkpointer, zero.sharded,
                wgrad_store)
 
 
@@ -132,12 +135,3 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
                                    end_weight_decay=t.end_weight_decay if changing else None,
                                    wd_incr_style=t.weight_decay_incr_style,
                                    wd_incr_steps=horizon)
-
-
-def checkpoint_args(run: Run, consumed_samples: int) -> argparse.Namespace:
-    """The `args` stored in checkpoints: every setting (Megatron's names), the sizes derived from the
-    tokenizer and topology, and what Megatron-format readers look for (docs/design.md)."""
-    ns = run.cfg.megatron_args()
-    ns.consumed_train_samples = consumed_samples
-    ns.openai_gelu, ns.bias_gelu_fusion = True, False
-    return ns

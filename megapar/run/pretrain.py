@@ -26,8 +26,7 @@ from ..topology import Topology
 from .heartbeat import Heartbeat, is_timeout, timeout_error
 from .initialize import build_run, init_distributed, print_rank0
 from .scalar_writer import build_writer
-from .training import (TrainState, evaluate, finish_saves, load, log_eval, reserve_saves, save, settle_saves,
-                       train)
+from .training import TrainState, evaluate, log_eval, train
 
 EMBEDDED_DIR = os.path.join("data_cache", "embedded")   # the embedded default's corpus and tokenizer
 
@@ -208,12 +207,12 @@ def _load_and_train(cfg: Config, run, argv: Optional[Sequence[str]], state: Trai
                     f"run ends at iteration {cfg.total_iters}; give a larger --train-iters to train longer")
         return state
     if cfg.ckpt.load:
-        load(run, state)
+        state.iteration, state.consumed_samples = run.checkpointer.load()
     if cfg.total_iters == 0:
         print_rank0("> --train-iters 0: model built, exiting without training")
         return state
     train_ds, valid_ds, test_ds = build_datasets(cfg, vocab_size)
-    reserve_saves(run)
+    run.checkpointer.reserve()
     start = time.time()
     writer = build_writer(cfg, run.rank)  # TensorBoard and/or W&B on rank 0, as the flags ask
     try:
@@ -221,12 +220,12 @@ def _load_and_train(cfg: Config, run, argv: Optional[Sequence[str]], state: Trai
         if state.exit_reason is None:
             _finish(run, state, valid_ds, test_ds)
     except Exception:
-        settle_saves(run)       # a background save is published (or removed) before an error ends the run
+        run.checkpointer.close()    # a background save is published (or removed) before an error ends the run
         raise
     finally:
         if writer is not None:
             writer.close()
-    finish_saves(run)
+    run.checkpointer.wait()
     print_rank0(f"> training done in {time.time() - start:.1f} s at iteration {state.iteration}")
     _print_next_steps(cfg, run.scheduler, argv, stopped=state.exit_reason is not None)
     return state
@@ -240,7 +239,7 @@ def _finish(run, state: TrainState, valid_ds, test_ds) -> None:
             loss = state.valid_losses[-1][1] if just_done else evaluate(run, ds, cfg.log.eval_iters, name)
             log_eval(f"validation loss at the end of training for {name} data", loss)
     if cfg.ckpt.save and not (cfg.ckpt.save_interval and state.iteration % cfg.ckpt.save_interval == 0):
-        save(run, state)
+        run.checkpointer.save(state.iteration, state.consumed_samples)
 
 
 def _print_next_steps(cfg: Config, scheduler, argv: Optional[Sequence[str]], stopped: bool) -> None:

@@ -13,14 +13,11 @@ from typing import Callable, ContextManager, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointError, load_checkpoint, read_tracker, save_checkpoint
-from ..checkpoint.common import new_run_id
-from ..checkpoint.dist import model_pieces
 from .cuda_graph import GraphedStep
-from ..errors import MegaparError
-from .initialize import Run, checkpoint_args, print_rank0
+from ..errors import NonFiniteLossError
+from .initialize import Run, print_rank0
 from ..model import VirtualStages
-from ..pipeline.p2p import current_step, set_step
+from ..pipeline.p2p import current_step
 from ..pipeline.schedules import ScheduleConfig, average_logs, get_forward_backward_func
 from ..kernels.readback import to_host, wait_host
 from ..tensor_parallel.linear import use_gemv_bias_grads
@@ -38,7 +35,6 @@ class TrainState:
     losses: list[tuple[int, float]] = field(default_factory=list)   # (iteration, lm loss) on every rank
     valid_losses: list[tuple[int, float]] = field(default_factory=list)
     exit_reason: Optional[str] = None
-    run_id: Optional[str] = None    # the checkpoints' identity: drawn at the first save, kept from a resume's load
 
 
 # ---- data -----------------------------------------------------------------------------------
@@ -320,110 +316,6 @@ class Profiler:
 
 
 # ---- the loop ------------------------------------------------------------------------------------
-def save(run: Run, state: TrainState) -> None:
-    run.optimizer.finish_pending()  # --delayed-param-update: the weights of the step being saved
-    if run.saves is not None:
-        run.saves.wait()            # the previous save is published before this one may be refused
-    refuse_non_finite_weights(run, state.iteration)
-    ck = run.cfg.ckpt
-    print_rank0(f" saving checkpoint at iteration {state.iteration:7d} to {ck.save}")
-    # where a collective timeout during the save says this rank was (the next step's schedule resets it)
-    set_step(label=f"saving iteration {state.iteration} to {ck.save}", schedule=None, phase=None, microbatch=None,
-             chunk=None, op=None)
-    if state.run_id is None:        # this run's first save: one id for every rank
-        drawn = [new_run_id() if run.rank == 0 else None]
-        dist.broadcast_object_list(drawn, src=0)
-        state.run_id = drawn[0]
-    save_checkpoint(ck.save, state.iteration, run.model, run.optimizer, run.scheduler,
-                    checkpoint_args(run, state.consumed_samples), run.cfg.model, run.topo, run.rank,
-                    save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng, fmt=ck.ckpt_format,
-                    saves=run.saves, sharded=run.sharded, run_id=state.run_id)
-    if run.saves is None:
-        print_rank0(f"  successfully saved checkpoint at iteration {state.iteration:7d} to {ck.save}")
-    else:
-        print_rank0(f"  copied the state of iteration {state.iteration:7d} to host memory; writing it in the "
-                    f"background")
-
-
-def reserve_saves(run: Run) -> None:
-    """--async-save: allocate the host buffers of the staging copies before training (pinning
-    takes seconds that would otherwise stall the first save)."""
-    if run.saves is None or not run.cfg.ckpt.save:
-        return
-    from ..checkpoint.dist import reserve_async_buffers
-    start = time.time()
-    gib = reserve_async_buffers(run.saves, run.model, run.optimizer, run.cfg.model, run.topo, run.rank,
-                                save_optim=not run.cfg.ckpt.no_save_optim, sharded=run.sharded)
-    print_rank0(f"> async saves: {gib:.2f} GiB of host memory on rank 0 for the staging copies "
-                f"({time.time() - start:.1f} s)")
-
-
-def finish_saves(run: Run) -> None:
-    """Wait for the save in flight (--async-save), if any: the run ends only once it is published."""
-    if run.saves is not None and run.saves.in_flight:
-        print_rank0(f"> waiting for the background save to {run.cfg.ckpt.save} to complete")
-        run.saves.wait()
-        print_rank0(f"  successfully saved checkpoint to {run.cfg.ckpt.save}")
-
-
-def settle_saves(run: Run) -> None:
-    """Before an error ends the run: finish the save in flight (--async-save), so that it is either
-    published or (failing) removed, never cut off by the exit. Its own failure is a note here: the
-    error that ends the run is the one the user reads."""
-    if run.saves is None or not run.saves.in_flight:
-        return
-    try:
-        finish_saves(run)
-    except CheckpointError as e:
-        print_rank0(f"> {e}")
-
-
-def load(run: Run, state: TrainState) -> None:
-    ck, found = run.cfg.ckpt, {}
-    state.iteration, state.consumed_samples = load_checkpoint(
-        ck.load, run.model, run.optimizer, run.scheduler, run.cfg.model, run.topo, run.rank,
-        load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune, sharded=run.sharded,
-        found=found)
-    if not ck.finetune:             # a resume continues the run it loads; a fine-tune is a new run
-        state.run_id = found.get("run_id")
-
-
-class NonFiniteLossError(MegaparError, FloatingPointError):
-    """The loss or gradient norm became NaN/Inf (a too large --lr, fp16 without loss scaling, bad data),
-    fp16 steps kept overflowing at the minimum loss scale, or the weights hold NaN/Inf at a save;
-    raised on every rank at the same iteration, before any checkpoint of the broken weights."""
-
-
-def refuse_non_finite_weights(run: Run, iteration: int) -> None:
-    """Before a save: NonFiniteLossError on every rank when any rank's weights (the model's, and the
-    fp32 masters where the optimizer keeps its own) hold NaN/Inf, so the checkpoint already in --save
-    is kept. An fp16 run whose weights overflowed skips every step after, and would save inf weights."""
-    # ZeRO-3: the shards this rank holds
-    named = [(pc.key, pc.views["param"]) for pc in model_pieces(run.model, run.sharded)]
-    named += [("an fp32 master weight", m) for m in getattr(run.optimizer, "masters", None) or [] if m is not None]
-    finite = [_all_finite(t).to(run.device) for _, t in named]  # one read-back below, not one each
-    ok = bool(torch.stack(finite).all()) if finite else True
-    local = None if ok else next(name for name, t in named if not _all_finite(t))
-    flag = torch.tensor([0.0 if local is None else 1.0 + run.rank], device=run.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() == 0:
-        return
-    where = f"{local} on rank {run.rank}" if local is not None else f"rank {int(flag.item()) - 1}"
-    kept = read_tracker(run.cfg.ckpt.save)
-    then = (f"the checkpoint already there (iteration {kept}) is kept; lower --lr, use --bf16, or resume from it"
-            if kept is not None else "no checkpoint was saved before it; lower --lr or use --bf16, and start again")
-    raise NonFiniteLossError(f"refusing to save iteration {iteration} to {run.cfg.ckpt.save}: the weights hold "
-                             f"NaN/Inf ({where}); {then}")
-
-
-def _all_finite(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor: no NaN/Inf in `t`. Through its min and max (both propagate NaN), so the
-    check allocates nothing the size of `t` (torch.isfinite would: a save must not need more memory)."""
-    if t.numel() == 0:
-        return torch.tensor(True, device=t.device)
-    return torch.isfinite(torch.stack(torch.aminmax(t))).all()
-
-
 def check_finite(state: TrainState, iteration: int, loss: float, applied: bool, grad_norm: float,
                  scaler=None) -> None:
     if not applied:  # fp16 overflow: skipped on every rank, the scaler backs off
@@ -554,7 +446,7 @@ class StepLog:
                 f"{state.nan_iters:3d} | "
                 f"{throughput_fields(tokens, elapsed, self.fpt, self.run.topo.world_size, self.peak)} | "
                 f"ETA: {eta(elapsed if eta_s is None else eta_s, self.total - step.iteration)} |")
-        nvme = getattr(self.run.optimizer, "nvme", None)
+        nvme = self.run.optimizer.nvme
         if nvme is not None:  # the last step's state transfers, at their rate while in flight
             line += f" nvme I/O (GB/s): {nvme.last_stats.gb_per_s:.2f} |"
         timing = self.timers.report(self.window_iters)
@@ -642,11 +534,11 @@ def _train_loop(run: Run, train_ds, valid_ds, state: TrainState, writer, handler
             log_eval(f"validation loss at iteration {state.iteration}", state.valid_losses[-1][1])
         if _saves_at(cfg, state.iteration):
             with steps.excluded():
-                save(run, state)
+                run.checkpointer.save(state.iteration, state.consumed_samples)
         reason = exit_reason(run, state, handler, start_time)
         if reason:
             if cfg.ckpt.save and not _saves_at(cfg, state.iteration):
-                save(run, state)
+                run.checkpointer.save(state.iteration, state.consumed_samples)
             print_rank0(reason)
             state.exit_reason = reason
             break
@@ -658,6 +550,6 @@ def _print_memory(run: Run) -> None:
     """Memory after the first logged iterations, from dp rank 0 of every (tp, pp) position."""
     c = run.coord
     if c.dp == 0:
-        optim = getattr(run.optimizer, "optimizer_state_bytes", lambda: float("nan"))()
+        optim = run.optimizer.optimizer_state_bytes()
         print(f"[rank {run.rank}] (tp {c.tp}, pp {c.pp}) {memory_fields(run.device)} | optimizer state (MB): "
               f"{optim / 2**20:.1f}", flush=True)

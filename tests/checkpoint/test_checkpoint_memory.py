@@ -29,7 +29,6 @@ def _zero1_save(rank, world_size, root, fmt):
     from megapar.config.build import parse_config
     from megapar.run.initialize import build_run
     from megapar.topology import Topology
-    from megapar.run.training import TrainState, save
     import torch
     cfg = parse_config(GPT2_124M + ["--use-distributed-optimizer", "--save", root, "--ckpt-format", fmt],
                        world_size=world_size)
@@ -37,7 +36,7 @@ def _zero1_save(rank, world_size, root, fmt):
     topo.create_groups(rank)
     run = build_run(cfg, topo, rank, torch.device("cpu"), vocab_size=50257)
     numel = sum(p.numel() for p in run.model.parameters())
-    return (lambda: save(run, TrainState(iteration=1, consumed_samples=2))), numel
+    return (lambda: run.checkpointer.save(1, 2)), numel
 
 
 @pytest.mark.slow

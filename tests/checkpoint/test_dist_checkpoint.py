@@ -85,7 +85,7 @@ def test_convert_between_formats_and_read_for_generation(embedded_data, tmp_path
     tp 1 with the uninterrupted losses; generation reads both formats alike."""
     import torch
     from megapar.cli.checkpoint_util import main as checkpoint_util
-    from megapar.inference.generation import load_model_state
+    from megapar.inference.generation import read_model_state
 
     base = TINY_TRAIN + embedded_data + ["--train-iters", str(ITERS)]
     full = losses(run_training(base, 1))
@@ -98,7 +98,7 @@ def test_convert_between_formats_and_read_for_generation(embedded_data, tmp_path
     assert checkpoint_util(["--load-dir", b, "--save-dir", c, "--target-ckpt-format", "torch_dist"]) == 0
     second = run_training(base + ["--load", c], 1)
     assert losses(first) + losses(second) == pytest.approx(full, rel=1e-5)
-    (_, from_dist), (_, from_legacy) = load_model_state(a, 1, 1, 0, 0), load_model_state(b, 1, 1, 0, 0)
+    (_, from_dist), (_, from_legacy) = read_model_state(a, 1, 1, 0, 0), read_model_state(b, 1, 1, 0, 0)
     assert from_dist.keys() == from_legacy.keys()
     assert all(torch.equal(from_dist[k], from_legacy[k]) for k in from_dist)
 

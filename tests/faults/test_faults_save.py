@@ -403,9 +403,9 @@ def _mark(folder: Path, stamp: int | None = None) -> int:
 
 def _loads(ck: Path) -> None:
     """Both readers (generation's and resharding's) find a complete iteration 1."""
-    from megapar.inference.generation import load_model_state
+    from megapar.inference.generation import read_model_state
     from megapar.reshard import ShardedCheckpoint
-    saved, flat = load_model_state(str(ck), 1, 1, 0, 0)
+    saved, flat = read_model_state(str(ck), 1, 1, 0, 0)
     assert flat and saved.model.num_layers == 1
     assert ShardedCheckpoint(str(ck)).iteration == 1
 

@@ -158,9 +158,9 @@ def test_v2_checkpoint_converts_to_v1_and_resumes_with_the_same_losses(embedded_
             if "word_embeddings" not in k:                                 # dummy vocabulary rows: zeros in b
                 assert torch.equal(fa[k], fb[k]), k
 
-    from megapar.inference.generation import load_model_state   # inference regroups the chunks into plain stages
+    from megapar.inference.generation import read_model_state   # inference regroups the chunks into plain stages
     for p in range(2):
-        _, state = load_model_state(str(ck), 1, 2, 0, p)
+        _, state = read_model_state(str(ck), 1, 2, 0, p)
         want = flatten_model_states(_shard(ck1, p))
         assert state.keys() == want.keys()
         assert all(torch.equal(state[k], want[k]) for k in want if "word_embeddings" not in k)
