@@ -9,7 +9,7 @@ from ckpt_fixtures import save_tiny_checkpoint
 from megapar.checkpoint import detect, format_named, iter_dir, legacy
 from megapar.checkpoint.dist import COMMON_FILE, DistFormat
 from megapar.checkpoint.formats import NAMES
-from megapar.config.arguments import CheckpointConfig
+from megapar.config.settings import CheckpointConfig
 from megapar.reshard import open_source
 from megapar.reshard.torch_dist import write_dist
 
