@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import errno
 import os
 import threading
 import traceback
@@ -322,10 +323,22 @@ def save_entries(entries: dict[str, Entry], folder: str, process_group) -> None:
             dcp.save({}, storage_writer=writer, planner=_SavePlanner(entries),
                      process_group=process_group, no_dist=process_group is None)
         except DCPException as e:   # a BaseException: hand the rank's own error (ENOSPC, ...) to the publisher
-            cause = _cause(e)
+            cause = _full_disk(_cause(e), folder)
             raise cause if isinstance(cause, Exception) else RuntimeError(str(cause)) from None
     if thread_errors:               # a file of DCP's extra writer threads failed: the save is incomplete
-        raise thread_errors[0]
+        raise _full_disk(thread_errors[0], folder)
+
+
+def _full_disk(error: BaseException, folder: str, slack: int = 1 << 20) -> BaseException:
+    """`error`, or ENOSPC when it carries no errno and the file system of `folder` has less than
+    `slack` bytes left: torch's zip writer reports a short write on a full disk as "unexpected pos"."""
+    if isinstance(error, OSError):
+        return error
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return error
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if st.f_bavail * st.f_frsize < slack else error
 
 
 @contextlib.contextmanager

@@ -183,7 +183,11 @@ class SaveDirLock:
     def release(self) -> None:
         """Remove the lock file if it is still ours (never another job's), and the directory if acquire made it
         and it is empty (a run that failed before its first save leaves no empty --save behind)."""
-        if self.held and read_lock(self.path) == self.owner:
+        try:
+            ours = self.held and read_lock(self.path) == self.owner
+        except OSError:     # cannot open it (out of file descriptors): a live owner's lock is never taken over
+            ours = self.held
+        if ours:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:

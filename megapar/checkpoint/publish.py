@@ -241,6 +241,8 @@ def _has_checkpoint(root: str) -> bool:
         return read_tracker(root) is not None
     except CheckpointError:
         return True             # a tracker is there, unreadable: what it names was not touched either
+    except OSError:             # it cannot be opened now (out of file descriptors): is it there?
+        return os.path.isfile(os.path.join(root, TRACKER))
 
 
 # ---- conversion tools: what --force may replace ----------------------------------------------------

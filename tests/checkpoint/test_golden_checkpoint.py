@@ -5,18 +5,18 @@ Everything is generated here from fixed seeds (a byte-level GPT-2 vocabulary, ra
 documents), so the test needs no external data. Regenerate the reference only for an intended
 change of numerics or format:  python tests/checkpoint/test_golden_checkpoint.py --regenerate
 """
-import json
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 from megapar.checkpoint.common import IDENTITY_FILE
 
-from data_dirs import SHIPPED
-from train_helpers import run_training
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: run as a script too
+from data_dirs import SHIPPED  # noqa: E402
+from synthetic_data import byte_gpt2_files, random_corpus  # noqa: E402
+from train_helpers import run_training  # noqa: E402
 
 GOLDEN = str(SHIPPED / "golden_checkpoint.pt")
 LAYOUTS = {"serial": (1, []),
@@ -29,32 +29,6 @@ ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 PATH_ARGS = {"save", "load", "vocab_file", "merge_file", "tokenizer_model", "data_cache_path", "tensorboard_dir"}
-
-
-def _byte_gpt2_files(d: str) -> tuple[str, str]:
-    """GPT-2 BPE files with the 256 byte tokens, 8 merges and <|endoftext|> (265 tokens)."""
-    from megapar.data.tokenizer import _byte_decoder
-    chars = sorted(_byte_decoder(), key=lambda c: _byte_decoder()[c])
-    merges = [("t", "h"), ("th", "e"), ("a", "n"), ("i", "n"), ("e", "r"), ("o", "n"), ("Ġ", "t"), ("r", "e")]
-    encoder = {c: i for i, c in enumerate(chars)}
-    for a, b in merges:
-        encoder[a + b] = len(encoder)
-    encoder["<|endoftext|>"] = len(encoder)
-    vocab, merge = os.path.join(d, "vocab.json"), os.path.join(d, "merges.txt")
-    with open(vocab, "w") as f:
-        json.dump(encoder, f)
-    with open(merge, "w") as f:
-        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
-    return vocab, merge
-
-
-def _random_corpus(prefix: str, vocab: int = 265, docs: int = 64) -> None:
-    from megapar.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
-    rng = np.random.default_rng(7)
-    builder = IndexedDatasetBuilder(data_file_path(prefix), dtype=np.uint16)
-    for _ in range(docs):
-        builder.add_document(rng.integers(0, vocab, size=int(rng.integers(20, 120))))
-    builder.finalize(index_file_path(prefix))
 
 
 def _tensors(obj, prefix=""):
@@ -95,9 +69,9 @@ def _checkpoint_contents(root: str) -> dict:
 
 def run_layout(tmp: str, layout: str) -> dict:
     world, extra = LAYOUTS[layout]
-    vocab, merge = _byte_gpt2_files(tmp)
+    vocab, merge = byte_gpt2_files(tmp)
     prefix = os.path.join(tmp, "corpus")
-    _random_corpus(prefix)
+    random_corpus(prefix)
     save = os.path.join(tmp, f"ckpt_{layout}")
     result = run_training(ARGS + extra + ["--data-path", prefix, "--vocab-file", vocab, "--merge-file", merge,
                                           "--save", save, "--data-cache-path", os.path.join(tmp, "cache")],

@@ -21,11 +21,11 @@ import torch
 from harness import ROOT, refused, run
 
 sys.path.insert(0, str(ROOT / "tests"))
-from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
+from synthetic_data import byte_gpt2_files, random_corpus  # noqa: E402
 
 CKPT_UTIL = str(ROOT / "tools" / "checkpoint_util.py")
 TO_HF = str(ROOT / "tools" / "convert_to_hf.py")
-VOCAB = 265  # the byte-level GPT-2 vocabulary of _byte_gpt2_files
+VOCAB = 265  # the byte-level GPT-2 vocabulary of byte_gpt2_files
 MODEL = "iter_0000001/mp_rank_00/model_optim_rng.pt"
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
         "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--eval-iters", "0",
@@ -37,8 +37,8 @@ TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2"
 def data(tmp_path_factory) -> list[str]:
     """Flags for a tiny offline corpus with a byte-level GPT-2 vocabulary."""
     d = tmp_path_factory.mktemp("data")
-    vocab, merge = _byte_gpt2_files(str(d))
-    _random_corpus(str(d / "corpus"))
+    vocab, merge = byte_gpt2_files(str(d))
+    random_corpus(str(d / "corpus"))
     return ["--data-path", str(d / "corpus"), "--vocab-file", vocab, "--merge-file", merge]
 
 

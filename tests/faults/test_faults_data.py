@@ -21,7 +21,7 @@ import pytest
 from harness import ROOT, ROWS, Row, refused, run
 
 sys.path.insert(0, str(ROOT / "tests"))
-from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
+from synthetic_data import byte_gpt2_files, random_corpus  # noqa: E402
 
 TRAIN = ["python", "-m", "megapar.pretrain_gpt2", "--num-layers", "1", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
@@ -34,8 +34,8 @@ PREPROCESS = ["python", "tools/preprocess_data.py", "--tokenizer-type", "GPT2BPE
 @pytest.fixture
 def files(tmp_path) -> dict:
     """A byte-level GPT-2 vocabulary, a random corpus of it, and a small JSON-lines input."""
-    vocab, merges = _byte_gpt2_files(str(tmp_path))
-    _random_corpus(str(tmp_path / "corpus"))
+    vocab, merges = byte_gpt2_files(str(tmp_path))
+    random_corpus(str(tmp_path / "corpus"))
     jsonl = tmp_path / "in.jsonl"
     jsonl.write_text("".join(json.dumps({"text": f"the other {i} then"}) + "\n" for i in range(20)))
     return {"vocab": vocab, "merges": merges, "prefix": str(tmp_path / "corpus"), "jsonl": str(jsonl)}
@@ -144,7 +144,7 @@ def test_bin_cut_in_half(files, tmp_path):
 
 def test_idx_of_another_corpus(files, tmp_path):
     other = str(tmp_path / "other")
-    _random_corpus(other, docs=40)
+    random_corpus(other, docs=40)
     shutil.copy(other + ".idx", files["prefix"] + ".idx")
     refused(train_cmd(files), fault_class="data", case=".idx of another corpus", expect=[files["prefix"], "index says"],
             watch=[tmp_path])
@@ -526,7 +526,7 @@ def _two_nodes(files: dict, tmp_path: Path, change) -> tuple:
 
 def _another_corpus(prefix: str) -> None:
     """another corpus"""
-    _random_corpus(prefix, docs=70)
+    random_corpus(prefix, docs=70)
 
 
 def _other_tokens(prefix: str) -> None:

@@ -16,7 +16,7 @@ from harness import ROOT, refused, run
 
 sys.path.insert(0, str(ROOT / "tests"))
 from ckpt_fixtures import write_hf_gpt2  # noqa: E402
-from test_golden_checkpoint import _byte_gpt2_files  # noqa: E402
+from synthetic_data import byte_gpt2_files  # noqa: E402
 
 FROM_HF = str(ROOT / "tools" / "convert_from_hf.py")
 TO_HF = str(ROOT / "tools" / "convert_to_hf.py")
@@ -91,7 +91,7 @@ def test_non_empty_save_dir_is_refused(hf, tmp_path):
 def test_export_with_missing_tokenizer_files_is_refused(hf, tmp_path):
     from megapar.cli import convert_from_hf
     write_hf_gpt2(hf, vocab=265)                                     # the byte-level vocabulary
-    vocab, merges = _byte_gpt2_files(str(tmp_path))
+    vocab, merges = byte_gpt2_files(str(tmp_path))
     assert convert_from_hf.main(["--load-dir", str(hf), "--save-dir", str(tmp_path / "ck"), "--vocab-file", vocab,
                                  "--merge-file", merges]) == 0
     Path(vocab).unlink()                  # the checkpoint's args name it; it is gone

@@ -11,7 +11,7 @@ import pytest
 from harness import ROOT, refused
 
 sys.path.insert(0, str(ROOT / "tests"))
-from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
+from synthetic_data import byte_gpt2_files, random_corpus  # noqa: E402
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--make-vocab-size-divisible-by", "32",
@@ -37,8 +37,8 @@ CASES = [
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> list[str]:
     d = tmp_path_factory.mktemp("data")
-    vocab, merge = _byte_gpt2_files(str(d))
-    _random_corpus(str(d / "corpus"), docs=200)
+    vocab, merge = byte_gpt2_files(str(d))
+    random_corpus(str(d / "corpus"), docs=200)
     return [*TINY, "--data-path", str(d / "corpus"), "--vocab-file", vocab, "--merge-file", merge,
             "--data-cache-path", str(d / "cache")]
 

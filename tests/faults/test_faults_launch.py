@@ -29,7 +29,7 @@ import pytest
 from harness import ROOT, ROWS, Row, refused, run
 
 sys.path.insert(0, str(ROOT / "tests"))
-from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
+from synthetic_data import byte_gpt2_files, random_corpus  # noqa: E402
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
@@ -44,8 +44,8 @@ PYTHON = ["python", "-m", "megapar.pretrain_gpt2"]
 def data(tmp_path_factory) -> list[str]:
     """Flags for a tiny offline corpus with a byte-level GPT-2 vocabulary."""
     d = tmp_path_factory.mktemp("data")
-    vocab, merge = _byte_gpt2_files(str(d))
-    _random_corpus(str(d / "corpus"), docs=200)
+    vocab, merge = byte_gpt2_files(str(d))
+    random_corpus(str(d / "corpus"), docs=200)
     return [*TINY, "--data-path", str(d / "corpus"), "--vocab-file", vocab, "--merge-file", merge,
             "--data-cache-path", str(d / "cache")]
 

@@ -18,7 +18,7 @@ import pytest
 from harness import ROOT, refused, run, snapshot
 
 sys.path.insert(0, str(ROOT / "tests"))
-from test_golden_checkpoint import _byte_gpt2_files, _random_corpus  # noqa: E402
+from synthetic_data import byte_gpt2_files, random_corpus  # noqa: E402
 
 TRAIN = ["python", "-m", "megapar.pretrain_gpt2"]
 LR, MIN_LR, WARMUP, ITERS = 1e-3, 1e-4, 1, 4
@@ -36,8 +36,8 @@ def _tiny(data: Path) -> list[str]:
 def trained(tmp_path_factory):
     """A 4-iteration run saved to ck/ (cosine from 1e-3 to 1e-4 over 4 iterations), its flags and output."""
     d = tmp_path_factory.mktemp("resume")
-    _byte_gpt2_files(str(d))
-    _random_corpus(str(d / "corpus"))
+    byte_gpt2_files(str(d))
+    random_corpus(str(d / "corpus"))
     base = _tiny(d)
     out = run(TRAIN + base + ["--train-iters", str(ITERS), "--log-interval", "3", "--save", d / "ck"])
     assert out.rc == 0, out.output[-3000:]

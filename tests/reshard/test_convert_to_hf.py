@@ -86,7 +86,7 @@ def test_hf_export_refuses_non_empty_dir(tmp_path, capsys):
 from ckpt_fixtures import write_hf_gpt2  # noqa: E402
 from megapar.cli import convert_from_hf  # noqa: E402
 from megapar.data.tokenizer import build_tokenizer  # noqa: E402
-from test_golden_checkpoint import _byte_gpt2_files  # noqa: E402
+from synthetic_data import byte_gpt2_files  # noqa: E402
 
 def real_texts(corpora: Path) -> list[str]:
     """Web documents, and paragraphs of a novel and of a play (real text of every kind of character)."""
@@ -137,7 +137,7 @@ def test_exported_sentencepiece_tokenizer_encodes_as_megapar(tmp_path, capsys, r
 
 
 def test_tokenizer_options_missing_files_and_no_tokenizer(tmp_path, capsys):
-    vocab, merges = _byte_gpt2_files(str(tmp_path))
+    vocab, merges = byte_gpt2_files(str(tmp_path))
     ck = imported_checkpoint(tmp_path, 265)          # args name GPT-2 BPE without files
     out = str(tmp_path / "hf")
     assert convert_to_hf.main(["--load-dir", ck, "--save-dir", out]) == 2

@@ -157,8 +157,11 @@ def _iteration_times_body(rank, world_size, argv, workdir, slow):
         return lambda *a, **k: (time.sleep(3.0), fn(*a, **k))[1]
     if "export" in slow:
         profile.export_chrome_trace = slowed(profile.export_chrome_trace)
-    for name in {"evaluate", "save"} & set(slow):
-        setattr(training, name, slowed(getattr(training, name)))
+    if "evaluate" in slow:
+        training.evaluate = slowed(training.evaluate)
+    if "save" in slow:
+        from megapar.checkpoint.checkpointer import Checkpointer
+        Checkpointer.save = slowed(Checkpointer.save)
     out = io.StringIO()
     os.chdir(workdir)
     with contextlib.redirect_stdout(out):
