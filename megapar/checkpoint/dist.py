@@ -361,6 +361,10 @@ def _writer_thread_errors() -> Iterator[list[BaseException]]:
     try:
         yield errors
     finally:
+        # a failed save returns while writer threads may still be writing: they end (and fail) here
+        for t in threading.enumerate():
+            if t is not threading.current_thread() and "_write_files_from_queue" in t.name:
+                t.join(timeout=60)
         threading.excepthook = previous
 
 
